@@ -1,0 +1,29 @@
+// samebits/context.hpp — where and how an op runs.
+#pragma once
+#include <cstddef>
+
+namespace samebits {
+
+enum class Backend : unsigned char { cpu = 0, cuda = 1 };
+constexpr int kNumBackends = 2;
+const char* backend_name(Backend b);
+Backend backend_from_name(const char* name);  // "cpu" | "cuda"; throws on anything else
+bool cuda_backend_built();                     // compiled with nvcc
+bool cuda_device_present();                    // built, and a GPU is visible
+
+// The CPU backend's two arithmetic modes.
+//  fixed_fp32: fp32 accumulation in a reduction order fixed by the reduced extent only: the
+//              batch-invariant CPU backend that users and CI run.
+//  truth_fp64: fp64 arithmetic end to end (inputs and outputs in fp64): the accuracy ground truth.
+enum class Precision : unsigned char { fixed_fp32, truth_fp64 };
+
+struct Context {
+  Backend backend = Backend::cpu;
+  Precision precision = Precision::fixed_fp32;
+  void* stream = nullptr;           // cudaStream_t on the CUDA backend; unused on the CPU
+  void* workspace = nullptr;        // caller-owned scratch memory on the backend's device
+  size_t workspace_bytes = 0;
+  bool check_finite_inputs = true;  // reject NaN / Inf in floating inputs with an Error
+};
+
+}  // namespace samebits

@@ -1,0 +1,26 @@
+// samebits/error.hpp — the one error type. Its message names the op, the argument and the problem:
+//   "samebits linear_forward: argument 'weight': shape [96, 160] does not match x's K = 128"
+#pragma once
+#include <stdexcept>
+#include <string>
+
+namespace samebits {
+
+class Error : public std::runtime_error {
+ public:
+  Error(std::string op, std::string argument, std::string problem);
+  const std::string& op() const { return op_; }
+  const std::string& argument() const { return argument_; }
+  const std::string& problem() const { return problem_; }
+
+ private:
+  std::string op_, argument_, problem_;
+};
+
+// Raised when an op has no implementation on the requested backend yet.
+class NotBuilt : public Error {
+ public:
+  NotBuilt(std::string op, std::string backend);
+};
+
+}  // namespace samebits

@@ -1,0 +1,185 @@
+// samebits/ops.hpp — every op of the transformer chain, forward and backward.
+//
+// Each op is a free function over tensor views plus a Context. Arguments travel in a small struct
+// so optional inputs (views left as none) and scalars have names. Every op validates all of its
+// arguments before it writes anything, and throws samebits::Error naming the op, the argument and
+// the problem. The CPU and CUDA backends share these signatures (see ops/registry.hpp).
+//
+// Conventions
+//  * Token-major 2-D / 3-D tensors: rows are tokens ([T, H] or [T, heads, head_dim]).
+//  * "dweight" style outputs are fp32 gradient accumulators (fp64 in truth mode): ops ADD into
+//    them, tokens in ascending row order, so micro-batches chain bitwise (design rule 6).
+//  * row_mask (uint8 [T], optional): rows with 0 are padding. They contribute nothing to any
+//    weight gradient and move no reduction boundary. Outputs of padding rows are unspecified
+//    unless an op says otherwise.
+//  * Reduction orders depend only on the reduced extent (K, hidden size, vocab, key position).
+#pragma once
+#include <cstdint>
+
+#include "samebits/context.hpp"
+#include "samebits/tensor.hpp"
+
+namespace samebits {
+
+// ---------------------------------------------------------------- linear (GEMM)
+// y[M,N] = x[M,K] · weight[N,K]ᵀ (+ bias[N], added in fp32 after the K reduction)
+struct LinearForwardArgs {
+  TensorView x, weight, bias, y;
+};
+// dx[M,K] = dy[M,N] · weight[N,K]
+struct LinearBackwardInputArgs {
+  TensorView dy, weight, dx;
+};
+// dweight[N,K] += dy[M,N]ᵀ · x[M,K];  dbias[N] += Σ_m dy[m,:]   (fp32 accumulators)
+struct LinearBackwardWeightArgs {
+  TensorView dy, x, row_mask, dweight, dbias;
+};
+void linear_forward(const Context&, const LinearForwardArgs&);
+void linear_backward_input(const Context&, const LinearBackwardInputArgs&);
+void linear_backward_weight(const Context&, const LinearBackwardWeightArgs&);
+
+// ---------------------------------------------------------------- RMSNorm (+ fused residual add)
+// Without residual: y = x * rsqrt(mean(x²) + eps) * weight.
+// With residual:    s = round(x + residual) (stored in residual_out's dtype), y = rmsnorm(s).
+// rstd[T] (fp32, optional) saves rsqrt(mean(s²) + eps) for the backward.
+struct RmsNormForwardArgs {
+  TensorView x, residual, weight, y, residual_out, rstd;
+  double eps = 1e-6;
+};
+// x is the normed input (s when fused). dx = ∂y/∂x·dy (+ dresidual_out: the gradient arriving on
+// the residual stream, when fused; dx is then also the gradient of both summands).
+// dweight[H] += Σ_t dy[t]·x̂[t] over unmasked rows, ascending t.
+struct RmsNormBackwardArgs {
+  TensorView dy, dresidual_out, x, weight, rstd, row_mask, dx, dweight;
+  double eps = 1e-6;
+};
+void rmsnorm_forward(const Context&, const RmsNormForwardArgs&);
+void rmsnorm_backward(const Context&, const RmsNormBackwardArgs&);
+
+// QK-norm (Qwen3): RMSNorm over head_dim of every head; x, y: [T, heads, head_dim], weight[head_dim].
+struct QkNormForwardArgs {
+  TensorView x, weight, y, rstd;  // rstd: [T, heads] fp32, optional
+  double eps = 1e-6;
+};
+// dweight[head_dim] += Σ over unmasked tokens t ascending, then heads ascending.
+struct QkNormBackwardArgs {
+  TensorView dy, x, weight, rstd, row_mask, dx, dweight;
+  double eps = 1e-6;
+};
+void qk_norm_forward(const Context&, const QkNormForwardArgs&);
+void qk_norm_backward(const Context&, const QkNormBackwardArgs&);
+
+// ---------------------------------------------------------------- RoPE
+// Qwen3 / Llama convention (rotate_half): dims i and i + D/2 form a pair.
+// inv_freq[i] = fp32(1 / theta^(2i/D)) (Llama-3 scaling applied to it when enabled);
+// angle = fp32(float(position) * inv_freq[i]) — both in fp32 as Hugging Face computes them —
+// and cos / sin of that fp32 angle evaluated in fp64, then rounded to fp32. So a position gives
+// the same cos/sin bits on every path, whatever the batch.
+struct RopeConfig {
+  double theta = 1000000.0;
+  int64_t max_position = 1 << 20;  // positions must be in [0, max_position)
+  bool llama3_scaling = false;
+  double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+// x, y: [T, heads, head_dim] (y may alias x); positions: int32 [T].
+struct RopeArgs {
+  TensorView x, positions, y;
+  RopeConfig config;
+};
+void rope_forward(const Context&, const RopeArgs&);
+void rope_backward(const Context&, const RopeArgs&);  // x := dy, y := dx (the inverse rotation)
+
+// ---------------------------------------------------------------- elementwise
+// y = silu(gate) * up, silu(g) = g / (1 + exp(-g)), in fp32.
+struct SwiGluForwardArgs {
+  TensorView gate, up, y;
+};
+struct SwiGluBackwardArgs {
+  TensorView dy, gate, up, dgate, dup;
+};
+void swiglu_forward(const Context&, const SwiGluForwardArgs&);
+void swiglu_backward(const Context&, const SwiGluBackwardArgs&);
+
+// y = a + b (the residual add), in fp32, rounded once. Backward: da = db = dy, converted to each
+// gradient's dtype (residual_add_backward writes both; either may be none).
+struct ResidualAddArgs {
+  TensorView a, b, y;
+};
+struct ResidualAddBackwardArgs {
+  TensorView dy, da, db;
+};
+void residual_add_forward(const Context&, const ResidualAddArgs&);
+void residual_add_backward(const Context&, const ResidualAddBackwardArgs&);
+
+// ---------------------------------------------------------------- embedding
+// y[t,:] = table[ids[t], :]; ids int32 in [0, V).
+struct EmbeddingForwardArgs {
+  TensorView ids, table, y;
+};
+// dtable[v,:] += Σ dy[t,:] over unmasked t with ids[t] == v, ascending t. No atomics.
+struct EmbeddingBackwardArgs {
+  TensorView ids, dy, row_mask, dtable;
+};
+void embedding_forward(const Context&, const EmbeddingForwardArgs&);
+void embedding_backward(const Context&, const EmbeddingBackwardArgs&);
+
+// ---------------------------------------------------------------- attention
+// Causal attention with GQA over packed variable-length sequences and against a KV cache.
+// seqs: int32 [B, 4], one row per sequence: {q_row, q_len, k_row, k_len}. The sequence's queries
+// are rows [q_row, q_row + q_len) of q and its keys / values rows [k_row, k_row + k_len) of k / v;
+// the queries are the LAST q_len tokens of the k_len tokens (prefill: q_len == k_len; chunked
+// prefill: a chunk against the cache; decode: q_len == 1), so query i sits at absolute position
+// k_len - q_len + i and sees keys 0 … that position. Keys are reduced in ascending absolute
+// position, so prefill, chunked prefill and decode walk the same order.
+// Query rows covered by no sequence (padding, a fully masked row) get out = 0 and lse = -inf.
+// q, out: [Tq, Hq, D]; k, v: [Tk, Hkv, D] with Hq % Hkv == 0; lse: [Tq, Hq] fp32 (optional).
+struct AttentionForwardArgs {
+  TensorView q, k, v, seqs, out, lse;
+  double scale = 0.0;  // 0: 1/sqrt(D)
+};
+// dq, dk, dv: same shapes as q, k, v. Key rows covered by no sequence get dk = dv = 0; key ranges
+// of different sequences must not overlap. dk/dv sum over the query heads of their group in
+// ascending head order, each over queries in ascending position.
+struct AttentionBackwardArgs {
+  TensorView q, k, v, seqs, out, lse, dout, dq, dk, dv;
+  double scale = 0.0;
+};
+void attention_forward(const Context&, const AttentionForwardArgs&);
+void attention_backward(const Context&, const AttentionBackwardArgs&);
+
+// ---------------------------------------------------------------- selected logprob
+// logp[t] = logits[t, target[t]] - logsumexp(logits[t, :]) in fp32; entropy[t] = -Σ p log p.
+// A token is masked when loss_mask[t] == 0 or target[t] == ignore_index: logp = entropy = 0 and
+// its gradient is 0. Targets of unmasked tokens must be in [0, V). The vocab is reduced in blocks
+// of logprob_vocab_block(V) columns, each block's (max, Σexp) combined in ascending block order.
+struct LogprobForwardArgs {
+  TensorView logits, targets, loss_mask, logp, entropy, lse;  // lse [T] fp32 optional (for backward)
+  int32_t ignore_index = -100;
+};
+// dlogits[t, j] = dlogp[t]·(onehot_j − p_j) + dentropy[t]·(−p_j·(log p_j + H_t)).
+struct LogprobBackwardArgs {
+  TensorView logits, targets, loss_mask, lse, dlogp, dentropy, dlogits;
+  int32_t ignore_index = -100;
+};
+void logprob_forward(const Context&, const LogprobForwardArgs&);
+void logprob_backward(const Context&, const LogprobBackwardArgs&);
+int64_t logprob_vocab_block(int64_t vocab);
+
+// ---------------------------------------------------------------- fused LM head -> selected logprob
+// logits = hidden[T,H] · weight[V,H]ᵀ computed in fp32, vocab block by vocab block, and never
+// stored: bitwise equal to linear_forward with an fp32 y followed by logprob_forward.
+struct LmHeadLogprobForwardArgs {
+  TensorView hidden, weight, targets, loss_mask, logp, entropy, lse;
+  int32_t ignore_index = -100;
+};
+// dhidden[T,H] = dlogits · weight; dweight[V,H] += dlogitsᵀ · hidden (fp32 accumulator), with
+// dlogits recomputed block by block in fp32.
+struct LmHeadLogprobBackwardArgs {
+  TensorView hidden, weight, targets, loss_mask, lse, dlogp, dentropy, dhidden, dweight;
+  int32_t ignore_index = -100;
+};
+void lm_head_logprob_forward(const Context&, const LmHeadLogprobForwardArgs&);
+void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);
+
+}  // namespace samebits

@@ -1,0 +1,135 @@
+// CPU causal GQA attention over packed sequences / a KV cache, forward and backward.
+//
+// One query's softmax walks its keys in ascending absolute position: m = max_j s_j (exact, order
+// free), l = Σ_j exp(s_j − m) and o = Σ_j p_j·v_j, both sequential in j, so the same query gives
+// the same bits in a whole prefill, any chunked prefill and a decode step. The backward recomputes
+// p_j = exp(s_j − lse); dq sums over keys ascending; dk/dv sum over the group's query heads in
+// ascending order, each over queries in ascending position. Parallel over (sequence, kv head).
+#include <limits>
+
+#include "cpu/common.hpp"
+#include "ops/registry.hpp"
+#include "samebits/ops.hpp"
+
+namespace samebits::cpu {
+namespace {
+
+struct Seq { int64_t q_row, q_len, k_row, k_len; };
+
+std::vector<Seq> read_seqs(const TensorView& seqs) {
+  std::vector<Seq> out;
+  const auto* s = seqs.as<const int32_t>();
+  for (int64_t b = 0; b < seqs.shape[0]; ++b)
+    out.push_back({s[4 * b], s[4 * b + 1], s[4 * b + 2], s[4 * b + 3]});
+  return out;
+}
+
+template <class Acc>
+Acc scale_of(double scale, int64_t d) { return scale > 0 ? Acc(scale) : Acc(1) / std::sqrt(Acc(d)); }
+
+template <class Acc>
+void forward(const AttentionForwardArgs& a) {
+  const int64_t Tq = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2], Hkv = a.k.shape[1];
+  const int64_t group = Hq / Hkv;
+  const Acc scale = scale_of<Acc>(a.scale, D);
+  const auto q = load_all<Acc>(a.q), k = load_all<Acc>(a.k), v = load_all<Acc>(a.v);
+  const auto seqs = read_seqs(a.seqs);
+  std::vector<Acc> out(static_cast<size_t>(Tq * Hq * D), Acc(0));
+  std::vector<Acc> lse(static_cast<size_t>(Tq * Hq), -std::numeric_limits<Acc>::infinity());
+  const int64_t jobs = int64_t(seqs.size()) * Hq;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t job = 0; job < jobs; ++job) {
+    const Seq& sq = seqs[size_t(job / Hq)];
+    const int64_t h = job % Hq, hk = h / group;
+    std::vector<Acc> s(static_cast<size_t>(sq.k_len));
+    for (int64_t i = 0; i < sq.q_len; ++i) {
+      const int64_t row = sq.q_row + i, last_key = sq.k_len - sq.q_len + i;
+      const Acc* qi = &q[(row * Hq + h) * D];
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (int64_t j = 0; j <= last_key; ++j) {
+        s[j] = dot_fixed(qi, &k[((sq.k_row + j) * Hkv + hk) * D], D) * scale;
+        if (s[j] > m) m = s[j];
+      }
+      Acc l = 0;
+      Acc* o = &out[(row * Hq + h) * D];
+      for (int64_t j = 0; j <= last_key; ++j) {
+        const Acc p = exp_acc(s[j] - m);
+        l += p;
+        const Acc* vj = &v[((sq.k_row + j) * Hkv + hk) * D];
+        for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= l;
+      lse[size_t(row * Hq + h)] = m + log_acc(l);
+    }
+  }
+  store(a.out, 0, Tq * Hq * D, out.data());
+  if (a.lse.present()) {
+    auto* dst = a.lse.as<Acc>();
+    for (size_t i = 0; i < lse.size(); ++i) dst[i] = lse[i];
+  }
+}
+
+template <class Acc>
+void backward(const AttentionBackwardArgs& a) {
+  const int64_t Tq = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2];
+  const int64_t Tk = a.k.shape[0], Hkv = a.k.shape[1], group = Hq / Hkv;
+  const Acc scale = scale_of<Acc>(a.scale, D);
+  const auto q = load_all<Acc>(a.q), k = load_all<Acc>(a.k), v = load_all<Acc>(a.v);
+  const auto out = load_all<Acc>(a.out), dout = load_all<Acc>(a.dout);
+  const auto seqs = read_seqs(a.seqs);
+  std::vector<Acc> dq(static_cast<size_t>(Tq * Hq * D), Acc(0)), dk(static_cast<size_t>(Tk * Hkv * D), Acc(0)),
+      dv(static_cast<size_t>(Tk * Hkv * D), Acc(0));
+  const int64_t jobs = int64_t(seqs.size()) * Hkv;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t job = 0; job < jobs; ++job) {
+    const Seq& sq = seqs[size_t(job / Hkv)];
+    const int64_t hk = job % Hkv;
+    std::vector<Acc> s(static_cast<size_t>(sq.k_len)), p(static_cast<size_t>(sq.k_len));
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t i = 0; i < sq.q_len; ++i) {
+        const int64_t row = sq.q_row + i, last_key = sq.k_len - sq.q_len + i;
+        const Acc* qi = &q[(row * Hq + h) * D];
+        const Acc* doi = &dout[(row * Hq + h) * D];
+        // Softmax statistics, recomputed exactly as the forward computes them.
+        Acc m = -std::numeric_limits<Acc>::infinity();
+        for (int64_t j = 0; j <= last_key; ++j) {
+          s[j] = dot_fixed(qi, &k[((sq.k_row + j) * Hkv + hk) * D], D) * scale;
+          if (s[j] > m) m = s[j];
+        }
+        Acc l = 0;
+        for (int64_t j = 0; j <= last_key; ++j) l += exp_acc(s[j] - m);
+        const Acc lse = m + log_acc(l);
+        const Acc delta = dot_fixed(doi, &out[(row * Hq + h) * D], D);
+        Acc* dqi = &dq[(row * Hq + h) * D];
+        for (int64_t j = 0; j <= last_key; ++j) {
+          const int64_t kv = ((sq.k_row + j) * Hkv + hk) * D;
+          p[j] = exp_acc(s[j] - lse);
+          const Acc dp = dot_fixed(doi, &v[kv], D);
+          const Acc ds = p[j] * (dp - delta) * scale;
+          for (int64_t d = 0; d < D; ++d) {
+            dqi[d] += ds * k[kv + d];
+            dk[kv + d] += ds * qi[d];
+            dv[kv + d] += p[j] * doi[d];
+          }
+        }
+      }
+    }
+  }
+  store(a.dq, 0, Tq * Hq * D, dq.data());
+  store(a.dk, 0, Tk * Hkv * D, dk.data());
+  store(a.dv, 0, Tk * Hkv * D, dv.data());
+}
+
+void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
+  with_precision(ctx, [&](auto acc) { forward<decltype(acc)>(a); });
+}
+void attention_backward(const Context& ctx, const AttentionBackwardArgs& a) {
+  with_precision(ctx, [&](auto acc) { backward<decltype(acc)>(a); });
+}
+
+}  // namespace
+
+SAMEBITS_REGISTER_KERNEL(attention_forward, Backend::cpu, AttentionForwardArgs, attention_forward);
+SAMEBITS_REGISTER_KERNEL(attention_backward, Backend::cpu, AttentionBackwardArgs, attention_backward);
+
+}  // namespace samebits::cpu

@@ -1,0 +1,31 @@
+// Checks shared by several op families.
+#pragma once
+#include "samebits/validate.hpp"
+
+namespace samebits::detail {
+
+// Validator for an op, plus the checks on the context itself.
+inline Validator begin_op(const char* op, const Context& ctx) {
+  Validator v(op, ctx);
+  if (ctx.backend == Backend::cuda && ctx.precision == Precision::truth_fp64)
+    v.fail("context.precision", "truth_fp64 is a CPU reference mode; the CUDA backend is fp32");
+  return v;
+}
+
+// An optional uint8 [T] row mask.
+inline void check_row_mask(const Validator& v, const TensorView& mask, int64_t rows) {
+  v.optional("row_mask", mask, 1);
+  if (mask.is_none()) return;
+  v.dtype("row_mask", mask, DType::u8);
+  v.dim("row_mask", mask, 0, rows, "one entry per row");
+}
+
+// A floating input of the given rank, non-empty and finite.
+inline void check_float_input(const Validator& v, const char* name, const TensorView& t, int ndim) {
+  v.required(name, t, ndim);
+  v.floating(name, t);
+  v.nonempty(name, t);
+  v.finite(name, t);
+}
+
+}  // namespace samebits::detail

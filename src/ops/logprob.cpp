@@ -1,0 +1,99 @@
+// Selected-logprob and fused LM-head -> logprob entry points.
+#include "ops/common.hpp"
+#include "ops/registry.hpp"
+#include "samebits/ops.hpp"
+
+namespace samebits {
+using namespace detail;
+
+// The vocab reduction block: a function of the vocab size only (design rule 1). 2048 columns keep
+// a block's logits in L1/shared memory; one block when the vocab is smaller.
+int64_t logprob_vocab_block(int64_t vocab) { return vocab < 2048 ? (vocab < 1 ? 1 : vocab) : 2048; }
+
+static void check_targets(const Validator& v, const TensorView& targets, const TensorView& mask,
+                          int64_t rows, int64_t vocab, int32_t ignore_index) {
+  v.required("targets", targets, 1);
+  v.dtype("targets", targets, DType::i32);
+  v.dim("targets", targets, 0, rows, "one target per token");
+  v.optional("loss_mask", mask, 1);
+  if (mask.present()) {
+    v.dtype("loss_mask", mask, DType::u8);
+    v.dim("loss_mask", mask, 0, rows, "one per token");
+  }
+  v.int_range("targets", targets, 0, vocab, mask, true, ignore_index);
+}
+
+static void check_per_token(const Validator& v, const char* name, const TensorView& t, int64_t rows,
+                            bool required) {
+  if (required) v.required(name, t, 1); else v.optional(name, t, 1);
+  if (t.is_none()) return;
+  v.accumulator(name, t);
+  v.dim(name, t, 0, rows, "one per token");
+}
+
+void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
+  auto v = begin_op("logprob_forward", ctx);
+  check_float_input(v, "logits", a.logits, 2);
+  check_targets(v, a.targets, a.loss_mask, a.logits.shape[0], a.logits.shape[1], a.ignore_index);
+  check_per_token(v, "logp", a.logp, a.logits.shape[0], true);
+  check_per_token(v, "entropy", a.entropy, a.logits.shape[0], false);
+  check_per_token(v, "lse", a.lse, a.logits.shape[0], false);
+  run_kernel<OpId::logprob_forward>("logprob_forward", ctx, a);
+}
+
+void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
+  auto v = begin_op("logprob_backward", ctx);
+  check_float_input(v, "logits", a.logits, 2);
+  const int64_t rows = a.logits.shape[0];
+  check_targets(v, a.targets, a.loss_mask, rows, a.logits.shape[1], a.ignore_index);
+  check_per_token(v, "lse", a.lse, rows, false);
+  check_per_token(v, "dlogp", a.dlogp, rows, true);
+  check_per_token(v, "dentropy", a.dentropy, rows, false);
+  v.finite("dlogp", a.dlogp);
+  v.finite("dentropy", a.dentropy);
+  v.required("dlogits", a.dlogits, 2);
+  v.floating("dlogits", a.dlogits);
+  v.same_shape("dlogits", a.dlogits, "logits", a.logits);
+  v.no_alias("dlogits", a.dlogits, "logits", a.logits);
+  run_kernel<OpId::logprob_backward>("logprob_backward", ctx, a);
+}
+
+static void check_lm_head(const Validator& v, const TensorView& hidden, const TensorView& weight) {
+  check_float_input(v, "hidden", hidden, 2);
+  check_float_input(v, "weight", weight, 2);
+  v.same_dtype("weight", weight, "hidden", hidden);
+  v.dim("weight", weight, 1, hidden.shape[1], "hidden size, as hidden's columns");
+}
+
+void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
+  auto v = begin_op("lm_head_logprob_forward", ctx);
+  check_lm_head(v, a.hidden, a.weight);
+  const int64_t rows = a.hidden.shape[0];
+  check_targets(v, a.targets, a.loss_mask, rows, a.weight.shape[0], a.ignore_index);
+  check_per_token(v, "logp", a.logp, rows, true);
+  check_per_token(v, "entropy", a.entropy, rows, false);
+  check_per_token(v, "lse", a.lse, rows, false);
+  run_kernel<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
+}
+
+void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a) {
+  auto v = begin_op("lm_head_logprob_backward", ctx);
+  check_lm_head(v, a.hidden, a.weight);
+  const int64_t rows = a.hidden.shape[0];
+  check_targets(v, a.targets, a.loss_mask, rows, a.weight.shape[0], a.ignore_index);
+  check_per_token(v, "lse", a.lse, rows, false);
+  check_per_token(v, "dlogp", a.dlogp, rows, true);
+  check_per_token(v, "dentropy", a.dentropy, rows, false);
+  v.finite("dlogp", a.dlogp);
+  v.finite("dentropy", a.dentropy);
+  v.required("dhidden", a.dhidden, 2);
+  v.floating("dhidden", a.dhidden);
+  v.same_shape("dhidden", a.dhidden, "hidden", a.hidden);
+  v.no_alias("dhidden", a.dhidden, "hidden", a.hidden);
+  v.required("dweight", a.dweight, 2);
+  v.accumulator("dweight", a.dweight);
+  v.same_shape("dweight", a.dweight, "weight", a.weight);
+  run_kernel<OpId::lm_head_logprob_backward>("lm_head_logprob_backward", ctx, a);
+}
+
+}  // namespace samebits
