@@ -83,7 +83,7 @@ static void check_out(const Validator& v, const char* name, const TensorView& t,
 }
 
 void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
-  auto v = begin_op("attention_forward", ctx);
+  auto v = begin_op<OpId::attention_forward>("attention_forward", ctx, a);
   if (a.scale < 0) v.fail("scale", "must be >= 0 (0 selects 1/sqrt(head_dim))");
   check_attention(v, a.q, a.k, a.v, a.seqs, false);
   check_out(v, "out", a.out, a.q);
@@ -93,7 +93,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
 }
 
 void attention_backward(const Context& ctx, const AttentionBackwardArgs& a) {
-  auto v = begin_op("attention_backward", ctx);
+  auto v = begin_op<OpId::attention_backward>("attention_backward", ctx, a);
   if (a.scale < 0) v.fail("scale", "must be >= 0 (0 selects 1/sqrt(head_dim))");
   check_attention(v, a.q, a.k, a.v, a.seqs, true);
   check_float_input(v, "out", a.out, 3);

@@ -1,11 +1,15 @@
 // Checks shared by several op families.
 #pragma once
+#include "ops/registry.hpp"
 #include "samebits/validate.hpp"
 
 namespace samebits::detail {
 
-// Validator for an op, plus the checks on the context itself.
-inline Validator begin_op(const char* op, const Context& ctx) {
+// Validator for an op, after the checks on the context itself. An op with no kernel on the
+// context's backend reports NotBuilt before looking at its arguments.
+template <OpId Id, class Args>
+Validator begin_op(const char* op, const Context& ctx, const Args&) {
+  if (!KernelSlot<Id, Args>::at(ctx.backend)) throw NotBuilt(op, backend_name(ctx.backend));
   Validator v(op, ctx);
   if (ctx.backend == Backend::cuda && ctx.precision == Precision::truth_fp64)
     v.fail("context.precision", "truth_fp64 is a CPU reference mode; the CUDA backend is fp32");

@@ -18,7 +18,7 @@ static void check_like(const Validator& v, const char* name, const TensorView& t
 }
 
 void swiglu_forward(const Context& ctx, const SwiGluForwardArgs& a) {
-  auto v = begin_op("swiglu_forward", ctx);
+  auto v = begin_op<OpId::swiglu_forward>("swiglu_forward", ctx, a);
   check_float_input(v, "gate", a.gate, 2);
   check_like(v, "up", a.up, "gate", a.gate, true);
   check_like(v, "y", a.y, "gate", a.gate, false);
@@ -26,7 +26,7 @@ void swiglu_forward(const Context& ctx, const SwiGluForwardArgs& a) {
 }
 
 void swiglu_backward(const Context& ctx, const SwiGluBackwardArgs& a) {
-  auto v = begin_op("swiglu_backward", ctx);
+  auto v = begin_op<OpId::swiglu_backward>("swiglu_backward", ctx, a);
   check_float_input(v, "dy", a.dy, 2);
   check_like(v, "gate", a.gate, "dy", a.dy, true);
   check_like(v, "up", a.up, "dy", a.dy, true);
@@ -41,7 +41,7 @@ void swiglu_backward(const Context& ctx, const SwiGluBackwardArgs& a) {
 }
 
 void residual_add_forward(const Context& ctx, const ResidualAddArgs& a) {
-  auto v = begin_op("residual_add_forward", ctx);
+  auto v = begin_op<OpId::residual_add_forward>("residual_add_forward", ctx, a);
   check_float_input(v, "a", a.a, 2);
   check_like(v, "b", a.b, "a", a.a, true);
   check_like(v, "y", a.y, "a", a.a, false);
@@ -49,7 +49,7 @@ void residual_add_forward(const Context& ctx, const ResidualAddArgs& a) {
 }
 
 void residual_add_backward(const Context& ctx, const ResidualAddBackwardArgs& a) {
-  auto v = begin_op("residual_add_backward", ctx);
+  auto v = begin_op<OpId::residual_add_backward>("residual_add_backward", ctx, a);
   check_float_input(v, "dy", a.dy, 2);
   if (a.da.is_none() && a.db.is_none()) v.fail("da", "at least one of da, db must be given");
   if (a.da.present()) check_like(v, "da", a.da, "dy", a.dy, false);

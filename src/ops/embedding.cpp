@@ -15,7 +15,7 @@ static void check_ids(const Validator& v, const TensorView& ids, int64_t vocab,
 }
 
 void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
-  auto v = begin_op("embedding_forward", ctx);
+  auto v = begin_op<OpId::embedding_forward>("embedding_forward", ctx, a);
   check_float_input(v, "table", a.table, 2);
   check_ids(v, a.ids, a.table.shape[0], {});
   v.required("y", a.y, 2);
@@ -26,7 +26,7 @@ void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
 }
 
 void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
-  auto v = begin_op("embedding_backward", ctx);
+  auto v = begin_op<OpId::embedding_backward>("embedding_backward", ctx, a);
   v.required("dtable", a.dtable, 2);
   v.accumulator("dtable", a.dtable);
   check_row_mask(v, a.row_mask, a.ids.present() ? a.ids.shape[0] : 0);

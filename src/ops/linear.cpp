@@ -7,7 +7,7 @@ namespace samebits {
 using namespace detail;
 
 void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
-  auto v = begin_op("linear_forward", ctx);
+  auto v = begin_op<OpId::linear_forward>("linear_forward", ctx, a);
   check_float_input(v, "x", a.x, 2);
   check_float_input(v, "weight", a.weight, 2);
   v.same_dtype("weight", a.weight, "x", a.x);
@@ -28,7 +28,7 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
 }
 
 void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a) {
-  auto v = begin_op("linear_backward_input", ctx);
+  auto v = begin_op<OpId::linear_backward_input>("linear_backward_input", ctx, a);
   check_float_input(v, "dy", a.dy, 2);
   check_float_input(v, "weight", a.weight, 2);
   v.dim("weight", a.weight, 0, a.dy.shape[1], "N, dy's columns");
@@ -42,7 +42,7 @@ void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a)
 }
 
 void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& a) {
-  auto v = begin_op("linear_backward_weight", ctx);
+  auto v = begin_op<OpId::linear_backward_weight>("linear_backward_weight", ctx, a);
   check_float_input(v, "dy", a.dy, 2);
   check_float_input(v, "x", a.x, 2);
   v.dim("x", a.x, 0, a.dy.shape[0], "M, dy's rows");

@@ -32,7 +32,7 @@ static void check_per_token(const Validator& v, const char* name, const TensorVi
 }
 
 void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
-  auto v = begin_op("logprob_forward", ctx);
+  auto v = begin_op<OpId::logprob_forward>("logprob_forward", ctx, a);
   check_float_input(v, "logits", a.logits, 2);
   check_targets(v, a.targets, a.loss_mask, a.logits.shape[0], a.logits.shape[1], a.ignore_index);
   check_per_token(v, "logp", a.logp, a.logits.shape[0], true);
@@ -42,7 +42,7 @@ void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
 }
 
 void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
-  auto v = begin_op("logprob_backward", ctx);
+  auto v = begin_op<OpId::logprob_backward>("logprob_backward", ctx, a);
   check_float_input(v, "logits", a.logits, 2);
   const int64_t rows = a.logits.shape[0];
   check_targets(v, a.targets, a.loss_mask, rows, a.logits.shape[1], a.ignore_index);
@@ -66,7 +66,7 @@ static void check_lm_head(const Validator& v, const TensorView& hidden, const Te
 }
 
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
-  auto v = begin_op("lm_head_logprob_forward", ctx);
+  auto v = begin_op<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
   check_lm_head(v, a.hidden, a.weight);
   const int64_t rows = a.hidden.shape[0];
   check_targets(v, a.targets, a.loss_mask, rows, a.weight.shape[0], a.ignore_index);
@@ -77,7 +77,7 @@ void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs&
 }
 
 void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a) {
-  auto v = begin_op("lm_head_logprob_backward", ctx);
+  auto v = begin_op<OpId::lm_head_logprob_backward>("lm_head_logprob_backward", ctx, a);
   check_lm_head(v, a.hidden, a.weight);
   const int64_t rows = a.hidden.shape[0];
   check_targets(v, a.targets, a.loss_mask, rows, a.weight.shape[0], a.ignore_index);

@@ -18,7 +18,7 @@ static void check_rstd(const Validator& v, const TensorView& rstd, const TensorV
 }
 
 void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
-  auto v = begin_op("rmsnorm_forward", ctx);
+  auto v = begin_op<OpId::rmsnorm_forward>("rmsnorm_forward", ctx, a);
   check_eps(v, a.eps);
   check_float_input(v, "x", a.x, 2);
   if (a.residual.present()) {
@@ -43,7 +43,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
 }
 
 void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
-  auto v = begin_op("rmsnorm_backward", ctx);
+  auto v = begin_op<OpId::rmsnorm_backward>("rmsnorm_backward", ctx, a);
   check_eps(v, a.eps);
   check_float_input(v, "dy", a.dy, 2);
   check_float_input(v, "x", a.x, 2);
@@ -67,7 +67,7 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
 }
 
 void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
-  auto v = begin_op("qk_norm_forward", ctx);
+  auto v = begin_op<OpId::qk_norm_forward>("qk_norm_forward", ctx, a);
   check_eps(v, a.eps);
   check_float_input(v, "x", a.x, 3);
   check_float_input(v, "weight", a.weight, 1);
@@ -80,7 +80,7 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
 }
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
-  auto v = begin_op("qk_norm_backward", ctx);
+  auto v = begin_op<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
   check_eps(v, a.eps);
   check_float_input(v, "dy", a.dy, 3);
   check_float_input(v, "x", a.x, 3);

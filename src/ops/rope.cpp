@@ -27,13 +27,13 @@ static void check_rope(const Validator& v, const RopeArgs& a, const char* in, co
 }
 
 void rope_forward(const Context& ctx, const RopeArgs& a) {
-  auto v = begin_op("rope_forward", ctx);
+  auto v = begin_op<OpId::rope_forward>("rope_forward", ctx, a);
   check_rope(v, a, "x", "y");
   run_kernel<OpId::rope_forward>("rope_forward", ctx, a);
 }
 
 void rope_backward(const Context& ctx, const RopeArgs& a) {
-  auto v = begin_op("rope_backward", ctx);
+  auto v = begin_op<OpId::rope_backward>("rope_backward", ctx, a);
   check_rope(v, a, "dy (x)", "dx (y)");
   run_kernel<OpId::rope_backward>("rope_backward", ctx, a);
 }

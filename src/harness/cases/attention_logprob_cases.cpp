@@ -1,0 +1,213 @@
+// Op cases: attention (prefill, chunked prefill against a KV cache), selected logprob and the
+// fused LM head -> logprob.
+#include "harness/cases/case_util.hpp"
+
+namespace samebits::harness {
+
+class AttentionCase : public OpCase {
+ public:
+  AttentionCase(DType dt, int64_t hq, int64_t hkv, int64_t d, int64_t max_len)
+      : dt_(dt), hq_(hq), hkv_(hkv), d_(d), max_len_(max_len) {}
+  std::string op() const override { return "attention"; }
+  std::string params_text() const override {
+    return fmt::format("{} Hq={} Hkv={} D={} L<={}", dtype_name(dt_), hq_, hkv_, d_, max_len_);
+  }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "attention"; }
+  std::string backward_class() const override { return "attention"; }
+  int64_t max_length() const override { return max_len_; }
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    return {len, {{"q", r.tensor(dt_, {len, hq_, d_}, -2, 2)}, {"k", r.tensor(dt_, {len, hkv_, d_}, -2, 2)},
+                  {"v", r.tensor(dt_, {len, hkv_, d_}, -1, 1)}, {"dout", upstream(r, dt_, {len, hq_, d_})}}};
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"out", "dout"}}; }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override {
+    return {{"q", "dq"}, {"k", "dk"}, {"v", "dv"}};
+  }
+  void run(const Context& ctx, CaseIO& io) const override {
+    const Batch& b = io.batch;
+    bool whole = true;
+    for (auto& p : b.pieces) whole = whole && p.begin == 0 && p.len == b.seqs[size_t(p.seq)]->length;
+    HostTensor seqs(DType::i32, {int64_t(b.pieces.size()), 4});
+    HostTensor k_cache, v_cache;
+    AttentionForwardArgs f;
+    if (whole) {  // prefill: keys are the batch's own rows
+      for (size_t i = 0; i < b.pieces.size(); ++i) {
+        const Piece& p = b.pieces[i];
+        for (int c = 0; c < 4; ++c) seqs.set(int64_t(i) * 4 + c, double(c % 2 == 0 ? p.row : p.len));
+      }
+      f.k = V(io.in("k"));
+      f.v = V(io.in("v"));
+    } else {  // a chunk against a KV cache holding each sequence's prefix, junk rows in between
+      constexpr int64_t kGap = 3;
+      int64_t rows = 0;
+      for (auto& p : b.pieces) rows += p.begin + p.len + kGap;
+      Rng junk{static_cast<uint64_t>(rows)};
+      k_cache = junk.tensor(io.in("k").dtype(), {rows, hkv_, d_}, -2, 2);
+      v_cache = junk.tensor(io.in("v").dtype(), {rows, hkv_, d_}, -1, 1);
+      int64_t at = kGap;
+      for (size_t i = 0; i < b.pieces.size(); ++i) {
+        const Piece& p = b.pieces[i];
+        const Sequence& s = *b.seqs[size_t(p.seq)];
+        const int64_t k_len = p.begin + p.len;
+        k_cache.copy_rows_from(s.tokens.at("k"), 0, at, k_len);
+        v_cache.copy_rows_from(s.tokens.at("v"), 0, at, k_len);
+        const int64_t row[4] = {p.row, p.len, at, k_len};
+        for (int c = 0; c < 4; ++c) seqs.set(int64_t(i) * 4 + c, double(row[c]));
+        at += k_len;
+      }
+      f.k = V(k_cache);
+      f.v = V(v_cache);
+    }
+    f.q = V(io.in("q"));
+    f.seqs = V(seqs);
+    f.out = V(io.output("out", io.out_dtype(dt_), {hq_, d_}));
+    f.lse = V(io.output("lse", io.acc_dtype(), {hq_}));
+    attention_forward(ctx, f);
+    if (!io.backward) return;
+    AttentionBackwardArgs g;
+    g.q = f.q;
+    g.k = f.k;
+    g.v = f.v;
+    g.seqs = f.seqs;
+    g.out = f.out;
+    g.lse = f.lse;
+    g.dout = V(io.in("dout"));
+    g.dq = V(io.output("dq", io.out_dtype(dt_), {hq_, d_}));
+    g.dk = V(io.output("dk", io.out_dtype(dt_), {hkv_, d_}));
+    g.dv = V(io.output("dv", io.out_dtype(dt_), {hkv_, d_}));
+    attention_backward(ctx, g);
+  }
+
+ private:
+  DType dt_;
+  int64_t hq_, hkv_, d_, max_len_;
+};
+
+// Targets with ~10% ignore_index and a loss mask with ~15% zeros; upstream gradients in fp32.
+static void add_targets(Sequence& s, Rng& r, int64_t len, int64_t vocab) {
+  HostTensor targets(DType::i32, {len}), mask(DType::u8, {len});
+  for (int64_t t = 0; t < len; ++t) {
+    targets.set(t, r.uniform(0, 1) < 0.1 ? -100.0 : double(r.integer(0, vocab - 1)));
+    mask.set(t, r.uniform(0, 1) < 0.15 ? 0.0 : 1.0);
+  }
+  s.tokens["targets"] = targets;
+  s.tokens["loss_mask"] = mask;
+  s.tokens["dlogp"] = r.tensor(DType::f32, {len}, -1, 1);
+  s.tokens["dentropy"] = r.tensor(DType::f32, {len}, -1, 1);
+}
+
+class LogprobCase : public OpCase {
+ public:
+  LogprobCase(DType dt, int64_t vocab, int64_t max_len) : dt_(dt), vocab_(vocab), max_len_(max_len) {}
+  std::string op() const override { return "logprob"; }
+  std::string params_text() const override { return fmt::format("{} V={}", dtype_name(dt_), vocab_); }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "logprob"; }
+  std::string backward_class() const override { return "reduction"; }
+  int64_t max_length() const override { return max_len_; }
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    Sequence s{len, {}};
+    HostTensor logits(dt_, {len, vocab_});
+    for (int64_t i = 0; i < logits.numel(); ++i) logits.set(i, 3.0 * r.normal());
+    s.tokens["logits"] = logits;
+    add_targets(s, r, len, vocab_);
+    return s;
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override {
+    return {{"logp", "dlogp"}, {"entropy", "dentropy"}};
+  }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"logits", "dlogits"}}; }
+  void run(const Context& ctx, CaseIO& io) const override {
+    LogprobForwardArgs f;
+    f.logits = V(io.in("logits"));
+    f.targets = V(io.in("targets"));
+    f.loss_mask = V(io.in("loss_mask"));
+    f.logp = V(io.output("logp", io.acc_dtype(), {}));
+    f.entropy = V(io.output("entropy", io.acc_dtype(), {}));
+    f.lse = V(io.output("lse", io.acc_dtype(), {}));
+    logprob_forward(ctx, f);
+    if (!io.backward) return;
+    LogprobBackwardArgs b;
+    b.logits = f.logits;
+    b.targets = f.targets;
+    b.loss_mask = f.loss_mask;
+    b.lse = f.lse;
+    b.dlogp = V(io.in("dlogp"));
+    b.dentropy = V(io.in("dentropy"));
+    b.dlogits = V(io.output("dlogits", io.out_dtype(dt_), {vocab_}));
+    logprob_backward(ctx, b);
+  }
+
+ private:
+  DType dt_;
+  int64_t vocab_, max_len_;
+};
+
+class LmHeadLogprobCase : public OpCase {
+ public:
+  LmHeadLogprobCase(DType dt, int64_t h, int64_t vocab) : dt_(dt), h_(h), vocab_(vocab) {}
+  std::string op() const override { return "lm_head_logprob"; }
+  std::string params_text() const override { return fmt::format("{} H={} V={}", dtype_name(dt_), h_, vocab_); }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "logprob"; }
+  std::string backward_class() const override { return "reduction"; }
+  int64_t max_length() const override { return 12; }
+  TensorMap make_params(Rng& r) const override { return {{"weight", r.tensor(dt_, {vocab_, h_}, -0.5, 0.5)}}; }
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    Sequence s{len, {{"hidden", r.tensor(dt_, {len, h_}, -1, 1)}}};
+    add_targets(s, r, len, vocab_);
+    return s;
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override {
+    return {{"logp", "dlogp"}, {"entropy", "dentropy"}};
+  }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"hidden", "dhidden"}}; }
+  std::vector<std::string> trained_params() const override { return {"weight"}; }
+  void run(const Context& ctx, CaseIO& io) const override {
+    LmHeadLogprobForwardArgs f;
+    f.hidden = V(io.in("hidden"));
+    f.weight = V(io.param("weight"));
+    f.targets = V(io.in("targets"));
+    f.loss_mask = V(io.in("loss_mask"));
+    f.logp = V(io.output("logp", io.acc_dtype(), {}));
+    f.entropy = V(io.output("entropy", io.acc_dtype(), {}));
+    f.lse = V(io.output("lse", io.acc_dtype(), {}));
+    lm_head_logprob_forward(ctx, f);
+    if (!io.backward) return;
+    LmHeadLogprobBackwardArgs b;
+    b.hidden = f.hidden;
+    b.weight = f.weight;
+    b.targets = f.targets;
+    // Padding rows contribute nothing: they are masked out of the loss like any masked token.
+    HostTensor mask = io.in("loss_mask");
+    for (int64_t r = 0; r < mask.numel(); ++r)
+      if (io.batch.row_mask.get(r) == 0) mask.set(r, 0);
+    b.loss_mask = V(mask);
+    b.lse = f.lse;
+    b.dlogp = V(io.in("dlogp"));
+    b.dentropy = V(io.in("dentropy"));
+    b.dhidden = V(io.output("dhidden", io.out_dtype(dt_), {h_}));
+    b.dweight = grad_view(io, "weight");
+    lm_head_logprob_backward(ctx, b);
+  }
+
+ private:
+  DType dt_;
+  int64_t h_, vocab_;
+};
+
+void add_attention_logprob_cases(CaseList& out) {
+  out.push_back(std::make_shared<AttentionCase>(DType::bf16, 4, 2, 64, 130));
+  out.push_back(std::make_shared<AttentionCase>(DType::f32, 4, 1, 32, 40));
+  out.push_back(std::make_shared<AttentionCase>(DType::f16, 2, 2, 128, 24));
+  out.push_back(std::make_shared<LogprobCase>(DType::bf16, 32000, 8));
+  out.push_back(std::make_shared<LogprobCase>(DType::f32, 1031, 24));
+  out.push_back(std::make_shared<LogprobCase>(DType::f16, 4099, 12));
+  out.push_back(std::make_shared<LogprobCase>(DType::bf16, 151936, 3));
+  out.push_back(std::make_shared<LogprobCase>(DType::bf16, 128256, 3));
+  out.push_back(std::make_shared<LmHeadLogprobCase>(DType::bf16, 64, 5000));
+  out.push_back(std::make_shared<LmHeadLogprobCase>(DType::f32, 32, 2500));
+}
+
+}  // namespace samebits::harness

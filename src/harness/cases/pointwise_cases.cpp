@@ -1,0 +1,179 @@
+// Op cases: RoPE, SwiGLU, residual add, embedding.
+#include "harness/cases/case_util.hpp"
+
+namespace samebits::harness {
+
+class RopeCase : public OpCase {
+ public:
+  RopeCase(DType dt, int64_t heads, int64_t d, RopeConfig cfg, std::string label)
+      : dt_(dt), heads_(heads), d_(d), cfg_(cfg), label_(std::move(label)) {}
+  std::string op() const override { return "rope"; }
+  std::string params_text() const override {
+    return fmt::format("{} heads={} D={} {}", dtype_name(dt_), heads_, d_, label_);
+  }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "elementwise"; }
+  std::string backward_class() const override { return "elementwise"; }
+  // Positions: a packed sequence restarts at 0, or continues from a cache offset (decode /
+  // chunked prefill), sometimes far out (up to 100k) where fp32 angles are coarse.
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    const int64_t kind = r.integer(0, 2);
+    const int64_t start = kind == 0 ? 0 : kind == 1 ? r.integer(1, 4096) : r.integer(90000, 100000);
+    HostTensor pos(DType::i32, {len});
+    for (int64_t t = 0; t < len; ++t) pos.set(t, double(start + t));
+    return {len, {{"x", r.tensor(dt_, {len, heads_, d_}, -2, 2)}, {"positions", pos},
+                  {"dy", upstream(r, dt_, {len, heads_, d_})}}};
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"y", "dy"}}; }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"x", "dx"}}; }
+  void run(const Context& ctx, CaseIO& io) const override {
+    RopeArgs f;
+    f.x = V(io.in("x"));
+    f.positions = V(io.in("positions"));
+    f.y = V(io.output("y", io.out_dtype(dt_), {heads_, d_}));
+    f.config = cfg_;
+    rope_forward(ctx, f);
+    if (!io.backward) return;
+    RopeArgs b = f;
+    b.x = V(io.in("dy"));
+    b.y = V(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
+    rope_backward(ctx, b);
+  }
+
+ private:
+  DType dt_;
+  int64_t heads_, d_;
+  RopeConfig cfg_;
+  std::string label_;
+};
+
+class SwiGluCase : public OpCase {
+ public:
+  SwiGluCase(DType dt, int64_t i) : dt_(dt), i_(i) {}
+  std::string op() const override { return "swiglu"; }
+  std::string params_text() const override { return fmt::format("{} I={}", dtype_name(dt_), i_); }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "elementwise"; }
+  std::string backward_class() const override { return "elementwise"; }
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    return {len, {{"gate", r.tensor(dt_, {len, i_}, -6, 6)}, {"up", r.tensor(dt_, {len, i_}, -2, 2)},
+                  {"dy", upstream(r, dt_, {len, i_})}}};
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"y", "dy"}}; }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override {
+    return {{"gate", "dgate"}, {"up", "dup"}};
+  }
+  void run(const Context& ctx, CaseIO& io) const override {
+    SwiGluForwardArgs f;
+    f.gate = V(io.in("gate"));
+    f.up = V(io.in("up"));
+    f.y = V(io.output("y", io.out_dtype(dt_), {i_}));
+    swiglu_forward(ctx, f);
+    if (!io.backward) return;
+    SwiGluBackwardArgs b;
+    b.dy = V(io.in("dy"));
+    b.gate = f.gate;
+    b.up = f.up;
+    b.dgate = V(io.output("dgate", io.out_dtype(dt_), {i_}));
+    b.dup = V(io.output("dup", io.out_dtype(dt_), {i_}));
+    swiglu_backward(ctx, b);
+  }
+
+ private:
+  DType dt_;
+  int64_t i_;
+};
+
+class ResidualAddCase : public OpCase {
+ public:
+  ResidualAddCase(DType dt, int64_t h) : dt_(dt), h_(h) {}
+  std::string op() const override { return "residual_add"; }
+  std::string params_text() const override { return fmt::format("{} H={}", dtype_name(dt_), h_); }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "elementwise"; }
+  std::string backward_class() const override { return "elementwise"; }
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    return {len, {{"a", r.tensor(dt_, {len, h_}, -4, 4)}, {"b", r.tensor(dt_, {len, h_}, -1, 1)},
+                  {"dy", upstream(r, dt_, {len, h_})}}};
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"y", "dy"}}; }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"a", "da"}, {"b", "db"}}; }
+  void run(const Context& ctx, CaseIO& io) const override {
+    ResidualAddArgs f;
+    f.a = V(io.in("a"));
+    f.b = V(io.in("b"));
+    f.y = V(io.output("y", io.out_dtype(dt_), {h_}));
+    residual_add_forward(ctx, f);
+    if (!io.backward) return;
+    ResidualAddBackwardArgs b;
+    b.dy = V(io.in("dy"));
+    b.da = V(io.output("da", io.out_dtype(dt_), {h_}));
+    b.db = V(io.output("db", io.out_dtype(dt_), {h_}));
+    residual_add_backward(ctx, b);
+  }
+
+ private:
+  DType dt_;
+  int64_t h_;
+};
+
+class EmbeddingCase : public OpCase {
+ public:
+  // id_range < vocab draws ids from a few rows only: many duplicates within and across sequences.
+  EmbeddingCase(DType dt, int64_t vocab, int64_t h, int64_t id_range)
+      : dt_(dt), vocab_(vocab), h_(h), id_range_(id_range) {}
+  std::string op() const override { return "embedding"; }
+  std::string params_text() const override {
+    return fmt::format("{} V={} H={}{}", dtype_name(dt_), vocab_, h_,
+                       id_range_ < vocab_ ? fmt::format(" ids<{}", id_range_) : "");
+  }
+  DType dtype() const override { return dt_; }
+  std::string forward_class() const override { return "elementwise"; }
+  std::string backward_class() const override { return "reduction"; }
+  TensorMap make_params(Rng& r) const override { return {{"table", r.tensor(dt_, {vocab_, h_}, -1, 1)}}; }
+  Sequence make_sequence(Rng& r, int64_t len) const override {
+    return {len, {{"ids", r.integers({len}, 0, id_range_ - 1)}, {"dy", upstream(r, dt_, {len, h_})}}};
+  }
+  std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"y", "dy"}}; }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {}; }
+  std::vector<std::string> trained_params() const override { return {"table"}; }
+  void run(const Context& ctx, CaseIO& io) const override {
+    EmbeddingForwardArgs f;
+    f.ids = V(io.in("ids"));
+    f.table = V(io.param("table"));
+    f.y = V(io.output("y", io.out_dtype(dt_), {h_}));
+    embedding_forward(ctx, f);
+    if (!io.backward) return;
+    EmbeddingBackwardArgs b;
+    b.ids = f.ids;
+    b.dy = V(io.in("dy"));
+    b.row_mask = V(io.batch.row_mask);
+    b.dtable = grad_view(io, "table");
+    embedding_backward(ctx, b);
+  }
+
+ private:
+  DType dt_;
+  int64_t vocab_, h_, id_range_;
+};
+
+void add_pointwise_cases(CaseList& out) {
+  RopeConfig qwen3;  // theta 1e6
+  RopeConfig llama3;
+  llama3.theta = 500000.0;
+  llama3.llama3_scaling = true;
+  RopeConfig classic;
+  classic.theta = 10000.0;
+  out.push_back(std::make_shared<RopeCase>(DType::bf16, 4, 64, qwen3, "theta=1e6"));
+  out.push_back(std::make_shared<RopeCase>(DType::f32, 2, 128, llama3, "llama3-scaling"));
+  out.push_back(std::make_shared<RopeCase>(DType::f16, 3, 32, classic, "theta=1e4"));
+  out.push_back(std::make_shared<SwiGluCase>(DType::bf16, 192));
+  out.push_back(std::make_shared<SwiGluCase>(DType::f16, 100));
+  out.push_back(std::make_shared<SwiGluCase>(DType::f32, 64));
+  out.push_back(std::make_shared<ResidualAddCase>(DType::bf16, 128));
+  out.push_back(std::make_shared<ResidualAddCase>(DType::f32, 64));
+  out.push_back(std::make_shared<EmbeddingCase>(DType::bf16, 1000, 64, 1000));
+  out.push_back(std::make_shared<EmbeddingCase>(DType::f32, 50, 32, 6));
+}
+
+}  // namespace samebits::harness
