@@ -133,6 +133,7 @@ class OpCase {
   // add + RMSNorm stores the sum) judges what follows that rounding by the storage dtype.
   virtual DType tolerance_dtype(const std::string& tensor, DType stored) const { (void)tensor; return stored; }
   virtual bool chunkable() const { return true; }  // T5: may run as chunks (all per-token ops)
+  virtual int64_t min_length() const { return 1; }
   virtual int64_t max_length() const { return 24; }
   virtual TensorMap make_params(Rng&) const { return {}; }
   virtual Sequence make_sequence(Rng&, int64_t length) const = 0;

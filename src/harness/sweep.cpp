@@ -161,7 +161,7 @@ TensorMap map_to_truth(const TensorMap& m) {
 
 std::vector<Sequence> make_sequences(const OpCase& c, Rng& rng, int n) {
   std::vector<Sequence> out;
-  for (int i = 0; i < n; ++i) out.push_back(c.make_sequence(rng, rng.integer(1, c.max_length())));
+  for (int i = 0; i < n; ++i) out.push_back(c.make_sequence(rng, rng.integer(c.min_length(), c.max_length())));
   return out;
 }
 
@@ -221,7 +221,7 @@ void check_invariance(const OpCase& c, const SweepOptions& opt, CaseResult& out)
     const bool bwd = !c.grad_pairs().empty() || !c.trained_params().empty();
     const auto grads0 = initial_grads(c, params, rng, DType::f32);
     const auto names = grad_names(c);
-    const Sequence target = c.make_sequence(rng, rng.integer(1, c.max_length()));
+    const Sequence target = c.make_sequence(rng, rng.integer(c.min_length(), c.max_length()));
 
     // Runs `seqs` (target at `pos`) in one call and compares the target with the reference.
     TensorMap reference;
@@ -400,7 +400,7 @@ std::vector<Drift> check_gradients_fd(const OpCase& c, const FdOptions& opt) {
   TensorMap params = map_to_truth(c.make_params(rng));
   std::vector<Sequence> seqs;
   for (int i = 0; i < 2; ++i)
-    seqs.push_back(to_truth(c.make_sequence(rng, rng.integer(1, std::min<int64_t>(6, c.max_length())))));
+    seqs.push_back(to_truth(c.make_sequence(rng, rng.integer(c.min_length(), std::max(c.min_length(), std::min<int64_t>(6, c.max_length()))))));
   TensorMap zero;
   for (auto& name : c.trained_params()) zero[name] = HostTensor(DType::f64, params.at(name).shape());
   Context truth;

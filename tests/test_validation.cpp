@@ -1,0 +1,214 @@
+// Bad input gets a clear error naming the op, the argument and the problem; nothing is written.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "samebits/error.hpp"
+#include "samebits/ops.hpp"
+
+using namespace samebits;
+
+namespace {
+
+// Runs fn, expects a samebits::Error for (op, argument) whose problem mentions `what`, and checks
+// that `guarded` (the op's output buffer) was left untouched.
+void expect_error(const std::function<void()>& fn, const std::string& op, const std::string& arg,
+                  const std::string& what, const std::vector<float>* guarded = nullptr) {
+  std::vector<float> before;
+  if (guarded) before = *guarded;
+  try {
+    fn();
+    ADD_FAILURE() << "no error for " << op << " / " << arg;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), op) << e.what();
+    EXPECT_EQ(e.argument(), arg) << e.what();
+    EXPECT_NE(e.problem().find(what), std::string::npos) << "message: " << e.what();
+    EXPECT_NE(std::string(e.what()).find(op), std::string::npos);
+  }
+  if (guarded) {
+    EXPECT_EQ(std::memcmp(before.data(), guarded->data(), before.size() * 4), 0) << "output was written";
+  }
+}
+
+struct LinearFixture {
+  std::vector<float> x = std::vector<float>(4 * 8, 0.5f), w = std::vector<float>(3 * 8, 0.25f),
+                     y = std::vector<float>(4 * 3, 7.0f);
+  LinearForwardArgs args() {
+    LinearForwardArgs a;
+    a.x = TensorView::of(x.data(), DType::f32, {4, 8});
+    a.weight = TensorView::of(w.data(), DType::f32, {3, 8});
+    a.y = TensorView::of(y.data(), DType::f32, {4, 3});
+    return a;
+  }
+};
+
+}  // namespace
+
+TEST(Validation, ValidLinearRuns) {
+  LinearFixture f;
+  linear_forward(Context{}, f.args());
+  EXPECT_EQ(f.y[0], 1.0f);  // 8 · 0.5 · 0.25
+}
+
+TEST(Validation, ShapeMismatch) {
+  LinearFixture f;
+  auto a = f.args();
+  a.weight = TensorView::of(f.w.data(), DType::f32, {4, 6});
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "weight", "K, x's columns", &f.y);
+  a = f.args();
+  a.y = TensorView::of(f.y.data(), DType::f32, {3, 4});
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "y", "M, x's rows", &f.y);
+}
+
+TEST(Validation, DtypeMismatch) {
+  LinearFixture f;
+  auto a = f.args();
+  a.weight.dtype = DType::bf16;
+  a.weight.shape = {3, 8};
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "weight", "does not match x's", &f.y);
+  a = f.args();
+  a.x.dtype = DType::i32;
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "x", "floating dtype", &f.y);
+}
+
+TEST(Validation, MisalignedView) {
+  LinearFixture f;
+  auto a = f.args();
+  a.x.data = reinterpret_cast<char*>(f.x.data()) + 1;
+  a.x.shape = {3, 8};
+  a.y.shape = {3, 3};
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "x", "aligned", &f.y);
+}
+
+TEST(Validation, NonContiguousView) {
+  LinearFixture f;
+  auto a = f.args();
+  a.x.shape = {2, 8};
+  a.x.strides = {16, 1};  // every other row
+  a.y.shape = {2, 3};
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "x", "contiguous", &f.y);
+}
+
+TEST(Validation, EmptyBatch) {
+  LinearFixture f;
+  auto a = f.args();
+  a.x.shape = {0, 8};
+  a.y.shape = {0, 3};
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "x", "empty", &f.y);
+  std::vector<int32_t> seqs;
+  std::vector<float> q(2 * 1 * 4), out(2 * 1 * 4, 3.0f);
+  AttentionForwardArgs at;
+  at.q = at.k = at.v = TensorView::of(q.data(), DType::f32, {2, 1, 4});
+  at.out = TensorView::of(out.data(), DType::f32, {2, 1, 4});
+  at.seqs = TensorView::of(seqs.data(), DType::i32, {0, 4});
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "empty batch", &out);
+}
+
+TEST(Validation, ZeroLengthSequenceAndBadRanges) {
+  std::vector<float> q(6 * 2 * 4, 0.1f), out(6 * 2 * 4, 3.0f);
+  AttentionForwardArgs at;
+  at.q = at.k = at.v = TensorView::of(q.data(), DType::f32, {6, 2, 4});
+  at.out = TensorView::of(out.data(), DType::f32, {6, 2, 4});
+  std::vector<int32_t> seqs{0, 3, 0, 3, 3, 0, 3, 0};
+  at.seqs = TensorView::of(seqs.data(), DType::i32, {2, 4});
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "zero-length sequence", &out);
+  seqs = {0, 3, 0, 3, 2, 3, 2, 3};  // query rows overlap
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "overlap", &out);
+  seqs = {0, 3, 0, 3, 4, 3, 4, 3};  // past the end
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "outside", &out);
+  seqs = {0, 3, 0, 2, 3, 3, 3, 3};  // more queries than keys
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "shorter than q_len", &out);
+}
+
+TEST(Validation, TokenIdOutOfRange) {
+  std::vector<float> table(10 * 4, 1.0f), y(3 * 4, 5.0f);
+  for (int32_t bad : {10, -1}) {
+    std::vector<int32_t> ids{1, bad, 2};
+    EmbeddingForwardArgs a;
+    a.ids = TensorView::of(ids.data(), DType::i32, {3});
+    a.table = TensorView::of(table.data(), DType::f32, {10, 4});
+    a.y = TensorView::of(y.data(), DType::f32, {3, 4});
+    expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids",
+                 "value " + std::to_string(bad) + " at index 1 is outside [0, 10)", &y);
+  }
+}
+
+TEST(Validation, TargetOutOfRangeUnlessMaskedOrIgnored) {
+  std::vector<float> logits(3 * 5, 0.0f), logp(3, 9.0f);
+  std::vector<int32_t> targets{0, 7, -100};
+  std::vector<uint8_t> mask{1, 1, 1};
+  LogprobForwardArgs a;
+  a.logits = TensorView::of(logits.data(), DType::f32, {3, 5});
+  a.targets = TensorView::of(targets.data(), DType::i32, {3});
+  a.loss_mask = TensorView::of(mask.data(), DType::u8, {3});
+  a.logp = TensorView::of(logp.data(), DType::f32, {3});
+  expect_error([&] { logprob_forward(Context{}, a); }, "logprob_forward", "targets", "outside [0, 5)", &logp);
+  mask[1] = 0;  // a masked token's target is not looked at
+  logprob_forward(Context{}, a);
+  EXPECT_EQ(logp[1], 0.0f);
+  EXPECT_EQ(logp[2], 0.0f);  // ignore_index
+  EXPECT_FLOAT_EQ(logp[0], -std::log(5.0f));
+}
+
+TEST(Validation, PositionOutOfRange) {
+  std::vector<float> x(2 * 1 * 4, 1.0f), y(2 * 1 * 4, 6.0f);
+  for (int32_t bad : {-1, 100}) {
+    std::vector<int32_t> pos{0, bad};
+    RopeArgs a;
+    a.x = TensorView::of(x.data(), DType::f32, {2, 1, 4});
+    a.y = TensorView::of(y.data(), DType::f32, {2, 1, 4});
+    a.positions = TensorView::of(pos.data(), DType::i32, {2});
+    a.config.max_position = 100;
+    expect_error([&] { rope_forward(Context{}, a); }, "rope_forward", "positions", "outside [0, 100)", &y);
+  }
+}
+
+TEST(Validation, NonFiniteInput) {
+  LinearFixture f;
+  f.x[5] = std::nanf("");
+  expect_error([&] { linear_forward(Context{}, f.args()); }, "linear_forward", "x", "non-finite value (NaN or Inf) at flat index 5", &f.y);
+  f.x[5] = 0.5f;
+  f.w[3] = INFINITY;
+  expect_error([&] { linear_forward(Context{}, f.args()); }, "linear_forward", "weight", "non-finite", &f.y);
+}
+
+TEST(Validation, WrongDeviceAndWrongAccumulator) {
+  LinearFixture f;
+  auto a = f.args();
+  a.x.device = Device::cuda;
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "x", "is on the cuda", &f.y);
+  std::vector<uint16_t> dw(3 * 8, 0);
+  LinearBackwardWeightArgs b;
+  b.dy = TensorView::of(f.y.data(), DType::f32, {4, 3});
+  b.x = TensorView::of(f.x.data(), DType::f32, {4, 8});
+  b.dweight = TensorView::of(dw.data(), DType::bf16, {3, 8});
+  expect_error([&] { linear_backward_weight(Context{}, b); }, "linear_backward_weight", "dweight",
+               "gradient accumulators are fp32");
+}
+
+TEST(Validation, OutputOverlappingAnInput) {
+  LinearFixture f;
+  auto a = f.args();
+  a.y = TensorView::of(f.x.data(), DType::f32, {4, 3});
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "y", "must not overlap x", &f.x);
+}
+
+TEST(Validation, MissingRequiredArgument) {
+  LinearFixture f;
+  auto a = f.args();
+  a.weight = TensorView{};
+  expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "weight", "is required", &f.y);
+}
+
+TEST(Validation, CudaBackendReportsNotBuiltBeforeTouchingArguments) {
+  LinearFixture f;
+  Context cuda;
+  cuda.backend = Backend::cuda;
+  EXPECT_THROW(linear_forward(cuda, f.args()), NotBuilt);
+  Context truth_on_cuda = cuda;
+  truth_on_cuda.precision = Precision::truth_fp64;
+  EXPECT_THROW(linear_forward(truth_on_cuda, f.args()), Error);
+}
