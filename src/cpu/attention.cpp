@@ -27,6 +27,18 @@ std::vector<Seq> read_seqs(const TensorView& seqs) {
 template <class Acc>
 Acc scale_of(double scale, int64_t d) { return scale > 0 ? Acc(scale) : Acc(1) / std::sqrt(Acc(d)); }
 
+// Scores s_j = (q·k_j)·scale of one query against keys 0..last_key; returns their maximum.
+template <class Acc>
+Acc scores(const Acc* qi, const std::vector<Acc>& k, int64_t k_row, int64_t last_key, int64_t hkv,
+           int64_t hk, int64_t d, Acc scale, std::vector<Acc>& s) {
+  Acc m = -std::numeric_limits<Acc>::infinity();
+  for (int64_t j = 0; j <= last_key; ++j) {
+    s[j] = dot_fixed(qi, &k[((k_row + j) * hkv + hk) * d], d) * scale;
+    if (s[j] > m) m = s[j];
+  }
+  return m;
+}
+
 template <class Acc>
 void forward(const AttentionForwardArgs& a) {
   const int64_t Tq = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2], Hkv = a.k.shape[1];
@@ -45,11 +57,7 @@ void forward(const AttentionForwardArgs& a) {
     for (int64_t i = 0; i < sq.q_len; ++i) {
       const int64_t row = sq.q_row + i, last_key = sq.k_len - sq.q_len + i;
       const Acc* qi = &q[(row * Hq + h) * D];
-      Acc m = -std::numeric_limits<Acc>::infinity();
-      for (int64_t j = 0; j <= last_key; ++j) {
-        s[j] = dot_fixed(qi, &k[((sq.k_row + j) * Hkv + hk) * D], D) * scale;
-        if (s[j] > m) m = s[j];
-      }
+      const Acc m = scores(qi, k, sq.k_row, last_key, Hkv, hk, D, scale, s);
       Acc l = 0;
       Acc* o = &out[(row * Hq + h) * D];
       for (int64_t j = 0; j <= last_key; ++j) {
@@ -91,11 +99,7 @@ void backward(const AttentionBackwardArgs& a) {
         const Acc* qi = &q[(row * Hq + h) * D];
         const Acc* doi = &dout[(row * Hq + h) * D];
         // Softmax statistics, recomputed exactly as the forward computes them.
-        Acc m = -std::numeric_limits<Acc>::infinity();
-        for (int64_t j = 0; j <= last_key; ++j) {
-          s[j] = dot_fixed(qi, &k[((sq.k_row + j) * Hkv + hk) * D], D) * scale;
-          if (s[j] > m) m = s[j];
-        }
+        const Acc m = scores(qi, k, sq.k_row, last_key, Hkv, hk, D, scale, s);
         Acc l = 0;
         for (int64_t j = 0; j <= last_key; ++j) l += exp_acc(s[j] - m);
         const Acc lse = m + log_acc(l);

@@ -17,6 +17,29 @@ static void check_rstd(const Validator& v, const TensorView& rstd, const TensorV
   for (int d = 0; d < rank; ++d) v.dim("rstd", rstd, d, x.shape[d], "one per normalised row");
 }
 
+// The checks both norm backwards share; `rank` 2 for RMSNorm [T, H], 3 for QK-norm [T, heads, D].
+static void check_norm_backward(const Validator& v, const TensorView& dy, const TensorView& x,
+                                const TensorView& weight, const TensorView& rstd,
+                                const TensorView& row_mask, const TensorView& dx,
+                                const TensorView& dweight, double eps, int rank) {
+  const char* what = rank == 2 ? "hidden size" : "head_dim";
+  check_eps(v, eps);
+  check_float_input(v, "dy", dy, rank);
+  check_float_input(v, "x", x, rank);
+  v.same_shape("x", x, "dy", dy);
+  check_float_input(v, "weight", weight, 1);
+  v.dim("weight", weight, 0, x.shape[rank - 1], what);
+  check_rstd(v, rstd, x, rank - 1);
+  check_row_mask(v, row_mask, x.shape[0]);
+  v.required("dx", dx, rank);
+  v.floating("dx", dx);
+  v.same_shape("dx", dx, "x", x);
+  v.no_alias("dx", dx, "x", x);
+  v.required("dweight", dweight, 1);
+  v.accumulator("dweight", dweight);
+  v.dim("dweight", dweight, 0, x.shape[rank - 1], what);
+}
+
 void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   auto v = begin_op<OpId::rmsnorm_forward>("rmsnorm_forward", ctx, a);
   check_eps(v, a.eps);
@@ -44,25 +67,11 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
 
 void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   auto v = begin_op<OpId::rmsnorm_backward>("rmsnorm_backward", ctx, a);
-  check_eps(v, a.eps);
-  check_float_input(v, "dy", a.dy, 2);
-  check_float_input(v, "x", a.x, 2);
-  v.same_shape("x", a.x, "dy", a.dy);
+  check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.eps, 2);
   if (a.dresidual_out.present()) {
     check_float_input(v, "dresidual_out", a.dresidual_out, 2);
     v.same_shape("dresidual_out", a.dresidual_out, "dy", a.dy);
   }
-  check_float_input(v, "weight", a.weight, 1);
-  v.dim("weight", a.weight, 0, a.x.shape[1], "hidden size");
-  check_rstd(v, a.rstd, a.x, 1);
-  check_row_mask(v, a.row_mask, a.x.shape[0]);
-  v.required("dx", a.dx, 2);
-  v.floating("dx", a.dx);
-  v.same_shape("dx", a.dx, "x", a.x);
-  v.no_alias("dx", a.dx, "x", a.x);
-  v.required("dweight", a.dweight, 1);
-  v.accumulator("dweight", a.dweight);
-  v.dim("dweight", a.dweight, 0, a.x.shape[1], "hidden size");
   run_kernel<OpId::rmsnorm_backward>("rmsnorm_backward", ctx, a);
 }
 
@@ -81,21 +90,7 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   auto v = begin_op<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
-  check_eps(v, a.eps);
-  check_float_input(v, "dy", a.dy, 3);
-  check_float_input(v, "x", a.x, 3);
-  v.same_shape("x", a.x, "dy", a.dy);
-  check_float_input(v, "weight", a.weight, 1);
-  v.dim("weight", a.weight, 0, a.x.shape[2], "head_dim");
-  check_rstd(v, a.rstd, a.x, 2);
-  check_row_mask(v, a.row_mask, a.x.shape[0]);
-  v.required("dx", a.dx, 3);
-  v.floating("dx", a.dx);
-  v.same_shape("dx", a.dx, "x", a.x);
-  v.no_alias("dx", a.dx, "x", a.x);
-  v.required("dweight", a.dweight, 1);
-  v.accumulator("dweight", a.dweight);
-  v.dim("dweight", a.dweight, 0, a.x.shape[2], "head_dim");
+  check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.eps, 3);
   run_kernel<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
 }
 
