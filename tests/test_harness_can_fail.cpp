@@ -215,3 +215,13 @@ TEST(HarnessCanFail, PlantedCasesPassWhereTheyAreCorrect) {
   check_invariance(c, SweepOptions{}, r);
   EXPECT_EQ(r.fwd_invariance.status, Status::pass);
 }
+
+TEST(Harness, CudaCellsReportNotBuiltUntilTheirKernelsLand) {
+  SweepOptions opt;
+  opt.backend = Backend::cuda;
+  for (auto& c : builtin_cases()) {
+    const CaseResult r = run_case(*c, Contract::builtin(), opt);
+    EXPECT_EQ(r.fwd_invariance.status, Status::not_built) << c->name();
+    EXPECT_EQ(r.bwd_accuracy.status, Status::not_built) << c->name();
+  }
+}
