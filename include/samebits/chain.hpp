@@ -1,0 +1,111 @@
+// samebits/chain.hpp — the Qwen3 / Llama-3 chain built from samebits ops, forward and backward,
+// over packed or padded batches, with a KV cache for prefill, chunked prefill and decode.
+//
+//   embedding → L × [RMSNorm → Q/K/V → (QK-norm) → RoPE → attention (GQA) → O → residual
+//   (+ fused RMSNorm) → gate/up → SiLU·mul → down → residual] → final RMSNorm → LM head → logprob
+//
+// Residual adds are fused with the RMSNorm that follows them (the sum is stored in the model dtype,
+// as an unfused bf16 model stores it). Activations are in the model dtype (fp64 in truth mode);
+// weight gradients go to fp32 accumulators that micro-batches add into, in token order.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "samebits/harness.hpp"
+#include "samebits/model.hpp"
+
+namespace samebits {
+
+// One sequence of a batch: rows [row, row + len) of the batch hold its tokens. With a KV cache,
+// `slot` names its cache slot and `cached` how many of its earlier tokens the cache already holds.
+struct ChainSequence {
+  int64_t row = 0, len = 0;
+  int64_t slot = -1, cached = 0;
+};
+
+// Token rows. Rows covered by no sequence are padding: they hold any valid token and are masked
+// out of the loss and out of every weight gradient.
+struct ChainBatch {
+  std::vector<int32_t> tokens;     // [rows]
+  std::vector<int32_t> positions;  // [rows]
+  std::vector<int32_t> targets;    // [rows]: the token whose logprob the row scores; -100 = none
+  std::vector<uint8_t> loss_mask;  // [rows]: 0 = not scored (padding rows are always 0)
+  std::vector<ChainSequence> seqs;
+  int64_t rows() const { return int64_t(tokens.size()); }
+
+  // Sequences packed back to back; targets are the next tokens (the last token scores nothing).
+  static ChainBatch packed(const std::vector<std::vector<int32_t>>& sequences);
+  // Padded dense: every sequence in a slot of `slot_len` rows (>= its length), padding on the
+  // right or the left; `empty_slots` adds all-padding slots (fully masked rows) after slot 0.
+  static ChainBatch padded(const std::vector<std::vector<int32_t>>& sequences, int64_t slot_len, bool left,
+                           int empty_slots = 0, int32_t pad_token = 0);
+};
+
+// Per-layer KV cache for a fixed number of sequence slots of a fixed capacity.
+class KvCache {
+ public:
+  KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, DType dtype);
+  int64_t capacity() const { return capacity_; }
+  int64_t length(int64_t slot) const { return lengths_.at(size_t(slot)); }
+  void reset(int64_t slot) { lengths_.at(size_t(slot)) = 0; }
+
+ private:
+  friend class Chain;
+  int64_t capacity_;
+  std::vector<int64_t> lengths_;
+  std::vector<harness::HostTensor> k_, v_;  // per layer: [slots * capacity, kv_heads, head_dim]
+};
+
+// Gradient accumulators, one fp32 (fp64 in truth mode) buffer per weight. A tied embedding has two
+// accumulators (the LM head's and the embedding's) summed once, in that order, by gradient().
+class ModelGrads {
+ public:
+  ModelGrads(const Model& model, DType acc);
+  harness::HostTensor gradient(const std::string& weight) const;
+  std::vector<std::string> names() const;
+  harness::HostTensor& accumulator(const std::string& name) { return acc_.at(name); }
+  const std::map<std::string, harness::HostTensor>& accumulators() const { return acc_; }
+
+ private:
+  bool tied_;
+  std::map<std::string, harness::HostTensor> acc_;
+};
+
+struct ChainForward {
+  std::vector<double> logp, entropy;  // [rows]; 0 where not scored
+  // Every activation, in forward order, for the backward and for drift reports.
+  std::deque<std::pair<std::string, harness::HostTensor>> trace;
+  const harness::HostTensor& at(const std::string& name) const;
+};
+
+class Chain {
+ public:
+  // ctx.precision == truth_fp64 requires a widened (fp64) model.
+  Chain(const Model& model, Context ctx);
+  // Scores a batch in one call; keys are the batch's own rows (training / rescoring).
+  ChainForward forward(const ChainBatch& batch) const;
+  // Runs a step against the cache: each sequence's rows are appended to its slot (after `cached`
+  // tokens, which must equal the slot's length) and attend to everything cached before them.
+  // `last_logits` (optional) receives each sequence's last-row logits (fp32 / fp64), for sampling.
+  ChainForward forward_cached(const ChainBatch& batch, KvCache& cache,
+                              std::vector<std::vector<double>>* last_logits = nullptr) const;
+  // Backward of L = Σ dlogp[row]·logp[row]: adds every weight's gradient into `grads` and returns
+  // the gradient of the input embeddings [rows, hidden] (in the activation dtype).
+  harness::HostTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,
+                               ModelGrads& grads) const;
+
+  const Model& model() const { return model_; }
+  DType act_dtype() const { return act_; }
+
+ private:
+  ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits) const;
+  const Model& model_;
+  Context ctx_;
+  DType act_, acc_;
+};
+
+}  // namespace samebits

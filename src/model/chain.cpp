@@ -1,0 +1,474 @@
+// The model chain on samebits ops. Every reduction lives inside an op, so the chain inherits the
+// ops' invariance: nothing here sums across rows except the ops' own token-ordered weight
+// gradients. Where two gradient contributions meet (Q/K/V into the input norm, gate/up into the
+// post-attention norm) they are produced in the accumulator dtype and added once, in a fixed order.
+#include "samebits/chain.hpp"
+
+#include <fmt/format.h>
+
+#include "samebits/error.hpp"
+
+namespace samebits {
+
+using harness::HostTensor;
+
+namespace {
+
+TensorView v3(const HostTensor& t, int64_t a, int64_t b) {
+  return TensorView::of(const_cast<void*>(t.data()), t.dtype(), {t.shape()[0], a, b});
+}
+
+std::string layer_name(int64_t l, const char* what) { return fmt::format("layer{}.{}", l, what); }
+
+struct Rows {
+  HostTensor ids, pos, targets, loss_mask, row_mask;
+};
+
+Rows rows_of(const ChainBatch& b, int64_t vocab) {
+  const int64_t T = b.rows();
+  if (T == 0) throw Error("chain", "batch", "empty batch: no rows");
+  if (b.seqs.empty()) throw Error("chain", "batch", "empty batch: no sequences");
+  if (int64_t(b.positions.size()) != T || int64_t(b.targets.size()) != T ||
+      (!b.loss_mask.empty() && int64_t(b.loss_mask.size()) != T))
+    throw Error("chain", "batch", "tokens, positions, targets and loss_mask must have one entry per row");
+  Rows r{HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}),
+         HostTensor(DType::u8, {T}), HostTensor(DType::u8, {T})};
+  for (auto& s : b.seqs) {
+    if (s.len <= 0) throw Error("chain", "batch", "zero-length sequence");
+    if (s.row < 0 || s.row + s.len > T) throw Error("chain", "batch", "a sequence's rows fall outside the batch");
+    for (int64_t i = s.row; i < s.row + s.len; ++i) {
+      if (r.row_mask.get(i) != 0) throw Error("chain", "batch", fmt::format("row {} belongs to two sequences", i));
+      r.row_mask.set(i, 1);
+    }
+  }
+  for (int64_t i = 0; i < T; ++i) {
+    if (b.tokens[size_t(i)] < 0 || b.tokens[size_t(i)] >= vocab)
+      throw Error("chain", "tokens", fmt::format("token id {} at row {} is outside [0, {})", b.tokens[size_t(i)], i, vocab));
+    r.ids.set(i, b.tokens[size_t(i)]);
+    r.pos.set(i, b.positions[size_t(i)]);
+    r.targets.set(i, b.targets[size_t(i)]);
+    const bool scored = r.row_mask.get(i) != 0 && (b.loss_mask.empty() || b.loss_mask[size_t(i)] != 0);
+    r.loss_mask.set(i, scored ? 1 : 0);
+  }
+  return r;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- batches
+ChainBatch ChainBatch::packed(const std::vector<std::vector<int32_t>>& sequences) {
+  ChainBatch b;
+  for (auto& s : sequences) {
+    const int64_t row = b.rows();
+    for (size_t i = 0; i < s.size(); ++i) {
+      b.tokens.push_back(s[i]);
+      b.positions.push_back(int32_t(i));
+      b.targets.push_back(i + 1 < s.size() ? s[i + 1] : -100);
+      b.loss_mask.push_back(i + 1 < s.size() ? 1 : 0);
+    }
+    b.seqs.push_back({row, int64_t(s.size())});
+  }
+  return b;
+}
+
+ChainBatch ChainBatch::padded(const std::vector<std::vector<int32_t>>& sequences, int64_t slot_len, bool left,
+                              int empty_slots, int32_t pad_token) {
+  ChainBatch b;
+  const int64_t slots = int64_t(sequences.size()) + empty_slots;
+  b.tokens.assign(size_t(slots * slot_len), pad_token);
+  b.positions.assign(b.tokens.size(), 0);
+  b.targets.assign(b.tokens.size(), -100);
+  b.loss_mask.assign(b.tokens.size(), 0);
+  for (size_t k = 0; k < sequences.size(); ++k) {
+    const auto& s = sequences[k];
+    if (int64_t(s.size()) > slot_len) throw Error("ChainBatch::padded", "slot_len", "shorter than a sequence");
+    const int64_t slot = int64_t(k) + (k > 0 ? empty_slots : 0);
+    const int64_t row = slot * slot_len + (left ? slot_len - int64_t(s.size()) : 0);
+    for (size_t i = 0; i < s.size(); ++i) {
+      b.tokens[size_t(row) + i] = s[i];
+      b.positions[size_t(row) + i] = int32_t(i);
+      b.targets[size_t(row) + i] = i + 1 < s.size() ? s[i + 1] : -100;
+      b.loss_mask[size_t(row) + i] = i + 1 < s.size() ? 1 : 0;
+    }
+    b.seqs.push_back({row, int64_t(s.size())});
+  }
+  return b;
+}
+
+// ---------------------------------------------------------------- cache and gradients
+KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype)
+    : capacity_(capacity), lengths_(size_t(slots), 0) {
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    k_.emplace_back(dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
+    v_.emplace_back(dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
+  }
+}
+
+ModelGrads::ModelGrads(const Model& model, DType acc) : tied_(model.config().tie_word_embeddings) {
+  for (auto& [name, w] : model.weights())
+    acc_[name] = HostTensor(acc, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));
+  if (tied_) acc_["lm_head.weight"] = HostTensor(acc, acc_.at("model.embed_tokens.weight").shape());
+}
+
+std::vector<std::string> ModelGrads::names() const {
+  std::vector<std::string> n;
+  for (auto& [name, t] : acc_)
+    if (!(tied_ && name == "lm_head.weight")) n.push_back(name);
+  return n;
+}
+
+HostTensor ModelGrads::gradient(const std::string& name) const {
+  HostTensor g = acc_.at(name);
+  if (tied_ && name == "model.embed_tokens.weight") {
+    const HostTensor& head = acc_.at("lm_head.weight");
+    for (int64_t i = 0; i < g.numel(); ++i) g.set(i, g.get(i) + head.get(i));  // one add: order-free
+  }
+  return g;
+}
+
+const HostTensor& ChainForward::at(const std::string& name) const {
+  for (auto& [n, t] : trace)
+    if (n == name) return t;
+  throw Error("ChainForward::at", name, "no such activation");
+}
+
+// ---------------------------------------------------------------- forward
+Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
+  const bool truth = ctx.precision == Precision::truth_fp64;
+  act_ = truth ? DType::f64 : model.config().dtype;
+  acc_ = truth ? DType::f64 : DType::f32;
+  if (truth && model.weight("model.embed_tokens.weight").dtype != DType::f64)
+    throw Error("Chain", "model", "the truth mode runs a widened (fp64) model: pass model.widened()");
+  if (ctx.backend != Backend::cpu) throw NotBuilt("chain", backend_name(ctx.backend));
+}
+
+ChainForward Chain::forward(const ChainBatch& batch) const { return run(batch, nullptr, nullptr); }
+
+ChainForward Chain::forward_cached(const ChainBatch& batch, KvCache& cache,
+                                   std::vector<std::vector<double>>* last_logits) const {
+  return run(batch, &cache, last_logits);
+}
+
+ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits) const {
+  const ModelConfig& c = model_.config();
+  const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
+                Hkv = c.num_kv_heads, D = c.head_dim;
+  const Rows r = rows_of(batch, c.vocab_size);
+  const auto W = [&](const std::string& n) { return model_.weight(n); };
+  ChainForward f;
+  auto add = [&](const std::string& name, DType dt, std::vector<int64_t> shape) -> HostTensor& {
+    f.trace.emplace_back(name, HostTensor::poisoned(dt, std::move(shape)));
+    return f.trace.back().second;
+  };
+  auto act = [&](const std::string& name, std::vector<int64_t> shape) -> HostTensor& { return add(name, act_, std::move(shape)); };
+  auto acc = [&](const std::string& name, std::vector<int64_t> shape) -> HostTensor& { return add(name, acc_, std::move(shape)); };
+
+  // The attention sequence table: keys are the batch's rows, or the cache slot's.
+  if (cache && (cache->k_.size() != size_t(c.num_layers) || cache->k_[0].dtype() != act_))
+    throw Error("chain", "cache", "was made for another model or activation dtype");
+  HostTensor seqs(DType::i32, {int64_t(batch.seqs.size()), 4});
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const ChainSequence& s = batch.seqs[i];
+    int64_t row[4] = {s.row, s.len, s.row, s.len};
+    if (cache) {
+      if (s.slot < 0 || s.slot >= int64_t(cache->lengths_.size()))
+        throw Error("chain", "batch", fmt::format("sequence {} has no valid cache slot", i));
+      if (cache->length(s.slot) != s.cached)
+        throw Error("chain", "batch", fmt::format("sequence {}: cached = {} but its slot holds {} tokens", i, s.cached,
+                                                  cache->length(s.slot)));
+      if (s.cached + s.len > cache->capacity())
+        throw Error("chain", "batch", fmt::format("sequence {} overflows its cache slot ({} tokens)", i, cache->capacity()));
+      row[2] = s.slot * cache->capacity();
+      row[3] = s.cached + s.len;
+    }
+    for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
+  }
+
+  HostTensor* x_in = &act("embed", {T, H});
+  embedding_forward(ctx_, {r.ids.view(), W("model.embed_tokens.weight"), x_in->view()});
+  HostTensor* n1 = &act("layer0.n1", {T, H});
+  HostTensor* rstd1 = &acc("layer0.rstd1", {T});
+  {
+    RmsNormForwardArgs a;
+    a.x = x_in->view();
+    a.weight = W("model.layers.0.input_layernorm.weight");
+    a.y = n1->view();
+    a.rstd = rstd1->view();
+    a.eps = c.rms_norm_eps;
+    rmsnorm_forward(ctx_, a);
+  }
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    auto linear = [&](const char* name, const HostTensor& in, const std::string& w, int64_t n) -> HostTensor& {
+      HostTensor& out = act(layer_name(l, name), {T, n});
+      linear_forward(ctx_, {in.view(), W(w), {}, out.view()});
+      return out;
+    };
+    const HostTensor& q = linear("q", *n1, p + "self_attn.q_proj.weight", Hq * D);
+    const HostTensor& k = linear("k", *n1, p + "self_attn.k_proj.weight", Hkv * D);
+    const HostTensor& v = linear("v", *n1, p + "self_attn.v_proj.weight", Hkv * D);
+    const HostTensor* qn = &q;
+    const HostTensor* kn = &k;
+    if (c.qk_norm) {
+      for (auto [src, name, heads, w] : {std::tuple{&q, "q_norm", Hq, "self_attn.q_norm.weight"},
+                                         std::tuple{&k, "k_norm", Hkv, "self_attn.k_norm.weight"}}) {
+        HostTensor& out = act(layer_name(l, name), {T, heads * D});
+        HostTensor& rstd = acc(layer_name(l, name) + "_rstd", {T, heads});
+        QkNormForwardArgs a;
+        a.x = v3(*src, heads, D);
+        a.weight = W(p + w);
+        a.y = v3(out, heads, D);
+        a.rstd = rstd.view();
+        a.eps = c.rms_norm_eps;
+        qk_norm_forward(ctx_, a);
+        (src == &q ? qn : kn) = &out;
+      }
+    }
+    HostTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
+    HostTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
+    rope_forward(ctx_, {v3(*qn, Hq, D), r.pos.view(), v3(qr, Hq, D), c.rope});
+    rope_forward(ctx_, {v3(*kn, Hkv, D), r.pos.view(), v3(kr, Hkv, D), c.rope});
+
+    AttentionForwardArgs at;
+    at.q = v3(qr, Hq, D);
+    if (cache) {  // append this step's keys / values to each sequence's slot
+      for (auto& s : batch.seqs) {
+        const int64_t dst = s.slot * cache->capacity() + s.cached;
+        cache->k_[size_t(l)].copy_rows_from(kr, s.row, dst, s.len);
+        cache->v_[size_t(l)].copy_rows_from(v, s.row, dst, s.len);
+      }
+      at.k = cache->k_[size_t(l)].view();
+      at.v = cache->v_[size_t(l)].view();
+    } else {
+      at.k = v3(kr, Hkv, D);
+      at.v = v3(v, Hkv, D);
+    }
+    at.seqs = seqs.view();
+    HostTensor& attn = act(layer_name(l, "attn"), {T, Hq * D});
+    HostTensor& lse = acc(layer_name(l, "attn_lse"), {T, Hq});
+    at.out = v3(attn, Hq, D);
+    at.lse = lse.view();
+    attention_forward(ctx_, at);
+    const HostTensor& o = linear("o", attn, p + "self_attn.o_proj.weight", H);
+
+    HostTensor& x_mid = act(layer_name(l, "x_mid"), {T, H});
+    HostTensor& n2 = act(layer_name(l, "n2"), {T, H});
+    HostTensor& rstd2 = acc(layer_name(l, "rstd2"), {T});
+    {
+      RmsNormForwardArgs a;
+      a.x = o.view();
+      a.residual = x_in->view();
+      a.weight = W(p + "post_attention_layernorm.weight");
+      a.y = n2.view();
+      a.residual_out = x_mid.view();
+      a.rstd = rstd2.view();
+      a.eps = c.rms_norm_eps;
+      rmsnorm_forward(ctx_, a);
+    }
+    const HostTensor& g = linear("gate", n2, p + "mlp.gate_proj.weight", I);
+    const HostTensor& u = linear("up", n2, p + "mlp.up_proj.weight", I);
+    HostTensor& m = act(layer_name(l, "swiglu"), {T, I});
+    swiglu_forward(ctx_, {g.view(), u.view(), m.view()});
+    const HostTensor& d = linear("down", m, p + "mlp.down_proj.weight", H);
+
+    const bool last = l + 1 == c.num_layers;
+    const std::string next = last ? "final." : fmt::format("layer{}.", l + 1);
+    x_in = &act(next + "x_in", {T, H});
+    n1 = &act(next + "n1", {T, H});
+    rstd1 = &acc(next + "rstd1", {T});
+    RmsNormForwardArgs a;
+    a.x = d.view();
+    a.residual = x_mid.view();
+    a.weight = W(last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1));
+    a.y = n1->view();
+    a.residual_out = x_in->view();
+    a.rstd = rstd1->view();
+    a.eps = c.rms_norm_eps;
+    rmsnorm_forward(ctx_, a);
+  }
+  if (cache)
+    for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
+
+  const TensorView head = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  HostTensor& logp = acc("head.logp", {T});
+  HostTensor& entropy = acc("head.entropy", {T});
+  HostTensor& lse = acc("head.lse", {T});
+  LmHeadLogprobForwardArgs lh;
+  lh.hidden = n1->view();
+  lh.weight = head;
+  lh.targets = r.targets.view();
+  lh.loss_mask = r.loss_mask.view();
+  lh.logp = logp.view();
+  lh.entropy = entropy.view();
+  lh.lse = lse.view();
+  lm_head_logprob_forward(ctx_, lh);
+  for (int64_t i = 0; i < T; ++i) {
+    f.logp.push_back(logp.get(i));
+    f.entropy.push_back(entropy.get(i));
+  }
+  if (last_logits) {
+    last_logits->clear();
+    for (auto& s : batch.seqs) {
+      HostTensor logits(acc_, {1, c.vocab_size});
+      linear_forward(ctx_, {n1->view().rows(s.row + s.len - 1, s.row + s.len), head, {}, logits.view()});
+      std::vector<double> row(size_t(c.vocab_size));
+      for (int64_t j = 0; j < c.vocab_size; ++j) row[size_t(j)] = logits.get(j);
+      last_logits->push_back(std::move(row));
+    }
+  }
+  return f;
+}
+
+// ---------------------------------------------------------------- backward
+HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const std::vector<double>& dlogp,
+                           ModelGrads& grads) const {
+  const ModelConfig& c = model_.config();
+  const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
+                Hkv = c.num_kv_heads, D = c.head_dim;
+  if (int64_t(dlogp.size()) != T) throw Error("Chain::backward", "dlogp", "needs one entry per row");
+  for (auto& s : batch.seqs)
+    if (s.slot >= 0) throw Error("Chain::backward", "batch", "the backward runs on a forward() batch, not a cached step");
+  const Rows r = rows_of(batch, c.vocab_size);
+  const auto W = [&](const std::string& n) { return model_.weight(n); };
+  const auto A = [&](const std::string& n) { return f.at(n).view(); };
+  const auto G = [&](const std::string& n) { return grads.accumulator(n).view(); };
+  const TensorView mask = r.row_mask.view();
+  auto act = [&](std::vector<int64_t> shape) { return HostTensor::poisoned(act_, std::move(shape)); };
+
+  HostTensor seqs(DType::i32, {int64_t(batch.seqs.size()), 4});
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const int64_t row[4] = {batch.seqs[i].row, batch.seqs[i].len, batch.seqs[i].row, batch.seqs[i].len};
+    for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
+  }
+  HostTensor g_logp(acc_, {T});
+  for (int64_t i = 0; i < T; ++i) g_logp.set(i, dlogp[size_t(i)]);
+
+  HostTensor dn = act({T, H});
+  {
+    LmHeadLogprobBackwardArgs a;
+    a.hidden = A("final.n1");
+    a.weight = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+    a.targets = r.targets.view();
+    a.loss_mask = r.loss_mask.view();
+    a.lse = A("head.lse");
+    a.dlogp = g_logp.view();
+    a.dhidden = dn.view();
+    a.dweight = G("lm_head.weight");  // the tied model's LM-head accumulator is a separate buffer
+    lm_head_logprob_backward(ctx_, a);
+  }
+  HostTensor dx = act({T, H});
+  {
+    RmsNormBackwardArgs a;
+    a.dy = dn.view();
+    a.x = A("final.x_in");
+    a.weight = W("model.norm.weight");
+    a.rstd = A("final.rstd1");
+    a.row_mask = mask;
+    a.dx = dx.view();
+    a.dweight = G("model.norm.weight");
+    a.eps = c.rms_norm_eps;
+    rmsnorm_backward(ctx_, a);
+  }
+  // Σ of gradient contributions, each produced in the accumulator dtype, added in list order and
+  // rounded once into `out`.
+  auto sum_into = [&](std::vector<HostTensor>& parts, HostTensor& out) {
+    for (size_t i = 1; i + 1 < parts.size(); ++i)
+      residual_add_forward(ctx_, {parts[0].view(), parts[i].view(), parts[0].view()});
+    residual_add_forward(ctx_, {parts[0].view(), parts.back().view(), out.view()});
+  };
+  for (int64_t l = c.num_layers - 1; l >= 0; --l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    const std::string in_name = l == 0 ? "embed" : layer_name(l, "x_in");
+    const std::string n1_name = layer_name(l, "n1"), rstd1_name = layer_name(l, "rstd1");
+    auto back_linear = [&](const TensorView& dy, const TensorView& x, const std::string& w, HostTensor& dx_out) {
+      linear_backward_input(ctx_, {dy, W(w), dx_out.view()});
+      linear_backward_weight(ctx_, {dy, x, mask, G(w), {}});
+    };
+    // MLP: x_next = x_mid + down(swiglu(gate(n2), up(n2)))
+    HostTensor dm = act({T, I});
+    back_linear(dx.view(), A(layer_name(l, "swiglu")), p + "mlp.down_proj.weight", dm);
+    HostTensor dg = act({T, I}), du = act({T, I});
+    swiglu_backward(ctx_, {dm.view(), A(layer_name(l, "gate")), A(layer_name(l, "up")), dg.view(), du.view()});
+    std::vector<HostTensor> parts{HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H})};
+    back_linear(dg.view(), A(layer_name(l, "n2")), p + "mlp.gate_proj.weight", parts[0]);
+    back_linear(du.view(), A(layer_name(l, "n2")), p + "mlp.up_proj.weight", parts[1]);
+    HostTensor dn2 = act({T, H});
+    sum_into(parts, dn2);
+    HostTensor dx_mid = act({T, H});
+    {
+      RmsNormBackwardArgs a;
+      a.dy = dn2.view();
+      a.dresidual_out = dx.view();
+      a.x = A(layer_name(l, "x_mid"));
+      a.weight = W(p + "post_attention_layernorm.weight");
+      a.rstd = A(layer_name(l, "rstd2"));
+      a.row_mask = mask;
+      a.dx = dx_mid.view();
+      a.dweight = G(p + "post_attention_layernorm.weight");
+      a.eps = c.rms_norm_eps;
+      rmsnorm_backward(ctx_, a);
+    }
+    // Attention: x_mid = x_in + o_proj(attention(rope(qk_norm(q)), rope(qk_norm(k)), v))
+    HostTensor da = act({T, Hq * D});
+    back_linear(dx_mid.view(), A(layer_name(l, "attn")), p + "self_attn.o_proj.weight", da);
+    HostTensor dqr = act({T, Hq * D}), dkr = act({T, Hkv * D}), dv = act({T, Hkv * D});
+    {
+      AttentionBackwardArgs a;
+      a.q = v3(f.at(layer_name(l, "q_rope")), Hq, D);
+      a.k = v3(f.at(layer_name(l, "k_rope")), Hkv, D);
+      a.v = v3(f.at(layer_name(l, "v")), Hkv, D);
+      a.seqs = seqs.view();
+      a.out = v3(f.at(layer_name(l, "attn")), Hq, D);
+      a.lse = A(layer_name(l, "attn_lse"));
+      a.dout = v3(da, Hq, D);
+      a.dq = v3(dqr, Hq, D);
+      a.dk = v3(dkr, Hkv, D);
+      a.dv = v3(dv, Hkv, D);
+      attention_backward(ctx_, a);
+    }
+    HostTensor dqn = act({T, Hq * D}), dkn = act({T, Hkv * D});
+    rope_backward(ctx_, {v3(dqr, Hq, D), r.pos.view(), v3(dqn, Hq, D), c.rope});
+    rope_backward(ctx_, {v3(dkr, Hkv, D), r.pos.view(), v3(dkn, Hkv, D), c.rope});
+    HostTensor dq = std::move(dqn), dk = std::move(dkn);
+    if (c.qk_norm) {
+      for (auto [grad, name, heads, w] : {std::tuple{&dq, "q", Hq, "self_attn.q_norm.weight"},
+                                          std::tuple{&dk, "k", Hkv, "self_attn.k_norm.weight"}}) {
+        HostTensor out = act({T, heads * D});
+        QkNormBackwardArgs a;
+        a.dy = v3(*grad, heads, D);
+        a.x = v3(f.at(layer_name(l, name)), heads, D);
+        a.weight = W(p + w);
+        a.rstd = A(layer_name(l, name) + "_norm_rstd");
+        a.row_mask = mask;
+        a.dx = v3(out, heads, D);
+        a.dweight = G(p + w);
+        a.eps = c.rms_norm_eps;
+        qk_norm_backward(ctx_, a);
+        *grad = std::move(out);
+      }
+    }
+    std::vector<HostTensor> qkv{HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H})};
+    back_linear(dq.view(), A(n1_name), p + "self_attn.q_proj.weight", qkv[0]);
+    back_linear(dk.view(), A(n1_name), p + "self_attn.k_proj.weight", qkv[1]);
+    back_linear(dv.view(), A(n1_name), p + "self_attn.v_proj.weight", qkv[2]);
+    HostTensor dn1 = act({T, H});
+    sum_into(qkv, dn1);
+    HostTensor dx_in = act({T, H});
+    RmsNormBackwardArgs a;
+    a.dy = dn1.view();
+    a.dresidual_out = dx_mid.view();
+    a.x = A(in_name);
+    a.weight = W(p + "input_layernorm.weight");
+    a.rstd = A(rstd1_name);
+    a.row_mask = mask;
+    a.dx = dx_in.view();
+    a.dweight = G(p + "input_layernorm.weight");
+    a.eps = c.rms_norm_eps;
+    rmsnorm_backward(ctx_, a);
+    dx = std::move(dx_in);
+  }
+  embedding_backward(ctx_, {r.ids.view(), dx.view(), mask, G("model.embed_tokens.weight")});
+  return dx;
+}
+
+}  // namespace samebits
