@@ -1,4 +1,7 @@
-// The `samebits` command: verify (the status matrix), version.
+// The `samebits` command: verify (the status matrix and the chain gate), logprobs, export-model,
+// version.
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -7,74 +10,102 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "samebits/chain.hpp"
+#include "samebits/chain_gate.hpp"
 #include "samebits/context.hpp"
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
+#include "tools/logprobs_io.hpp"
 
 using namespace samebits;
 
 namespace {
 
-int run_verify(const std::string& backend_arg, uint64_t seed, const std::vector<std::string>& ops,
-               bool json, const std::string& status_dir, bool quiet) {
-  Backend backend = Backend::cpu;
-  if (backend_arg == "auto") {
-    backend = cuda_device_present() ? Backend::cuda : Backend::cpu;
-  } else {
-    backend = backend_from_name(backend_arg.c_str());
-    if (backend == Backend::cuda && !cuda_backend_built()) {
-      std::cerr << "samebits verify: this build has no CUDA backend (nvcc was not found at build time)\n";
-      return 2;
-    }
-    if (backend == Backend::cuda && !cuda_device_present()) {
-      std::cerr << "samebits verify: --backend cuda, but no CUDA device is visible\n";
-      return 2;
-    }
-  }
+Backend pick_backend(const std::string& arg) {
+  if (arg == "auto") return cuda_device_present() ? Backend::cuda : Backend::cpu;
+  const Backend b = backend_from_name(arg.c_str());
+  if (b == Backend::cuda && !cuda_backend_built())
+    throw Error("samebits", "--backend", "this build has no CUDA backend (nvcc was not found at build time)");
+  if (b == Backend::cuda && !cuda_device_present())
+    throw Error("samebits", "--backend", "cuda was asked for, but no CUDA device is visible");
+  return b;
+}
+
+struct VerifyArgs {
+  std::string backend = "auto", status_dir, model_dir;
+  uint64_t seed = 1234;
+  std::vector<std::string> ops;
+  bool json = false, quiet = false, no_chain = false;
+};
+
+int run_verify(const VerifyArgs& args) {
+  const Backend backend = pick_backend(args.backend);
+  auto wanted = [&](const std::string& op) {
+    return args.ops.empty() || std::find(args.ops.begin(), args.ops.end(), op) != args.ops.end();
+  };
   harness::CaseList cases;
   for (auto& c : harness::builtin_cases())
-    if (ops.empty() || std::find(ops.begin(), ops.end(), c->op()) != ops.end()) cases.push_back(c);
-  if (cases.empty()) {
-    std::cerr << "samebits verify: no case matches the --op filter\n";
+    if (wanted(c->op())) cases.push_back(c);
+  const bool chain = !args.no_chain && wanted("chain");
+  std::vector<std::pair<std::string, Model>> models;
+  if (chain) {
+    if (!args.model_dir.empty()) models.emplace_back(args.model_dir, Model::load(args.model_dir));
+    else {
+      models.emplace_back("builtin-untied", Model::builtin(false));
+      models.emplace_back("builtin-tied", Model::builtin(true));
+    }
+  }
+  if (cases.empty() && models.empty()) {
+    std::cerr << "samebits verify: nothing matches the --op filter\n";
     return 2;
   }
   harness::SweepOptions opt;
-  opt.seed = seed;
+  opt.seed = args.seed;
   opt.backend = backend;
+  const size_t total = cases.size() + models.size();
   size_t done = 0;
-  if (!quiet)
-    opt.progress = [&](const std::string& name) {
-      std::cerr << fmt::format("[{:>2}/{}] {}\n", ++done, cases.size(), name);
-    };
+  auto progress = [&](const std::string& name) {
+    if (!args.quiet) std::cerr << fmt::format("[{:>2}/{}] {}\n", done, total, name);
+  };
+  if (!args.quiet) opt.progress = [&](const std::string& name) { ++done; progress(name); };
   const auto contract = harness::Contract::builtin();
   harness::Matrix m;
   m.backend = backend_name(backend);
-  m.seed = seed;
+  m.seed = args.seed;
   for (auto& c : cases) m.cases.push_back(harness::run_case(*c, contract, opt));
-  std::cout << (json ? m.json() + "\n" : m.text());
-  if (!status_dir.empty()) {
-    std::filesystem::create_directories(status_dir);
-    const std::string base = status_dir + "/" + m.backend;
+  for (auto& [label, model] : models) {
+    ++done;
+    harness::ChainGateOptions gate;
+    gate.seed = args.seed;
+    gate.backend = backend;
+    m.cases.push_back(harness::run_chain_gate(model, label, contract, gate, progress));
+  }
+  std::cout << (args.json ? m.json() + "\n" : m.text());
+  if (!args.status_dir.empty()) {
+    std::filesystem::create_directories(args.status_dir);
+    const std::string base = args.status_dir + "/" + m.backend;
     std::ofstream(base + ".md") << m.markdown();
     std::ofstream(base + ".json") << m.json() << "\n";
-    if (!quiet) std::cerr << "wrote " << base << ".md and " << base << ".json\n";
+    if (!args.quiet) std::cerr << "wrote " << base << ".md and " << base << ".json\n";
   }
   const bool ok = m.all_pass();
-  if (!json) {
-    int not_built = 0, total = 0;
+  if (!args.json) {
+    int not_built = 0, cells = 0;
     for (auto& c : m.cases)
       for (auto* cell : {&c.fwd_invariance, &c.fwd_accuracy, &c.bwd_invariance, &c.bwd_accuracy}) {
-        total += cell->status != harness::Status::not_applicable;
+        cells += cell->status != harness::Status::not_applicable;
         not_built += cell->status == harness::Status::not_built;
       }
     if (!ok) std::cout << "\nverify: FAILED\n";
     else if (not_built == 0) std::cout << "\nverify: all cells PASS\n";
     else
       std::cout << fmt::format("\nverify: no failures, but {} of {} cells are NOT BUILT on the {} backend yet"
-                               " (`--backend cpu` runs the CPU reference)\n", not_built, total, m.backend);
+                               " (`--backend cpu` runs the CPU reference)\n", not_built, cells, m.backend);
   }
   return ok ? 0 : 1;
 }
+
+Model load_or_builtin(const std::string& dir, bool tied) { return dir.empty() ? Model::builtin(tied) : Model::load(dir); }
 
 }  // namespace
 
@@ -82,19 +113,37 @@ int main(int argc, char** argv) {
   CLI::App app{"samebits: batch-invariant transformer forward and backward, with proof"};
   app.require_subcommand(1);
 
-  auto* verify = app.add_subcommand("verify", "Run the ground-truth harness and print the status matrix");
-  std::string backend = "auto", status_dir;
-  uint64_t seed = 1234;
-  std::vector<std::string> ops;
-  bool json = false, quiet = false;
-  verify->add_option("--backend", backend, "cpu | cuda | auto (the GPU when present, else the CPU)")
+  VerifyArgs va;
+  auto* verify = app.add_subcommand("verify", "Run the ground-truth harness and the chain gate; print the status matrix");
+  verify->add_option("--backend", va.backend, "cpu | cuda | auto (the GPU when present, else the CPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
-  verify->add_option("--seed", seed, "Seed of every generated input")->capture_default_str();
-  verify->add_option("--op", ops, "Only these ops (repeatable), e.g. --op linear --op attention");
-  verify->add_flag("--json", json, "Print the matrix with every drift report as JSON");
-  verify->add_option("--status-dir", status_dir, "Also write <backend>.md and <backend>.json here");
-  verify->add_flag("-q,--quiet", quiet, "No progress lines on stderr");
+  verify->add_option("--seed", va.seed, "Seed of every generated input")->capture_default_str();
+  verify->add_option("--op", va.ops, "Only these ops (repeatable), e.g. --op linear --op chain");
+  verify->add_option("--model", va.model_dir, "Run the chain gate on this Hugging Face model directory");
+  verify->add_flag("--no-chain", va.no_chain, "Skip the chain gate");
+  verify->add_flag("--json", va.json, "Print the matrix with every drift report as JSON");
+  verify->add_option("--status-dir", va.status_dir, "Also write <backend>.md and <backend>.json here");
+  verify->add_flag("-q,--quiet", va.quiet, "No progress lines on stderr");
+
+  std::string lp_model, lp_input, lp_output, lp_backend = "auto";
+  bool lp_entropy = false, lp_tied = false;
+  auto* logprobs = app.add_subcommand("logprobs", "Per-token logprobs of JSONL token sequences");
+  logprobs->add_option("--model", lp_model, "Hugging Face model directory (default: the built-in model)");
+  logprobs->add_flag("--builtin-tied", lp_tied, "Use the tied variant of the built-in model");
+  logprobs->add_option("--input", lp_input, "JSONL: {\"tokens\": [...], \"loss_mask\": [...] (optional)} per line; - = stdin")
+      ->required();
+  logprobs->add_option("--output", lp_output, "Where to write the JSONL (default: stdout)");
+  logprobs->add_flag("--entropy", lp_entropy, "Also write per-token entropies");
+  logprobs->add_option("--backend", lp_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+
+  std::string ex_dir;
+  bool ex_tied = false;
+  uint64_t ex_seed = 1234;
+  auto* export_model = app.add_subcommand("export-model", "Write the built-in model in the Hugging Face format");
+  export_model->add_option("dir", ex_dir, "Output directory")->required();
+  export_model->add_flag("--tied", ex_tied, "The tied-embedding variant");
+  export_model->add_option("--seed", ex_seed, "Weight seed")->capture_default_str();
 
   app.add_subcommand("version", "Print the version and the backends built")->callback([] {
     std::cout << "samebits 0.1.0 (backends: cpu" << (cuda_backend_built() ? ", cuda" : "") << ")\n";
@@ -105,13 +154,31 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (verify->parsed()) {
-    try {
-      return run_verify(backend, seed, ops, json, status_dir, quiet);
-    } catch (const samebits::Error& e) {
-      std::cerr << e.what() << "\n";
-      return 2;
+  try {
+    if (verify->parsed()) return run_verify(va);
+    if (export_model->parsed()) {
+      Model::builtin(ex_tied, ex_seed).save(ex_dir);
+      std::cerr << "wrote " << ex_dir << "/config.json and model.safetensors\n";
+      return 0;
     }
+    if (logprobs->parsed()) {
+      const Backend backend = pick_backend(lp_backend);
+      const Model model = load_or_builtin(lp_model, lp_tied);
+      std::ifstream file;
+      if (lp_input != "-") {
+        file.open(lp_input);
+        if (!file) throw Error("samebits logprobs", "--input", "cannot open " + lp_input);
+      }
+      std::istream& in = lp_input == "-" ? std::cin : file;
+      std::ofstream ofile;
+      if (!lp_output.empty()) ofile.open(lp_output);
+      std::ostream& out = lp_output.empty() ? std::cout : ofile;
+      tools::write_logprobs(model, backend, in, out, lp_entropy);
+      return 0;
+    }
+  } catch (const samebits::Error& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
   }
   return 0;
 }

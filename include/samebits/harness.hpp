@@ -160,11 +160,15 @@ class Contract {
   static Contract builtin();                   // docs/contract.json, compiled in
   static Contract from_json(const std::string& text);
   Tolerance tolerance(const std::string& cls, DType dtype) const;  // throws for unknown
+  // Chain bounds: "max_abs_dlogp" and "grad_rel_l2" per model dtype; "approx_kl", "clip_fraction"
+  // (dtype ignored), and "clip_low" / "clip_high".
+  double chain_bound(const std::string& metric, DType dtype) const;
   const std::string& json() const { return json_; }
 
  private:
   std::string json_;
   std::map<std::string, std::map<std::string, Tolerance>> classes_;
+  std::map<std::string, std::map<std::string, double>> chain_;  // metric -> dtype (or "*") -> bound
 };
 
 // ---------------------------------------------------------------- results

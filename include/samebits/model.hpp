@@ -60,8 +60,10 @@ class Model {
   const TensorView& weight(const std::string& name) const;  // throws for an unknown name
   bool has(const std::string& name) const { return weights_.count(name) > 0; }
   const std::map<std::string, TensorView>& weights() const { return weights_; }
+  // The weights converted to another dtype (RNE when narrowing); config().dtype follows.
+  Model converted(DType dtype) const;
   // The weights converted to fp64 (exactly): the model the truth-mode chain runs.
-  Model widened() const;
+  Model widened() const { return converted(DType::f64); }
   const std::string& source() const { return source_; }
 
  private:

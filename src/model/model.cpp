@@ -153,12 +153,13 @@ void Model::save(const std::string& dir) const {
   write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors);
 }
 
-Model Model::widened() const {
+Model Model::converted(DType dtype) const {
   Model m;
   m.config_ = config_;
-  m.source_ = source_ + " (fp64)";
+  if (dtype != DType::f64) m.config_.dtype = dtype;  // fp64 is the truth mode's, not a model dtype
+  m.source_ = fmt::format("{} ({})", source_, dtype_name(dtype));
   for (auto& [name, v] : weights_) {
-    auto t = std::make_shared<harness::HostTensor>(DType::f64, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+    auto t = std::make_shared<harness::HostTensor>(dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
     for (int64_t i = 0; i < t->numel(); ++i) t->set(i, load_as_double(v.data, v.dtype, i));
     m.weights_[name] = t->view();
     m.storage_.push_back(t);
