@@ -7,6 +7,8 @@
 #include <fstream>
 #include <iostream>
 
+#include <sys/resource.h>
+
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -107,6 +109,54 @@ int run_verify(const VerifyArgs& args) {
 
 Model load_or_builtin(const std::string& dir, bool tied) { return dir.empty() ? Model::builtin(tied) : Model::load(dir); }
 
+double peak_rss_mib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+// Qwen3-8B's shape (36 layers in the real model; `layers` here), for export and load reports.
+ModelConfig qwen3_8b_shape(int64_t layers) {
+  ModelConfig c = Model::builtin(false).config();
+  c.vocab_size = 151936;
+  c.hidden_size = 4096;
+  c.intermediate_size = 12288;
+  c.num_layers = layers;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.rope.max_position = 40960;
+  return c;
+}
+
+int inspect(const std::string& dir, bool tied) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Model m = load_or_builtin(dir, tied);
+  const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double rss_loaded = peak_rss_mib();
+  std::vector<int32_t> tokens(16);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * 7919) % size_t(m.config().vocab_size));
+  const auto t1 = std::chrono::steady_clock::now();
+  const ChainForward f = Chain(m, Context{}).forward(ChainBatch::packed({tokens}));
+  const double fwd_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  int64_t params = 0, bytes = 0;
+  for (auto& [name, w] : m.weights()) {
+    params += w.numel();
+    bytes += w.bytes();
+  }
+  const ModelConfig& c = m.config();
+  std::cout << fmt::format(
+      "model      {}\nshape      {} layers, hidden {}, intermediate {}, heads {}/{} x {}, vocab {}, {}, {}\n"
+      "weights    {} tensors, {:.3f} G parameters, {:.1f} MiB\n"
+      "load       {:.1f} ms ({}), peak RSS after load {:.1f} MiB\n"
+      "forward    16 tokens on the CPU in {:.1f} ms, peak RSS after it {:.1f} MiB (logp[1] = {:.6f})\n",
+      m.source(), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+      c.vocab_size, dtype_name(c.dtype), c.tie_word_embeddings ? "tied" : "untied", m.weights().size(),
+      double(params) * 1e-9, double(bytes) / 1048576.0, load_ms,
+      dir.empty() ? "generated from its seed" : "memory-mapped", rss_loaded, fwd_ms, peak_rss_mib(), f.logp[1]);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -137,13 +187,24 @@ int main(int argc, char** argv) {
   logprobs->add_flag("--entropy", lp_entropy, "Also write per-token entropies");
   logprobs->add_option("--backend", lp_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
-  std::string ex_dir;
+  std::string ex_dir, ex_shape = "builtin";
   bool ex_tied = false;
   uint64_t ex_seed = 1234;
-  auto* export_model = app.add_subcommand("export-model", "Write the built-in model in the Hugging Face format");
+  int64_t ex_layers = 1;
+  auto* export_model = app.add_subcommand("export-model", "Write the built-in model (or a random model of a known shape) in the Hugging Face format");
   export_model->add_option("dir", ex_dir, "Output directory")->required();
   export_model->add_flag("--tied", ex_tied, "The tied-embedding variant");
   export_model->add_option("--seed", ex_seed, "Weight seed")->capture_default_str();
+  export_model->add_option("--shape", ex_shape, "builtin | qwen3-8b (random weights)")
+      ->check(CLI::IsMember({"builtin", "qwen3-8b"}))
+      ->capture_default_str();
+  export_model->add_option("--layers", ex_layers, "Layers, for --shape qwen3-8b")->capture_default_str();
+
+  std::string in_model;
+  bool in_tied = false;
+  auto* inspect_cmd = app.add_subcommand("inspect", "Load a model; report its shape, load time and peak memory");
+  inspect_cmd->add_option("--model", in_model, "Hugging Face model directory (default: the built-in model)");
+  inspect_cmd->add_flag("--builtin-tied", in_tied, "Use the tied variant of the built-in model");
 
   app.add_subcommand("version", "Print the version and the backends built")->callback([] {
     std::cout << "samebits 0.1.0 (backends: cpu" << (cuda_backend_built() ? ", cuda" : "") << ")\n";
@@ -156,8 +217,15 @@ int main(int argc, char** argv) {
   }
   try {
     if (verify->parsed()) return run_verify(va);
+    if (inspect_cmd->parsed()) return inspect(in_model, in_tied);
     if (export_model->parsed()) {
-      Model::builtin(ex_tied, ex_seed).save(ex_dir);
+      if (ex_shape == "builtin") {
+        Model::builtin(ex_tied, ex_seed).save(ex_dir);
+      } else {
+        ModelConfig c = qwen3_8b_shape(ex_layers);
+        c.tie_word_embeddings = ex_tied;
+        Model::random(c, ex_seed).save(ex_dir);
+      }
       std::cerr << "wrote " << ex_dir << "/config.json and model.safetensors\n";
       return 0;
     }

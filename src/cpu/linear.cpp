@@ -9,21 +9,27 @@
 namespace samebits::cpu {
 namespace {
 
+// Parallel over weight rows: each weight row is converted once, where it is used, so a large
+// weight (an LM head) is never copied whole.
 void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
   with_precision(ctx, [&](auto acc) {
     using Acc = decltype(acc);
     const int64_t M = a.x.shape[0], K = a.x.shape[1], N = a.weight.shape[0];
-    const auto x = load_all<Acc>(a.x), w = load_all<Acc>(a.weight);
+    const auto x = load_all<Acc>(a.x);
     std::vector<Acc> bias(static_cast<size_t>(N), Acc(0));
     if (a.bias.present()) load(a.bias, 0, N, bias.data());
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      std::vector<Acc> row(static_cast<size_t>(N));
+#pragma omp parallel
+    {
+      std::vector<Acc> w(static_cast<size_t>(K));
+#pragma omp for schedule(static)
       for (int64_t n = 0; n < N; ++n) {
-        row[n] = dot_fixed(&x[m * K], &w[n * K], K);
-        if (a.bias.present()) row[n] += bias[n];
+        load(a.weight, n * K, K, w.data());
+        for (int64_t m = 0; m < M; ++m) {
+          Acc y = dot_fixed(&x[m * K], w.data(), K);
+          if (a.bias.present()) y += bias[n];
+          store(a.y, m * N + n, 1, &y);
+        }
       }
-      store(a.y, m * N, N, row.data());
     }
   });
 }

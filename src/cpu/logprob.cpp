@@ -116,27 +116,34 @@ void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
   });
 }
 
+// Vocab blocks outermost: each block of weight rows is converted once and scored against every
+// token; each token merges its block statistics in ascending block order, as logprob_forward does.
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   with_precision(ctx, [&](auto acc) {
     using Acc = decltype(acc);
     const int64_t T = a.hidden.shape[0], H = a.hidden.shape[1], V = a.weight.shape[0];
-    const auto hid = load_all<Acc>(a.hidden), w = load_all<Acc>(a.weight);
+    const auto hid = load_all<Acc>(a.hidden);
     const auto* tg = a.targets.as<const int32_t>();
     const int64_t blk = logprob_vocab_block(V);
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<Acc> z(static_cast<size_t>(blk));  // one vocab block at a time
-      RowStats<Acc> st;
-      const bool active = token_active(a.loss_mask, tg, a.ignore_index, t);
-      Acc target_logit = 0;
-      for (int64_t b = 0; b < V; b += blk) {
-        const int64_t n = std::min(blk, V - b);
-        for (int64_t v = 0; v < n; ++v) z[v] = dot_fixed(&hid[t * H], &w[(b + v) * H], H);
-        if (active && tg[t] >= b && tg[t] < b + n) target_logit = z[tg[t] - b];
-        st.add_block(z.data(), n);
+    std::vector<RowStats<Acc>> stats(static_cast<size_t>(T));
+    std::vector<Acc> target_logit(static_cast<size_t>(T), Acc(0)), w(static_cast<size_t>(blk * H));
+    for (int64_t b = 0; b < V; b += blk) {
+      const int64_t n = std::min(blk, V - b);
+      load(a.weight, b * H, n * H, w.data());
+#pragma omp parallel
+      {
+        std::vector<Acc> z(static_cast<size_t>(blk));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t v = 0; v < n; ++v) z[v] = dot_fixed(&hid[t * H], &w[v * H], H);
+          if (tg[t] >= b && tg[t] < b + n) target_logit[t] = z[tg[t] - b];
+          stats[t].add_block(z.data(), n);
+        }
       }
-      write_row<Acc>(a.logp, a.entropy, a.lse, t, active, st, target_logit);
     }
+    for (int64_t t = 0; t < T; ++t)
+      write_row<Acc>(a.logp, a.entropy, a.lse, t, token_active(a.loss_mask, tg, a.ignore_index, t), stats[t],
+                     target_logit[t]);
   });
 }
 

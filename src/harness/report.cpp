@@ -132,6 +132,20 @@ std::string Matrix::markdown() const {
                      c.fwd_invariance.comparisons, cell_text(c.fwd_accuracy.status, c.fwd_accuracy.worst_ratio, true),
                      status_name(c.bwd_invariance.status), c.bwd_invariance.comparisons,
                      cell_text(c.bwd_accuracy.status, c.bwd_accuracy.worst_ratio, true));
+  bool chain_header = false;
+  for (auto& c : cases) {
+    if (c.op != "chain") continue;
+    if (!chain_header) s += "\n## Chain accuracy against the fp64 chain\n\n";
+    chain_header = true;
+    for (auto& d : c.fwd_accuracy.drifts) s += fmt::format("- {}: {}\n", c.case_name, d.check);
+    double worst[2] = {0, 0};
+    for (auto& d : c.bwd_accuracy.drifts) {
+      const bool judged = d.check.find("not judged") == std::string::npos;
+      worst[judged ? 0 : 1] = std::max(worst[judged ? 0 : 1], d.max_rel);
+    }
+    s += fmt::format("- {}: weight gradients, worst relative L2 error vs fp64: fp32 chain {:.3g} (judged), "
+                     "model-dtype chain {:.3g} (reported)\n", c.case_name, worst[0], worst[1]);
+  }
   bool any = false;
   for (auto& c : cases)
     for (auto* d : failures(c)) {
