@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "samebits/chain.hpp"
+#include "samebits/chain_gate.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
 #include "tools/logprobs_io.hpp"
@@ -321,5 +322,33 @@ TEST(Model, ChainGradientsMatchFiniteDifferences) {
         EXPECT_NEAR(g.get(i), fd, 1e-6 + 1e-5 * std::fabs(fd)) << (tied ? "tied " : "untied ") << name << " at " << i;
       }
     }
+  }
+}
+
+TEST(Model, ChainGatePassesOnLlamaAndFp16Models) {
+  // Llama-3 (no QK-norm, rope scaling, untied) in bf16, and a Qwen3 model in fp16, each exported
+  // and loaded back through the Hugging Face format first.
+  ModelConfig llama = Model::builtin(false).config();
+  llama.architecture = "llama";
+  llama.qk_norm = false;
+  llama.rope.theta = 500000.0;
+  llama.rope.llama3_scaling = true;
+  llama.rope.original_max_position = 64;  // small, so the scaling bands fall inside head_dim 32
+  ModelConfig fp16 = Model::builtin(true).config();
+  fp16.dtype = DType::f16;
+  for (const ModelConfig& c : {llama, fp16}) {
+    const fs::path dir = scratch("gate_" + c.architecture + dtype_name(c.dtype));
+    Model::random(c, 21).save(dir.string());
+    const Model m = Model::load(dir.string());
+    harness::ChainGateOptions opt;
+    opt.target_len = 70;
+    opt.chunk_sizes = {1, 7, 64};
+    const harness::CaseResult r = harness::run_chain_gate(m, c.architecture, harness::Contract::builtin(), opt);
+    for (const harness::CellResult* cell : {&r.fwd_invariance, &r.fwd_accuracy, &r.bwd_invariance, &r.bwd_accuracy}) {
+      EXPECT_EQ(cell->status, harness::Status::pass) << c.architecture << " " << dtype_name(c.dtype) << " " << cell->note;
+      for (auto& d : cell->drifts)
+        if (d.count) ADD_FAILURE() << d.message();
+    }
+    fs::remove_all(dir);
   }
 }
