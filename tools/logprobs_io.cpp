@@ -26,26 +26,26 @@ Line parse_line(const std::string& text, int64_t number, int64_t vocab) {
   try {
     j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    throw Error("samebits logprobs", where, std::string("not valid JSON: ") + e.what());
+    throw Error("logprobs", where, std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
-    throw Error("samebits logprobs", where, "needs an object with a \"tokens\" array");
+    throw Error("logprobs", where, "needs an object with a \"tokens\" array");
   Line l{number, {}, {}};
   for (auto& t : j["tokens"]) {
-    if (!t.is_number_integer()) throw Error("samebits logprobs", where, "token ids must be integers, got " + t.dump());
+    if (!t.is_number_integer()) throw Error("logprobs", where, "token ids must be integers, got " + t.dump());
     const int64_t id = t.get<int64_t>();
     if (id < 0 || id >= vocab)
-      throw Error("samebits logprobs", where, fmt::format("token id {} is outside the vocab [0, {})", id, vocab));
+      throw Error("logprobs", where, fmt::format("token id {} is outside the vocab [0, {})", id, vocab));
     l.tokens.push_back(int32_t(id));
   }
-  if (l.tokens.empty()) throw Error("samebits logprobs", where, "zero-length sequence");
+  if (l.tokens.empty()) throw Error("logprobs", where, "zero-length sequence");
   if (j.contains("loss_mask")) {
     const auto& m = j["loss_mask"];
     if (!m.is_array() || m.size() != l.tokens.size())
-      throw Error("samebits logprobs", where, "loss_mask must be an array with one 0/1 per token");
+      throw Error("logprobs", where, "loss_mask must be an array with one 0/1 per token");
     for (auto& x : m) {
       if (!x.is_number_integer() || (x.get<int64_t>() != 0 && x.get<int64_t>() != 1))
-        throw Error("samebits logprobs", where, "loss_mask entries must be 0 or 1");
+        throw Error("logprobs", where, "loss_mask entries must be 0 or 1");
       l.mask.push_back(uint8_t(x.get<int64_t>()));
     }
   }

@@ -27,9 +27,9 @@ Backend pick_backend(const std::string& arg) {
   if (arg == "auto") return cuda_device_present() ? Backend::cuda : Backend::cpu;
   const Backend b = backend_from_name(arg.c_str());
   if (b == Backend::cuda && !cuda_backend_built())
-    throw Error("samebits", "--backend", "this build has no CUDA backend (nvcc was not found at build time)");
+    throw Error("command line", "--backend", "this build has no CUDA backend (nvcc was not found at build time)");
   if (b == Backend::cuda && !cuda_device_present())
-    throw Error("samebits", "--backend", "cuda was asked for, but no CUDA device is visible");
+    throw Error("command line", "--backend", "cuda was asked for, but no CUDA device is visible");
   return b;
 }
 
@@ -235,7 +235,7 @@ int main(int argc, char** argv) {
       std::ifstream file;
       if (lp_input != "-") {
         file.open(lp_input);
-        if (!file) throw Error("samebits logprobs", "--input", "cannot open " + lp_input);
+        if (!file) throw Error("logprobs", "--input", "cannot open " + lp_input);
       }
       std::istream& in = lp_input == "-" ? std::cin : file;
       std::ofstream ofile;
