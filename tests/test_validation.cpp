@@ -204,10 +204,23 @@ TEST(Validation, MissingRequiredArgument) {
 }
 
 TEST(Validation, CudaBackendReportsNotBuiltBeforeTouchingArguments) {
-  LinearFixture f;
+  // Attention has no CUDA kernel yet: NotBuilt comes before any argument check.
+  std::vector<float> q(4, 0.5f), out(4, 0.0f);
+  std::vector<int32_t> seqs{0, 1, 0, 1};
+  AttentionForwardArgs a;
+  a.q = a.k = a.v = TensorView::of(q.data(), DType::f32, {1, 1, 4});
+  a.out = TensorView::of(out.data(), DType::f32, {1, 1, 4});
+  a.seqs = TensorView::of(seqs.data(), DType::i32, {1, 4});
   Context cuda;
   cuda.backend = Backend::cuda;
-  EXPECT_THROW(linear_forward(cuda, f.args()), NotBuilt);
+  EXPECT_THROW(attention_forward(cuda, a), NotBuilt);
+  // An op the CUDA backend has checks its arguments: host pointers are refused by name.
+  LinearFixture f;
+  if (cuda_backend_built()) {
+    expect_error([&] { linear_forward(cuda, f.args()); }, "linear_forward", "x", "is on the cpu", &f.y);
+  } else {
+    EXPECT_THROW(linear_forward(cuda, f.args()), NotBuilt);
+  }
   Context truth_on_cuda = cuda;
   truth_on_cuda.precision = Precision::truth_fp64;
   EXPECT_THROW(linear_forward(truth_on_cuda, f.args()), Error);

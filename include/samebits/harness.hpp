@@ -40,6 +40,10 @@ class HostTensor {
   const void* data() const;
   TensorView view() const;  // a contiguous CPU view
   bool guards_intact() const;
+  // The whole guarded allocation (guard, data, guard), for mirroring to a device.
+  void* storage() { return storage_.data(); }
+  size_t storage_bytes() const { return storage_.size(); }
+  static constexpr size_t kGuardBytes = 64;
 
   double get(int64_t i) const { return load_as_double(data(), dtype_, i); }
   void set(int64_t i, double v) { store_from_double(data(), dtype_, i, v); }
@@ -97,14 +101,19 @@ struct Batch {
 class CaseIO {
  public:
   CaseIO(const Batch& batch, const TensorMap& params, TensorMap& param_grads, bool backward,
-         bool truth)
-      : batch(batch), params(params), param_grads(param_grads), backward(backward), truth(truth) {}
+         bool truth, Backend backend = Backend::cpu)
+      : batch(batch), params(params), param_grads(param_grads), backward(backward), truth(truth),
+        backend(backend) {}
+  ~CaseIO();
+  CaseIO(const CaseIO&) = delete;
+  CaseIO& operator=(const CaseIO&) = delete;
 
   const Batch& batch;
   const TensorMap& params;
   TensorMap& param_grads;  // accumulators (fp32, fp64 in truth mode); run() adds into them
   const bool backward;     // run the backward too
   const bool truth;        // fp64 truth mode: every floating tensor is fp64
+  const Backend backend;   // where the op runs: views of tensors are mirrored there
 
   // The dtype a floating output of dtype d takes in this run (fp64 in truth mode).
   DType out_dtype(DType d) const { return truth ? DType::f64 : d; }
@@ -114,8 +123,23 @@ class CaseIO {
   HostTensor& output(const std::string& name, DType dtype, std::vector<int64_t> row_shape);
   const HostTensor& in(const std::string& name) const;  // a batch token tensor
   const HostTensor& param(const std::string& name) const;
+  // The view an op gets of `t` on the run's backend: the tensor itself on the CPU; on a device, a
+  // mirror (guards included) that is copied back after the run when `t` is an output or a
+  // gradient accumulator of this CaseIO, so guard checks cover device writes too.
+  TensorView view(const HostTensor& t);
+  // The accumulator of a trained parameter, as a view on the run's backend (none if absent).
+  TensorView grad(const std::string& name);
+  // Copies device outputs back and releases the mirrors (the harness calls it after run()).
+  void finish_device_run();
 
   TensorMap outputs;
+
+ private:
+  struct Mirror {
+    const HostTensor* host;
+    void* device;
+  };
+  std::vector<Mirror> mirrors_;
 };
 
 // ---------------------------------------------------------------- cases

@@ -4,13 +4,14 @@
 
 #include <fmt/format.h>
 
+#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 
 namespace samebits::harness {
 
 namespace {
-constexpr size_t kGuard = 64;           // bytes on each side; keeps the data 64-byte offset
+constexpr size_t kGuard = HostTensor::kGuardBytes;  // bytes on each side; keeps the data 64-byte offset
 constexpr uint8_t kGuardByte = 0xA5;
 }  // namespace
 
@@ -130,6 +131,48 @@ const HostTensor& CaseIO::in(const std::string& name) const {
   auto it = batch.tokens.find(name);
   if (it == batch.tokens.end()) throw Error("harness", name, "no such token tensor in the batch");
   return it->second;
+}
+
+TensorView CaseIO::view(const HostTensor& t) {
+  if (backend == Backend::cpu) return t.view();
+  for (auto& m : mirrors_)
+    if (m.host == &t) {
+      TensorView v = t.view();
+      v.data = static_cast<char*>(m.device) + kGuard;
+      v.device = Device::cuda;
+      return v;
+    }
+  HostTensor& h = const_cast<HostTensor&>(t);
+  void* dev = device_alloc(backend, h.storage_bytes());
+  mirrors_.push_back({&t, dev});
+  copy_to_device(backend, dev, h.storage(), h.storage_bytes());
+  return view(t);
+}
+
+TensorView CaseIO::grad(const std::string& name) {
+  auto it = param_grads.find(name);
+  return it == param_grads.end() ? TensorView{} : view(it->second);
+}
+
+void CaseIO::finish_device_run() {
+  if (backend == Backend::cpu) return;
+  device_synchronize(backend);
+  auto owned = [&](const HostTensor* t) {
+    for (auto& [n, o] : outputs) if (&o == t) return true;
+    for (auto& [n, g] : param_grads) if (&g == t) return true;
+    return false;
+  };
+  for (auto& m : mirrors_)
+    if (owned(m.host)) {
+      HostTensor& h = const_cast<HostTensor&>(*m.host);
+      copy_to_host(backend, h.storage(), m.device, h.storage_bytes());
+    }
+  for (auto& m : mirrors_) device_free(backend, m.device);
+  mirrors_.clear();
+}
+
+CaseIO::~CaseIO() {
+  for (auto& m : mirrors_) device_free(backend, m.device);
 }
 
 const HostTensor& CaseIO::param(const std::string& name) const {

@@ -78,8 +78,9 @@ RunOutput execute(const OpCase& c, const Context& ctx, const Batch& b, const Ten
                   const TensorMap& grads, bool backward) {
   RunOutput r;
   r.grads = grads;
-  CaseIO io(b, params, r.grads, backward, ctx.precision == Precision::truth_fp64);
+  CaseIO io(b, params, r.grads, backward, ctx.precision == Precision::truth_fp64, ctx.backend);
   c.run(ctx, io);
+  io.finish_device_run();
   r.outputs = std::move(io.outputs);
   auto guard = [&](const TensorMap& m, const char* what) {
     for (auto& [name, t] : m)
@@ -199,6 +200,11 @@ void finish(CellResult& cell) {
   cell.status = cell.drifts.empty() ? Status::pass : Status::fail;
 }
 
+void require_device(Backend b) {
+  if (b == Backend::cuda && !cuda_device_present())
+    throw Error("harness", "backend", "the cuda backend was asked for, but no CUDA device is visible");
+}
+
 template <class Fn>
 void guarded(CellResult& a, CellResult& b, Fn&& fn) {
   try {
@@ -214,6 +220,7 @@ void guarded(CellResult& a, CellResult& b, Fn&& fn) {
 
 void check_invariance(const OpCase& c, const SweepOptions& opt, CaseResult& out) {
   guarded(out.fwd_invariance, out.bwd_invariance, [&] {
+    require_device(opt.backend);
     Context ctx;
     ctx.backend = opt.backend;
     Rng rng(opt.seed);
@@ -335,6 +342,7 @@ void check_invariance(const OpCase& c, const SweepOptions& opt, CaseResult& out)
 void check_accuracy(const OpCase& c, const Contract& contract, const SweepOptions& opt,
                     CaseResult& out) {
   guarded(out.fwd_accuracy, out.bwd_accuracy, [&] {
+    require_device(opt.backend);
     Rng rng(opt.seed + 999);
     const TensorMap params = c.make_params(rng);
     const auto grads0 = initial_grads(c, params, rng, DType::f32);

@@ -36,8 +36,8 @@ class AttentionCase : public OpCase {
         const Piece& p = b.pieces[i];
         for (int c = 0; c < 4; ++c) seqs.set(int64_t(i) * 4 + c, double(c % 2 == 0 ? p.row : p.len));
       }
-      f.k = V(io.in("k"));
-      f.v = V(io.in("v"));
+      f.k = io.view(io.in("k"));
+      f.v = io.view(io.in("v"));
     } else {  // a chunk against a KV cache holding each sequence's prefix, junk rows in between
       constexpr int64_t kGap = 3;
       int64_t rows = 0;
@@ -56,13 +56,13 @@ class AttentionCase : public OpCase {
         for (int c = 0; c < 4; ++c) seqs.set(int64_t(i) * 4 + c, double(row[c]));
         at += k_len;
       }
-      f.k = V(k_cache);
-      f.v = V(v_cache);
+      f.k = io.view(k_cache);
+      f.v = io.view(v_cache);
     }
-    f.q = V(io.in("q"));
+    f.q = io.view(io.in("q"));
     f.seqs = V(seqs);
-    f.out = V(io.output("out", io.out_dtype(dt_), {hq_, d_}));
-    f.lse = V(io.output("lse", io.acc_dtype(), {hq_}));
+    f.out = io.view(io.output("out", io.out_dtype(dt_), {hq_, d_}));
+    f.lse = io.view(io.output("lse", io.acc_dtype(), {hq_}));
     attention_forward(ctx, f);
     if (!io.backward) return;
     AttentionBackwardArgs g;
@@ -72,10 +72,10 @@ class AttentionCase : public OpCase {
     g.seqs = f.seqs;
     g.out = f.out;
     g.lse = f.lse;
-    g.dout = V(io.in("dout"));
-    g.dq = V(io.output("dq", io.out_dtype(dt_), {hq_, d_}));
-    g.dk = V(io.output("dk", io.out_dtype(dt_), {hkv_, d_}));
-    g.dv = V(io.output("dv", io.out_dtype(dt_), {hkv_, d_}));
+    g.dout = io.view(io.in("dout"));
+    g.dq = io.view(io.output("dq", io.out_dtype(dt_), {hq_, d_}));
+    g.dk = io.view(io.output("dk", io.out_dtype(dt_), {hkv_, d_}));
+    g.dv = io.view(io.output("dv", io.out_dtype(dt_), {hkv_, d_}));
     attention_backward(ctx, g);
   }
 
@@ -120,12 +120,12 @@ class LogprobCase : public OpCase {
   std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"logits", "dlogits"}}; }
   void run(const Context& ctx, CaseIO& io) const override {
     LogprobForwardArgs f;
-    f.logits = V(io.in("logits"));
-    f.targets = V(io.in("targets"));
-    f.loss_mask = V(io.in("loss_mask"));
-    f.logp = V(io.output("logp", io.acc_dtype(), {}));
-    f.entropy = V(io.output("entropy", io.acc_dtype(), {}));
-    f.lse = V(io.output("lse", io.acc_dtype(), {}));
+    f.logits = io.view(io.in("logits"));
+    f.targets = io.view(io.in("targets"));
+    f.loss_mask = io.view(io.in("loss_mask"));
+    f.logp = io.view(io.output("logp", io.acc_dtype(), {}));
+    f.entropy = io.view(io.output("entropy", io.acc_dtype(), {}));
+    f.lse = io.view(io.output("lse", io.acc_dtype(), {}));
     logprob_forward(ctx, f);
     if (!io.backward) return;
     LogprobBackwardArgs b;
@@ -133,9 +133,9 @@ class LogprobCase : public OpCase {
     b.targets = f.targets;
     b.loss_mask = f.loss_mask;
     b.lse = f.lse;
-    b.dlogp = V(io.in("dlogp"));
-    b.dentropy = V(io.in("dentropy"));
-    b.dlogits = V(io.output("dlogits", io.out_dtype(dt_), {vocab_}));
+    b.dlogp = io.view(io.in("dlogp"));
+    b.dentropy = io.view(io.in("dentropy"));
+    b.dlogits = io.view(io.output("dlogits", io.out_dtype(dt_), {vocab_}));
     logprob_backward(ctx, b);
   }
 
@@ -166,13 +166,13 @@ class LmHeadLogprobCase : public OpCase {
   std::vector<std::string> trained_params() const override { return {"weight"}; }
   void run(const Context& ctx, CaseIO& io) const override {
     LmHeadLogprobForwardArgs f;
-    f.hidden = V(io.in("hidden"));
-    f.weight = V(io.param("weight"));
-    f.targets = V(io.in("targets"));
-    f.loss_mask = V(io.in("loss_mask"));
-    f.logp = V(io.output("logp", io.acc_dtype(), {}));
-    f.entropy = V(io.output("entropy", io.acc_dtype(), {}));
-    f.lse = V(io.output("lse", io.acc_dtype(), {}));
+    f.hidden = io.view(io.in("hidden"));
+    f.weight = io.view(io.param("weight"));
+    f.targets = io.view(io.in("targets"));
+    f.loss_mask = io.view(io.in("loss_mask"));
+    f.logp = io.view(io.output("logp", io.acc_dtype(), {}));
+    f.entropy = io.view(io.output("entropy", io.acc_dtype(), {}));
+    f.lse = io.view(io.output("lse", io.acc_dtype(), {}));
     lm_head_logprob_forward(ctx, f);
     if (!io.backward) return;
     LmHeadLogprobBackwardArgs b;
@@ -183,12 +183,12 @@ class LmHeadLogprobCase : public OpCase {
     HostTensor mask = io.in("loss_mask");
     for (int64_t r = 0; r < mask.numel(); ++r)
       if (io.batch.row_mask.get(r) == 0) mask.set(r, 0);
-    b.loss_mask = V(mask);
+    b.loss_mask = io.view(mask);
     b.lse = f.lse;
-    b.dlogp = V(io.in("dlogp"));
-    b.dentropy = V(io.in("dentropy"));
-    b.dhidden = V(io.output("dhidden", io.out_dtype(dt_), {h_}));
-    b.dweight = grad_view(io, "weight");
+    b.dlogp = io.view(io.in("dlogp"));
+    b.dentropy = io.view(io.in("dentropy"));
+    b.dhidden = io.view(io.output("dhidden", io.out_dtype(dt_), {h_}));
+    b.dweight = io.grad("weight");
     lm_head_logprob_backward(ctx, b);
   }
 

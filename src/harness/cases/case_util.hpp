@@ -7,11 +7,8 @@
 
 namespace samebits::harness {
 
+// Host-only views (tables that stay on the host whatever the backend, e.g. attention's seqs).
 inline TensorView V(const HostTensor& t) { return t.view(); }
-inline TensorView grad_view(CaseIO& io, const std::string& name) {
-  auto it = io.param_grads.find(name);
-  return it == io.param_grads.end() ? TensorView{} : it->second.view();
-}
 
 // A per-token upstream gradient tensor: its dtype follows the op's dtype for activations.
 inline HostTensor upstream(Rng& r, DType dt, std::vector<int64_t> shape) { return r.tensor(dt, std::move(shape), -1, 1); }

@@ -28,23 +28,23 @@ class LinearCase : public OpCase {
   }
   void run(const Context& ctx, CaseIO& io) const override {
     LinearForwardArgs f;
-    f.x = V(io.in("x"));
-    f.weight = V(io.param("weight"));
-    if (bias_) f.bias = V(io.param("bias"));
-    f.y = V(io.output("y", io.out_dtype(dt_), {n_}));
+    f.x = io.view(io.in("x"));
+    f.weight = io.view(io.param("weight"));
+    if (bias_) f.bias = io.view(io.param("bias"));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {n_}));
     linear_forward(ctx, f);
     if (!io.backward) return;
     LinearBackwardInputArgs bi;
-    bi.dy = V(io.in("dy"));
+    bi.dy = io.view(io.in("dy"));
     bi.weight = f.weight;
-    bi.dx = V(io.output("dx", io.out_dtype(dt_), {k_}));
+    bi.dx = io.view(io.output("dx", io.out_dtype(dt_), {k_}));
     linear_backward_input(ctx, bi);
     LinearBackwardWeightArgs bw;
     bw.dy = bi.dy;
     bw.x = f.x;
-    bw.row_mask = V(io.batch.row_mask);
-    bw.dweight = grad_view(io, "weight");
-    bw.dbias = grad_view(io, "bias");
+    bw.row_mask = io.view(io.batch.row_mask);
+    bw.dweight = io.grad("weight");
+    bw.dbias = io.grad("bias");
     linear_backward_weight(ctx, bw);
   }
 
@@ -86,25 +86,25 @@ class RmsNormCase : public OpCase {
   }
   void run(const Context& ctx, CaseIO& io) const override {
     RmsNormForwardArgs f;
-    f.x = V(io.in("x"));
-    f.weight = V(io.param("weight"));
+    f.x = io.view(io.in("x"));
+    f.weight = io.view(io.param("weight"));
     if (fused_) {
-      f.residual = V(io.in("residual"));
-      f.residual_out = V(io.output("residual_out", io.out_dtype(dt_), {h_}));
+      f.residual = io.view(io.in("residual"));
+      f.residual_out = io.view(io.output("residual_out", io.out_dtype(dt_), {h_}));
     }
-    f.y = V(io.output("y", io.out_dtype(dt_), {h_}));
-    f.rstd = V(io.output("rstd", io.acc_dtype(), {}));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {h_}));
+    f.rstd = io.view(io.output("rstd", io.acc_dtype(), {}));
     rmsnorm_forward(ctx, f);
     if (!io.backward) return;
     RmsNormBackwardArgs b;
-    b.dy = V(io.in("dy"));
-    if (fused_) b.dresidual_out = V(io.in("dresidual_out"));
+    b.dy = io.view(io.in("dy"));
+    if (fused_) b.dresidual_out = io.view(io.in("dresidual_out"));
     b.x = fused_ ? f.residual_out : f.x;
     b.weight = f.weight;
     b.rstd = f.rstd;
-    b.row_mask = V(io.batch.row_mask);
-    b.dx = V(io.output("dx", io.out_dtype(dt_), {h_}));
-    b.dweight = grad_view(io, "weight");
+    b.row_mask = io.view(io.batch.row_mask);
+    b.dx = io.view(io.output("dx", io.out_dtype(dt_), {h_}));
+    b.dweight = io.grad("weight");
     rmsnorm_backward(ctx, b);
   }
 
@@ -131,20 +131,20 @@ class QkNormCase : public OpCase {
   std::vector<std::string> trained_params() const override { return {"weight"}; }
   void run(const Context& ctx, CaseIO& io) const override {
     QkNormForwardArgs f;
-    f.x = V(io.in("x"));
-    f.weight = V(io.param("weight"));
-    f.y = V(io.output("y", io.out_dtype(dt_), {heads_, d_}));
-    f.rstd = V(io.output("rstd", io.acc_dtype(), {heads_}));
+    f.x = io.view(io.in("x"));
+    f.weight = io.view(io.param("weight"));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {heads_, d_}));
+    f.rstd = io.view(io.output("rstd", io.acc_dtype(), {heads_}));
     qk_norm_forward(ctx, f);
     if (!io.backward) return;
     QkNormBackwardArgs b;
-    b.dy = V(io.in("dy"));
+    b.dy = io.view(io.in("dy"));
     b.x = f.x;
     b.weight = f.weight;
     b.rstd = f.rstd;
-    b.row_mask = V(io.batch.row_mask);
-    b.dx = V(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
-    b.dweight = grad_view(io, "weight");
+    b.row_mask = io.view(io.batch.row_mask);
+    b.dx = io.view(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
+    b.dweight = io.grad("weight");
     qk_norm_backward(ctx, b);
   }
 

@@ -28,15 +28,15 @@ class RopeCase : public OpCase {
   std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"x", "dx"}}; }
   void run(const Context& ctx, CaseIO& io) const override {
     RopeArgs f;
-    f.x = V(io.in("x"));
-    f.positions = V(io.in("positions"));
-    f.y = V(io.output("y", io.out_dtype(dt_), {heads_, d_}));
+    f.x = io.view(io.in("x"));
+    f.positions = io.view(io.in("positions"));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {heads_, d_}));
     f.config = cfg_;
     rope_forward(ctx, f);
     if (!io.backward) return;
     RopeArgs b = f;
-    b.x = V(io.in("dy"));
-    b.y = V(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
+    b.x = io.view(io.in("dy"));
+    b.y = io.view(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
     rope_backward(ctx, b);
   }
 
@@ -65,17 +65,17 @@ class SwiGluCase : public OpCase {
   }
   void run(const Context& ctx, CaseIO& io) const override {
     SwiGluForwardArgs f;
-    f.gate = V(io.in("gate"));
-    f.up = V(io.in("up"));
-    f.y = V(io.output("y", io.out_dtype(dt_), {i_}));
+    f.gate = io.view(io.in("gate"));
+    f.up = io.view(io.in("up"));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {i_}));
     swiglu_forward(ctx, f);
     if (!io.backward) return;
     SwiGluBackwardArgs b;
-    b.dy = V(io.in("dy"));
+    b.dy = io.view(io.in("dy"));
     b.gate = f.gate;
     b.up = f.up;
-    b.dgate = V(io.output("dgate", io.out_dtype(dt_), {i_}));
-    b.dup = V(io.output("dup", io.out_dtype(dt_), {i_}));
+    b.dgate = io.view(io.output("dgate", io.out_dtype(dt_), {i_}));
+    b.dup = io.view(io.output("dup", io.out_dtype(dt_), {i_}));
     swiglu_backward(ctx, b);
   }
 
@@ -100,15 +100,15 @@ class ResidualAddCase : public OpCase {
   std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"a", "da"}, {"b", "db"}}; }
   void run(const Context& ctx, CaseIO& io) const override {
     ResidualAddArgs f;
-    f.a = V(io.in("a"));
-    f.b = V(io.in("b"));
-    f.y = V(io.output("y", io.out_dtype(dt_), {h_}));
+    f.a = io.view(io.in("a"));
+    f.b = io.view(io.in("b"));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {h_}));
     residual_add_forward(ctx, f);
     if (!io.backward) return;
     ResidualAddBackwardArgs b;
-    b.dy = V(io.in("dy"));
-    b.da = V(io.output("da", io.out_dtype(dt_), {h_}));
-    b.db = V(io.output("db", io.out_dtype(dt_), {h_}));
+    b.dy = io.view(io.in("dy"));
+    b.da = io.view(io.output("da", io.out_dtype(dt_), {h_}));
+    b.db = io.view(io.output("db", io.out_dtype(dt_), {h_}));
     residual_add_backward(ctx, b);
   }
 
@@ -139,16 +139,16 @@ class EmbeddingCase : public OpCase {
   std::vector<std::string> trained_params() const override { return {"table"}; }
   void run(const Context& ctx, CaseIO& io) const override {
     EmbeddingForwardArgs f;
-    f.ids = V(io.in("ids"));
-    f.table = V(io.param("table"));
-    f.y = V(io.output("y", io.out_dtype(dt_), {h_}));
+    f.ids = io.view(io.in("ids"));
+    f.table = io.view(io.param("table"));
+    f.y = io.view(io.output("y", io.out_dtype(dt_), {h_}));
     embedding_forward(ctx, f);
     if (!io.backward) return;
     EmbeddingBackwardArgs b;
     b.ids = f.ids;
-    b.dy = V(io.in("dy"));
-    b.row_mask = V(io.batch.row_mask);
-    b.dtable = grad_view(io, "table");
+    b.dy = io.view(io.in("dy"));
+    b.row_mask = io.view(io.batch.row_mask);
+    b.dtable = io.grad("table");
     embedding_backward(ctx, b);
   }
 

@@ -1,0 +1,192 @@
+// samebits GEMM against cuBLAS, same process, same card: forward (y = x·wᵀ), dX (dy·w) and dW
+// (dW += dyᵀ·x into fp32) on the Qwen3-8B and Llama-3-8B projection shapes across M.
+// CUDA-event timing, warm-up, median of the repetitions, inputs rotated past L2, random data.
+// Writes a markdown table (and a CSV for the plot) naming the card.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "samebits/ops.hpp"
+
+using namespace samebits;
+
+#define CK(x)                                                                      \
+  do {                                                                             \
+    auto e_ = (x);                                                                 \
+    if (e_ != 0) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #x, int(e_)); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t N, K;
+};
+
+__global__ void fill_random(__nv_bfloat16* p, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t z = (uint64_t(i) + seed) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 31;
+    p[i] = __float2bfloat16(float(int64_t(z % 2001) - 1000) / 1000.0f);
+  }
+}
+
+// Median milliseconds of fn(rep) over repetitions after warm-up.
+template <class Fn>
+double time_ms(Fn&& fn, int max_reps) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 2; ++i) fn(i);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> t;
+  float total = 0;
+  for (int i = 0; i < max_reps && (i < 3 || total < 200.0f); ++i) {
+    CK(cudaEventRecord(a));
+    fn(i);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+    total += ms;
+  }
+  std::sort(t.begin(), t.end());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return t[t.size() / 2];
+}
+
+TensorView dev(void* p, DType d, int64_t r, int64_t c) { return TensorView::of(p, d, {r, c}, Device::cuda); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  std::string md = "gemm.md", csv = "gemm.csv";
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--md") && i + 1 < argc) md = argv[++i];
+    else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
+  }
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const std::vector<Shape> shapes = {
+      {"QKV 4096->6144", 6144, 4096},          {"O 4096->4096", 4096, 4096},
+      {"gate+up (Qwen3) 4096->24576", 24576, 4096}, {"gate+up (Llama) 4096->28672", 28672, 4096},
+      {"down (Qwen3) 12288->4096", 4096, 12288},    {"down (Llama) 14336->4096", 4096, 14336},
+      {"LM head (Qwen3) 4096->151936", 151936, 4096}, {"LM head (Llama) 4096->128256", 128256, 4096}};
+  std::vector<int64_t> ms = {1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192};
+  std::vector<Shape> run_shapes = shapes;
+  if (quick) {
+    ms = {1, 128, 1024, 4096};
+    run_shapes = {shapes[1], shapes[6]};
+  }
+  cublasHandle_t h;
+  CK(cublasCreate(&h));
+  const int64_t max_m = ms.back();
+  FILE* fm = std::fopen(md.c_str(), "w");
+  FILE* fc = std::fopen(csv.c_str(), "w");
+  std::fprintf(fm, "| shape | product | M | samebits ms | cuBLAS ms | samebits TFLOP/s | cuBLAS TFLOP/s | samebits TB/s | ratio |\n");
+  std::fprintf(fm, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  std::fprintf(fc, "shape,product,M,ours_ms,cublas_ms,ratio\n");
+  for (const Shape& s : run_shapes) {
+    // Enough copies of x / w that one rotation exceeds twice the L2 cache.
+    const size_t w_bytes = size_t(s.N * s.K) * 2;
+    const int copies = int(std::min<size_t>(8, std::max<size_t>(1, (size_t(prop.l2CacheSize) * 2) / w_bytes + 1)));
+    std::vector<__nv_bfloat16*> w(static_cast<size_t>(copies)), x(static_cast<size_t>(copies)), dy(static_cast<size_t>(copies));
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaMalloc(&w[c], w_bytes));
+      CK(cudaMalloc(&x[c], size_t(max_m * s.K) * 2));
+      CK(cudaMalloc(&dy[c], size_t(max_m * s.N) * 2));
+      fill_random<<<1024, 256>>>(w[c], s.N * s.K, 1 + c);
+      fill_random<<<1024, 256>>>(x[c], max_m * s.K, 100 + c);
+      fill_random<<<1024, 256>>>(dy[c], max_m * s.N, 200 + c);
+    }
+    __nv_bfloat16 *y, *dx;
+    float* dw;
+    CK(cudaMalloc(&y, size_t(max_m * s.N) * 2));
+    CK(cudaMalloc(&dx, size_t(max_m * s.K) * 2));
+    CK(cudaMalloc(&dw, size_t(s.N * s.K) * 4));
+    CK(cudaMemset(dw, 0, size_t(s.N * s.K) * 4));
+    Context ctx;
+    ctx.backend = Backend::cuda;
+    const float one = 1.0f, zero = 0.0f;
+    for (const char* product : {"forward", "dX", "dW"}) {
+      for (int64_t M : ms) {
+        const double flop = 2.0 * double(M) * double(s.N) * double(s.K);
+        double ours = 0, theirs = 0;
+        if (!std::strcmp(product, "forward")) {
+          ours = time_ms([&](int i) {
+            const int c = i % copies;
+            linear_forward(ctx, {dev(x[c], DType::bf16, M, s.K), dev(w[c], DType::bf16, s.N, s.K), {}, dev(y, DType::bf16, M, s.N)});
+          }, 50);
+          theirs = time_ms([&](int i) {
+            const int c = i % copies;
+            CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(s.N), int(M), int(s.K), &one, w[c], CUDA_R_16BF, int(s.K),
+                            x[c], CUDA_R_16BF, int(s.K), &zero, y, CUDA_R_16BF, int(s.N), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
+          }, 50);
+        } else if (!std::strcmp(product, "dX")) {
+          ours = time_ms([&](int i) {
+            const int c = i % copies;
+            linear_backward_input(ctx, {dev(dy[c], DType::bf16, M, s.N), dev(w[c], DType::bf16, s.N, s.K), dev(dx, DType::bf16, M, s.K)});
+          }, 50);
+          theirs = time_ms([&](int i) {
+            const int c = i % copies;
+            CK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(s.K), int(M), int(s.N), &one, w[c], CUDA_R_16BF, int(s.K),
+                            dy[c], CUDA_R_16BF, int(s.N), &zero, dx, CUDA_R_16BF, int(s.K), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
+          }, 50);
+        } else {
+          ours = time_ms([&](int i) {
+            const int c = i % copies;
+            linear_backward_weight(ctx, {dev(dy[c], DType::bf16, M, s.N), dev(x[c], DType::bf16, M, s.K), {},
+                                         dev(dw, DType::f32, s.N, s.K), {}});
+          }, 20);
+          theirs = time_ms([&](int i) {
+            const int c = i % copies;
+            CK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(s.K), int(s.N), int(M), &one, x[c], CUDA_R_16BF, int(s.K),
+                            dy[c], CUDA_R_16BF, int(s.N), &one, dw, CUDA_R_32F, int(s.K), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
+          }, 20);
+        }
+        const double bytes = std::strcmp(product, "dW") ? double(w_bytes) + 2.0 * double(M) * double(s.K + s.N)
+                                                        : 8.0 * double(s.N * s.K) + 2.0 * double(M) * double(s.K + s.N);
+        std::fprintf(fm, "| %s | %s | %lld | %.3f | %.3f | %.1f | %.1f | %.2f | %.3f |\n", s.name, product,
+                     (long long)M, ours, theirs, flop / ours * 1e-9, flop / theirs * 1e-9, bytes / ours * 1e-9,
+                     theirs / ours);
+        std::fprintf(fc, "%s,%s,%lld,%.5f,%.5f,%.4f\n", s.name, product, (long long)M, ours, theirs, theirs / ours);
+        std::fflush(fm);
+        std::fflush(fc);
+        std::printf("%-30s %-8s M=%-5lld ours %8.3f ms  cuBLAS %8.3f ms  ratio %.3f\n", s.name, product, (long long)M,
+                    ours, theirs, theirs / ours);
+        std::fflush(stdout);
+      }
+    }
+    for (int c = 0; c < copies; ++c) {
+      cudaFree(w[c]);
+      cudaFree(x[c]);
+      cudaFree(dy[c]);
+    }
+    cudaFree(y);
+    cudaFree(dx);
+    cudaFree(dw);
+  }
+  std::fclose(fm);
+  std::fclose(fc);
+  std::printf("card: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  cublasDestroy(h);
+  return 0;
+}

@@ -1,0 +1,17 @@
+// samebits/device.hpp — the little of device memory that callers and the harness need.
+// On Backend::cpu these are plain host operations; on Backend::cuda they are cudaMalloc / cudaMemcpy
+// on the current device (throwing NotBuilt when the CUDA backend was not compiled).
+#pragma once
+#include <cstddef>
+
+#include "samebits/context.hpp"
+
+namespace samebits {
+
+void* device_alloc(Backend backend, size_t bytes);
+void device_free(Backend backend, void* ptr);
+void copy_to_device(Backend backend, void* dst, const void* src, size_t bytes);
+void copy_to_host(Backend backend, void* dst, const void* src, size_t bytes);
+void device_synchronize(Backend backend);
+
+}  // namespace samebits

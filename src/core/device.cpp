@@ -1,0 +1,51 @@
+#include "samebits/device.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "samebits/error.hpp"
+
+namespace samebits {
+
+#if SAMEBITS_WITH_CUDA
+namespace cuda {
+void* alloc(size_t bytes);
+void free(void* ptr);
+void copy(void* dst, const void* src, size_t bytes, bool to_device);
+void synchronize();
+}  // namespace cuda
+#define SAMEBITS_CUDA_OR_NOT_BUILT(expr) expr
+#else
+#define SAMEBITS_CUDA_OR_NOT_BUILT(expr) throw NotBuilt("device memory", "cuda")
+#endif
+
+void* device_alloc(Backend b, size_t bytes) {
+  if (b == Backend::cpu) {
+    void* p = std::malloc(bytes ? bytes : 1);
+    if (!p) throw Error("device_alloc", "bytes", "out of host memory");
+    return p;
+  }
+  SAMEBITS_CUDA_OR_NOT_BUILT(return cuda::alloc(bytes));
+}
+
+void device_free(Backend b, void* p) {
+  if (b == Backend::cpu) return std::free(p);
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::free(p));
+}
+
+void copy_to_device(Backend b, void* dst, const void* src, size_t bytes) {
+  if (b == Backend::cpu) { std::memcpy(dst, src, bytes); return; }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, true));
+}
+
+void copy_to_host(Backend b, void* dst, const void* src, size_t bytes) {
+  if (b == Backend::cpu) { std::memcpy(dst, src, bytes); return; }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, false));
+}
+
+void device_synchronize(Backend b) {
+  if (b == Backend::cpu) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::synchronize());
+}
+
+}  // namespace samebits

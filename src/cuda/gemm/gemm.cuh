@@ -1,0 +1,33 @@
+// The CUDA GEMM family: operands by strides, and the kernels' entry points.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "samebits/dtype.hpp"
+
+namespace samebits::cuda {
+
+// C[m][n] = Σ_k A(m, k)·B(n, k) (+ bias[n]) with A(m, k) = a[m*sam + k*sak], B(n, k) = b[n*sbn + k*sbk],
+// C stored row-major with leading dimension ldo in out_dtype.
+template <class T>
+struct GemmOperands {
+  const T* a;
+  const T* b;
+  const T* bias;  // null: none
+  void* out;
+  DType out_dtype;
+  int64_t M, N, K, sam, sak, sbn, sbk, ldo;
+  bool a_k_contiguous, b_k_contiguous;
+};
+
+template <class T>
+void gemm_generic(const GemmOperands<T>& p, cudaStream_t stream);
+
+// dweight[n][k] += Σ_m dy[m][n]·x[m][k] over unmasked m, strictly in ascending m (fp32 FMA per
+// element), so any split of the rows into micro-batches gives the same bits; dbias likewise.
+template <class T>
+void gemm_weight_grad_sequential(const T* dy, const T* x, const uint8_t* row_mask, float* dweight, float* dbias,
+                                 int64_t M, int64_t N, int64_t K, cudaStream_t stream);
+
+}  // namespace samebits::cuda

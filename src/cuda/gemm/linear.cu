@@ -1,0 +1,73 @@
+// CUDA kernels of the linear family, registered on the CUDA backend. The shared checks ran in
+// src/ops/linear.cpp; here only what the CUDA kernels add: 16-bit inputs, one dtype for x, weight
+// and bias, and gradients that match the inputs' dtype.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/common/runtime.cuh"
+#include "cuda/gemm/gemm.cuh"
+#include "ops/registry.hpp"
+#include "samebits/ops.hpp"
+#include "samebits/validate.hpp"
+
+namespace samebits::cuda {
+namespace {
+
+void require_16bit(const Validator& v, const char* name, const TensorView& t) {
+  if (t.dtype != DType::bf16 && t.dtype != DType::f16)
+    v.fail(name, std::string("the CUDA GEMM takes bf16 or fp16 inputs, got ") + dtype_name(t.dtype));
+}
+
+template <class Fn>
+void with_type(DType d, Fn&& fn) {
+  if (d == DType::bf16) fn(__nv_bfloat16{});
+  else fn(__half{});
+}
+
+void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
+  Validator v("linear_forward", ctx);
+  require_16bit(v, "x", a.x);
+  if (a.bias.present()) v.same_dtype("bias", a.bias, "x", a.x);
+  with_type(a.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t M = a.x.shape[0], K = a.x.shape[1], N = a.weight.shape[0];
+    GemmOperands<T> p{a.x.as<const T>(), a.weight.as<const T>(), a.bias.present() ? a.bias.as<const T>() : nullptr,
+                      a.y.data, a.y.dtype, M, N, K, K, 1, K, 1, N, true, true};
+    gemm_generic(p, stream_of(ctx.stream));
+  });
+}
+
+void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a) {
+  Validator v("linear_backward_input", ctx);
+  require_16bit(v, "dy", a.dy);
+  v.same_dtype("weight", a.weight, "dy", a.dy);
+  with_type(a.dy.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t M = a.dy.shape[0], N = a.dy.shape[1], K = a.weight.shape[1];
+    // dx[m][k] = Σ_n dy[m][n]·w[n][k]: A = dy (reduction contiguous), B(k, n) = w[n*K + k].
+    GemmOperands<T> p{a.dy.as<const T>(), a.weight.as<const T>(), nullptr, a.dx.data, a.dx.dtype,
+                      M, K, N, N, 1, 1, K, K, true, false};
+    gemm_generic(p, stream_of(ctx.stream));
+  });
+}
+
+void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& a) {
+  Validator v("linear_backward_weight", ctx);
+  require_16bit(v, "dy", a.dy);
+  v.same_dtype("x", a.x, "dy", a.dy);
+  with_type(a.dy.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gemm_weight_grad_sequential<T>(a.dy.as<const T>(), a.x.as<const T>(),
+                                   a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr,
+                                   a.dweight.as<float>(), a.dbias.present() ? a.dbias.as<float>() : nullptr,
+                                   a.dy.shape[0], a.dy.shape[1], a.x.shape[1], stream_of(ctx.stream));
+  });
+}
+
+}  // namespace
+
+SAMEBITS_REGISTER_KERNEL(linear_forward, Backend::cuda, LinearForwardArgs, linear_forward);
+SAMEBITS_REGISTER_KERNEL(linear_backward_input, Backend::cuda, LinearBackwardInputArgs, linear_backward_input);
+SAMEBITS_REGISTER_KERNEL(linear_backward_weight, Backend::cuda, LinearBackwardWeightArgs, linear_backward_weight);
+
+}  // namespace samebits::cuda
