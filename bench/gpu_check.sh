@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, the CUDA status matrix, SASS atomics check,
+# compute-sanitizer, and the GEMM benchmark. Needs .deps (tools/device-deps.sh) carried along.
+# Usage: bench/gpu_check.sh OUT_DIR [--full]
+set -uo pipefail
+out=${1:?OUT_DIR}
+full=${2:-}
+export PATH=/usr/local/cuda/bin:$PATH
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/card.txt"
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+ninja -C build-gpu > "$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; exit 1; }
+echo "== GPU tests"
+OMP_WAIT_POLICY=passive build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*:Validation*:Harness*' 2>&1 | tail -6
+echo "== status matrix (cuda)"
+build-gpu/samebits verify --backend cuda --no-chain -q --status-dir "$out" | tail -22
+echo "== SASS: value-adding atomics in libsamebits.so"
+cuobjdump --dump-sass build-gpu/libsamebits.so > "$out/sass.txt" 2>&1
+echo "kernels: $(grep -c 'Function :' "$out/sass.txt"), ATOM/RED instructions: $(grep -cE '\b(ATOM|ATOMS|ATOMG|RED)\b' "$out/sass.txt")"
+grep -E 'Function :' "$out/sass.txt" | sed 's/^ *//' | head -12
+echo "== compute-sanitizer"
+for tool in memcheck racecheck; do
+  compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/samebits_tests \
+    --gtest_filter='CudaGemm.HundredRepeatsAreIdentical:CudaGemm.WeightGradient*' > "$out/sanitizer_$tool.log" 2>&1
+  echo "$tool exit $? : $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
+done
+echo "== GEMM benchmark"
+if [ "$full" = "--full" ]; then
+  build-gpu/bench_gemm --md "$out/gemm.md" --csv "$out/gemm.csv" | tail -100
+else
+  build-gpu/bench_gemm --quick --md "$out/gemm.md" --csv "$out/gemm.csv"
+fi
