@@ -8,16 +8,18 @@ full=${2:-}
 export PATH=/usr/local/cuda/bin:$PATH
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/card.txt"
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
-ninja -C build-gpu > "$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; exit 1; }
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > /tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
+ninja -C build-gpu > /tmp/build.log 2>&1 || { grep -E "error" /tmp/build.log | head -30; exit 1; }
 echo "== GPU tests"
-OMP_WAIT_POLICY=passive build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*:Validation*:Harness*' 2>&1 | tail -6
+OMP_WAIT_POLICY=passive build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*:Validation*:Harness*' > "$out/tests.log" 2>&1
+grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|actual" "$out/tests.log" | head -30
 echo "== status matrix (cuda)"
-build-gpu/samebits verify --backend cuda --no-chain -q --status-dir "$out" | tail -22
+build-gpu/samebits verify --backend cuda --no-chain -q --status-dir "$out" | grep -E "^linear|FAIL|ERROR linear (bf|fp16)" | head -12
+rm -f "$out/cuda.json"
 echo "== SASS: value-adding atomics in libsamebits.so"
-cuobjdump --dump-sass build-gpu/libsamebits.so > "$out/sass.txt" 2>&1
-echo "kernels: $(grep -c 'Function :' "$out/sass.txt"), ATOM/RED instructions: $(grep -cE '\b(ATOM|ATOMS|ATOMG|RED)\b' "$out/sass.txt")"
-grep -E 'Function :' "$out/sass.txt" | sed 's/^ *//' | head -12
+cuobjdump --dump-sass build-gpu/libsamebits.so > /tmp/sass.txt 2>&1
+echo "kernels: $(grep -c 'Function :' /tmp/sass.txt), ATOM/RED instructions: $(grep -cE '\b(ATOM|ATOMS|ATOMG|RED)\b' /tmp/sass.txt)"
+echo "HGMMA: $(grep -c HGMMA /tmp/sass.txt), UTMALDG: $(grep -c UTMALDG /tmp/sass.txt), HMMA: $(grep -c HMMA /tmp/sass.txt)"
 echo "== compute-sanitizer"
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/samebits_tests \

@@ -24,6 +24,12 @@ struct GemmOperands {
 template <class T>
 void gemm_generic(const GemmOperands<T>& p, cudaStream_t stream);
 
+// The Hopper path (gemm_sm90.cu): y[M,N] = x[M,K]·w[N,K]ᵀ (+ bias), K a multiple of 8.
+bool sm90_path_available();
+template <class T>
+void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
+                       int64_t K, cudaStream_t stream);
+
 // dweight[n][k] += Σ_m dy[m][n]·x[m][k] over unmasked m, strictly in ascending m (fp32 FMA per
 // element), so any split of the rows into micro-batches gives the same bits; dbias likewise.
 template <class T>
