@@ -17,6 +17,13 @@ class Error : public std::runtime_error {
   std::string op_, argument_, problem_;
 };
 
+// Raised when a backend does not support a valid request by design (e.g. fp32 inputs to the CUDA
+// GEMM). The harness reports such cells as not applicable.
+class Unsupported : public Error {
+ public:
+  using Error::Error;
+};
+
 // Raised when an op has no implementation on the requested backend yet.
 class NotBuilt : public Error {
  public:

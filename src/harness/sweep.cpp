@@ -211,6 +211,8 @@ void guarded(CellResult& a, CellResult& b, Fn&& fn) {
     fn();
   } catch (const NotBuilt& e) {
     for (CellResult* c : {&a, &b}) { c->status = Status::not_built; c->note = e.what(); }
+  } catch (const Unsupported& e) {
+    for (CellResult* c : {&a, &b}) { c->status = Status::not_applicable; c->note = e.what(); }
   } catch (const std::exception& e) {
     for (CellResult* c : {&a, &b}) { c->status = Status::error; c->note = e.what(); }
   }

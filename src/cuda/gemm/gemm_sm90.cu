@@ -1,21 +1,26 @@
 // Hopper (sm_90a) GEMM y = x·wᵀ: TMA loads, wgmma, a warp-specialised producer / consumer pipeline
 // on mbarriers.
 //
-// Why this shape. A 128 x 128 output tile per CTA with K in steps of 64 (four 16-deep wgmma steps,
+// Why this shape. A 128 x 256 output tile per CTA with K in steps of 64 (four 16-deep wgmma steps,
 // ascending), for every M: an output element is always the same sequence of
-// wgmma.m64n128k16 instructions over ascending K, accumulated in fp32 registers, so its bits never
+// wgmma.m64n256k16 instructions over ascending K, accumulated in fp32 registers, so its bits never
 // depend on M, on its neighbours or on the grid (rules 1-3; no split-K, no atomics). Warpgroup 0 is
-// the producer: one thread streams A (x) and B (w) tiles with the bulk tensor copy engine into a
-// 4-stage ring (128B-swizzled, 32 KiB a stage) and signals "full" mbarriers with the byte count;
-// warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from shared
-// memory, and release the stage on its "empty" mbarrier. Out-of-range rows, columns and K are
-// zero-filled by the copy engine, so edge tiles run the same instructions. Requirements: K a
-// multiple of 8 and 16-byte aligned rows (TMA strides); other shapes take the generic path, which is
-// a property of the weight, never of M.
+// the producer (registers given away with setmaxnreg): one thread streams A (x) and B (w) tiles with
+// the bulk tensor copy engine into a 4-stage ring (128B-swizzled, 48 KiB a stage) and signals
+// "full" mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on
+// "full", issue wgmma straight from shared memory with one k-tile of MMAs kept in flight, and release
+// a stage on its "empty" mbarrier once the MMAs reading it are done. The epilogue adds the bias in
+// fp32, rounds once, stages the tile in shared memory and writes whole rows with 16-byte stores.
+// CTAs walk the M tiles of a column of W tiles first, so a W tile is read from HBM once and reused
+// from L2 across M. Out-of-range rows, columns and K are zero-filled by the copy engine, so edge
+// tiles run the same instructions. Requirements: K a multiple of 8 and 16-byte aligned x and w (TMA
+// strides); other K take the generic path, which is a property of the weight, never of M.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
+
+#include <type_traits>
 
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
@@ -23,9 +28,12 @@
 namespace samebits::cuda {
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_TILE = BM * BK, B_TILE = BN * BK;  // elements
-constexpr size_t SMEM_BYTES = size_t(STAGES) * (A_TILE + B_TILE) * 2 + 2 * STAGES * 8 + 1024;
+constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
+constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
+constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + 2 * STAGES * 8 + 1024;
+static_assert(CONSUMERS * 64 * (BN * 4 + STAGE_ROW_PAD) <= RING_BYTES, "the fp32 epilogue staging fits in the ring");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -66,48 +74,84 @@ struct Wgmma;
 
 template <>
 struct Wgmma<__nv_bfloat16> {
-  __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 };
 template <>
 struct Wgmma<__half> {
-  __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 };
 
-__device__ __forceinline__ void store_one(void* out, DType dt, int64_t i, float v) {
-  switch (dt) {
-    case DType::bf16: static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v); break;
-    case DType::f16: static_cast<__half*>(out)[i] = __float2half_rn(v); break;
-    default: static_cast<float*>(out)[i] = v; break;
+template <class O>
+__device__ __forceinline__ O convert(float v);
+template <>
+__device__ __forceinline__ float convert<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 convert<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half convert<__half>(float v) { return __float2half_rn(v); }
+
+// Rounds one consumer's 64 x BN accumulators into `stage` (rows padded), then writes the rows out.
+template <class T, class O>
+__device__ __forceinline__ void epilogue(const float (&d)[128], uint8_t* stage, const T* bias, O* out, int64_t row_base,
+                                         int64_t n0, int64_t M, int64_t N, int t, int c) {
+  constexpr int ROW_BYTES = BN * int(sizeof(O)) + STAGE_ROW_PAD;
+  const int warp = t / 32, lane = t % 32;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = warp * 16 + lane / 4 + h * 8, col = 8 * j + 2 * (lane % 4) + e;
+        float v = d[j * 4 + h * 2 + e];
+        if (bias && n0 + col < N) v += float(bias[n0 + col]);
+        reinterpret_cast<O*>(stage + r * ROW_BYTES)[col] = convert<O>(v);
+      }
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");  // this consumer's 128 threads
+  constexpr int PER_CHUNK = 16 / int(sizeof(O)), CHUNKS = BN / PER_CHUNK;
+  for (int i = t; i < 64 * CHUNKS; i += 128) {
+    const int r = i / CHUNKS, ch = i % CHUNKS;
+    const int64_t m = row_base + r, col = n0 + int64_t(ch) * PER_CHUNK;
+    if (m >= M || col >= N) continue;
+    const O* src = reinterpret_cast<const O*>(stage + r * ROW_BYTES) + ch * PER_CHUNK;
+    O* dst = out + m * N + col;
+    if (col + PER_CHUNK <= N && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < PER_CHUNK && col + e < N; ++e) dst[e] = src[e];
+    }
   }
 }
 
-template <class T>
+template <class T, class O>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, const T* bias,
-              void* out, DType out_dtype, int64_t M, int64_t N, int64_t K) {
+              O* out, int64_t M, int64_t N, int64_t K) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
   T* sb = sa + STAGES * A_TILE;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * B_TILE);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + RING_BYTES);
   uint64_t* empty = full + STAGES;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  const int64_t m0 = int64_t(blockIdx.y) * BM, n0 = int64_t(blockIdx.x) * BN;
+  // M tiles fastest: the CTAs in flight share W tiles, which L2 then serves across M.
+  const int64_t m_tiles = (M + BM - 1) / BM;
+  const int64_t m0 = (int64_t(blockIdx.x) % m_tiles) * BM, n0 = (int64_t(blockIdx.x) / m_tiles) * BN;
   const int kt_count = int((K + BK - 1) / BK);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -119,6 +163,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   __syncthreads();
 
   if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (t == 0) {
       for (int kt = 0; kt < kt_count; ++kt) {
         const int s = kt % STAGES;
@@ -130,11 +175,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   // consumers: warpgroup c owns rows c*64 .. c*64 + 63 of the tile
   const int c = wg - 1;
-  float d[64];
+  float d[128];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+  for (int i = 0; i < 128; ++i) d[i] = 0.0f;
   for (int kt = 0; kt < kt_count; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(&full[s], (kt / STAGES) & 1);
@@ -146,29 +192,15 @@ __global__ void __launch_bounds__(THREADS, 1)
       Wgmma<T>::mma(d, da, db, 1);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (t == 0) mbar_arrive(&empty[s]);
+    // Keep this k-tile's MMAs in flight; the previous tile's are done, so its stage can be refilled.
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    if (kt > 0 && t == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
   }
-  // Epilogue: accumulator layout of m64nNk16 — for n8 chunk j, thread t holds rows
-  // 16*(t/32) + (t%32)/4 (+8) and columns 8j + 2*(t%4) (+1).
-  const int warp = t / 32, lane = t % 32;
-  const int64_t row0 = m0 + c * 64 + warp * 16 + lane / 4;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + h * 8;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t col = n0 + 8 * j + 2 * (lane % 4) + e;
-        if (row < M && col < N) {
-          float v = d[j * 4 + h * 2 + e];
-          if (bias) v += float(bias[col]);
-          store_one(out, out_dtype, row * N + col, v);
-        }
-      }
-    }
-  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  // Both consumers have finished reading the ring: reuse it to stage the output.
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  uint8_t* stage = base + size_t(c) * 64 * (BN * sizeof(O) + STAGE_ROW_PAD);
+  epilogue<T, O>(d, stage, bias, out, m0 + c * 64, n0, M, N, t, c);
 #endif
 }
 
@@ -192,13 +224,27 @@ CUtensorMap make_map(const T* ptr, int64_t rows, int64_t K, int box_rows) {
   const cuuint64_t strides[1] = {cuuint64_t(K) * sizeof(T)};
   const cuuint32_t box[2] = {cuuint32_t(BK), cuuint32_t(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode_fn()(&map, sizeof(T) == 2 && std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+  const CUresult r = encode_fn()(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                                  2, const_cast<T*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw Error("linear (cuda)", "tensor map", "cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return map;
+}
+
+template <class T, class O>
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
+            cudaStream_t stream) {
+  static bool configured = false;
+  if (!configured) {
+    check(cudaFuncSetAttribute(gemm_sm90<T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
+          "linear (cuda)", "shared memory");
+    configured = true;
+  }
+  const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
+  gemm_sm90<T, O><<<unsigned(tiles), THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, static_cast<O*>(out), M, N, K);
+  check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
 }
 
 }  // namespace
@@ -217,16 +263,12 @@ bool sm90_path_available() {
 template <class T>
 void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
                        int64_t K, cudaStream_t stream) {
-  static bool configured = false;
-  if (!configured) {
-    check(cudaFuncSetAttribute(gemm_sm90<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
-          "linear (cuda)", "shared memory");
-    configured = true;
-  }
   const CUtensorMap ma = make_map(x, M, K, BM), mb = make_map(w, N, K, BN);
-  const dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
-  gemm_sm90<T><<<grid, THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, out, out_dtype, M, N, K);
-  check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
+  switch (out_dtype) {
+    case DType::bf16: return launch<T, __nv_bfloat16>(ma, mb, bias, out, M, N, K, stream);
+    case DType::f16: return launch<T, __half>(ma, mb, bias, out, M, N, K, stream);
+    default: return launch<T, float>(ma, mb, bias, out, M, N, K, stream);
+  }
 }
 
 template void gemm_sm90_forward<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*,

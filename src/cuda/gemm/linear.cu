@@ -15,7 +15,15 @@ namespace {
 
 void require_16bit(const Validator& v, const char* name, const TensorView& t) {
   if (t.dtype != DType::bf16 && t.dtype != DType::f16)
-    v.fail(name, std::string("the CUDA GEMM takes bf16 or fp16 inputs, got ") + dtype_name(t.dtype));
+    throw Unsupported(v.op(), name, std::string("the CUDA GEMM takes bf16 or fp16 inputs, got ") + dtype_name(t.dtype));
+}
+
+// TMA needs 16-byte aligned base addresses. With K % 8 == 0 every row of an aligned base is aligned,
+// so a misaligned base is the caller's allocation, not a batch position: refuse it rather than take
+// another numeric path.
+void require_tma_alignment(const Validator& v, const char* name, const TensorView& t) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    v.fail(name, "the Hopper GEMM path needs 16-byte aligned data (K is a multiple of 8)");
 }
 
 template <class Fn>
@@ -34,6 +42,8 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
     // The architecture picks the path; K % 8 (a property of the weight, never of M) keeps TMA's
     // 16-byte row strides.
     if (sm90_path_available() && K % 8 == 0) {
+      require_tma_alignment(v, "x", a.x);
+      require_tma_alignment(v, "weight", a.weight);
       gemm_sm90_forward<T>(a.x.as<const T>(), a.weight.as<const T>(),
                            a.bias.present() ? a.bias.as<const T>() : nullptr, a.y.data, a.y.dtype, M, N, K,
                            stream_of(ctx.stream));
