@@ -29,6 +29,10 @@ bool sm90_path_available();
 template <class T>
 void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
                        int64_t K, cudaStream_t stream);
+// dx[M,K] = dy[M,N]·w[N,K] on the Hopper path (N and K multiples of 8).
+template <class T>
+void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
+                          cudaStream_t stream);
 
 // dweight[n][k] += Σ_m dy[m][n]·x[m][k] over unmasked m, strictly in ascending m (fp32 FMA per
 // element), so any split of the rows into micro-batches gives the same bits; dbias likewise.

@@ -62,6 +62,13 @@ void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a)
   with_type(a.dy.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = a.dy.shape[0], N = a.dy.shape[1], K = a.weight.shape[1];
+    if (sm90_path_available() && K % 8 == 0 && N % 8 == 0) {
+      require_tma_alignment(v, "dy", a.dy);
+      require_tma_alignment(v, "weight", a.weight);
+      gemm_sm90_input_grad<T>(a.dy.as<const T>(), a.weight.as<const T>(), a.dx.data, a.dx.dtype, M, N, K,
+                              stream_of(ctx.stream));
+      return;
+    }
     // dx[m][k] = Σ_n dy[m][n]·w[n][k]: A = dy (reduction contiguous), B(k, n) = w[n*K + k].
     GemmOperands<T> p{a.dy.as<const T>(), a.weight.as<const T>(), nullptr, a.dx.data, a.dx.dtype,
                       M, K, N, N, 1, 1, K, K, true, false};
