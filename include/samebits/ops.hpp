@@ -31,8 +31,13 @@ struct LinearBackwardInputArgs {
   TensorView dy, weight, dx;
 };
 // dweight[N,K] += dy[M,N]ᵀ · x[M,K];  dbias[N] += Σ_m dy[m,:]   (fp32 accumulators)
+// segments (int32 [S, 2] {row, len}, on the host, optional): the rows of each sequence. Backends
+// that sum tokens in groups (tensor cores) start a new group at every segment, so one batch and
+// any split of it into micro-batches at sequence boundaries, packed or padded, group every token
+// alike. Rows outside every segment are skipped. Without segments, all M rows form one segment.
+// The CPU sums one token at a time, which no grouping can change.
 struct LinearBackwardWeightArgs {
-  TensorView dy, x, row_mask, dweight, dbias;
+  TensorView dy, x, row_mask, dweight, dbias, segments;
 };
 void linear_forward(const Context&, const LinearForwardArgs&);
 void linear_backward_input(const Context&, const LinearBackwardInputArgs&);

@@ -34,6 +34,11 @@ template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
                           cudaStream_t stream);
 
+// The Hopper weight gradient (gemm_sm90_wgrad.cu): token groups anchored to segments; N, K % 8 == 0.
+template <class T>
+void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const int32_t* segments, int64_t n_segments,
+                           float* dw, int64_t M, int64_t N, int64_t K, cudaStream_t stream);
+
 // dweight[n][k] += Σ_m dy[m][n]·x[m][k] over unmasked m, strictly in ascending m (fp32 FMA per
 // element), so any split of the rows into micro-batches gives the same bits; dbias likewise.
 template <class T>

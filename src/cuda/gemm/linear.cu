@@ -82,6 +82,21 @@ void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& 
   v.same_dtype("x", a.x, "dy", a.dy);
   with_type(a.dy.dtype, [&](auto tag) {
     using T = decltype(tag);
+    const int64_t M = a.dy.shape[0], N = a.dy.shape[1], K = a.x.shape[1];
+    if (sm90_path_available() && N % 8 == 0 && K % 8 == 0) {
+      require_tma_alignment(v, "dy", a.dy);
+      require_tma_alignment(v, "x", a.x);
+      gemm_sm90_weight_grad<T>(a.dy.as<const T>(), a.x.as<const T>(),
+                               a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr,
+                               a.segments.present() ? a.segments.as<const int32_t>() : nullptr,
+                               a.segments.present() ? a.segments.shape[0] : 0, a.dweight.as<float>(), M, N, K,
+                               stream_of(ctx.stream));
+      if (a.dbias.present())
+        gemm_weight_grad_sequential<T>(a.dy.as<const T>(), a.x.as<const T>(),
+                                       a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr, nullptr,
+                                       a.dbias.as<float>(), M, N, 0, stream_of(ctx.stream));
+      return;
+    }
     gemm_weight_grad_sequential<T>(a.dy.as<const T>(), a.x.as<const T>(),
                                    a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr,
                                    a.dweight.as<float>(), a.dbias.present() ? a.dbias.as<float>() : nullptr,
