@@ -12,7 +12,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > /tmp/cmake.log 2>&
 ninja -C build-gpu > /tmp/build.log 2>&1 || { grep -E "error" /tmp/build.log | head -30; exit 1; }
 echo "== GPU tests"
 OMP_WAIT_POLICY=passive build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*:Validation*:Harness*' > "$out/tests.log" 2>&1
-grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|actual|^HASH" "$out/tests.log" | head -30
+grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|actual|^HASH|^ACCURACY" "$out/tests.log" | head -30
 echo "== status matrix (cuda)"
 build-gpu/samebits verify --backend cuda --no-chain -q --status-dir "$out" | grep -E "^linear|FAIL|ERROR linear (bf|fp16)" | head -12
 rm -f "$out/cuda.json"

@@ -109,18 +109,21 @@ __global__ void __launch_bounds__(THREADS, 1)
       asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
     }
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    const uint64_t da = smem_desc_mn(a), db = smem_desc_mn(sb + s * B_TILE);
+    if (ch.valid == BK) {  // a full chunk: four k16 steps, no per-step branch
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      if (kk * 16 < ch.valid) {  // uniform across the warpgroup
-        const uint64_t da = smem_desc_mn(a) + uint64_t(kk * (2048 >> 4));
-        const uint64_t db = smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4));
-        Wgmma<T, true, true>::mma(d, da, db, 1);
-      }
+      for (int kk = 0; kk < BK / 16; ++kk)
+        Wgmma<T, true, true>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
+    } else {  // a segment's last chunk: only the k16 steps that hold its rows (uniform branch)
+      for (int kk = 0; kk * 16 < ch.valid; ++kk)
+        Wgmma<T, true, true>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (t == 0) mbar_arrive(&empty[s]);
+    // Keep this chunk's MMAs in flight; the previous chunk's are done, so its stage can be refilled.
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    if (i > 0 && t == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
   }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
   for (int j = 0; j < 32; ++j)
 #pragma unroll
