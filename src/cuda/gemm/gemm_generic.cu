@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
 
@@ -21,22 +22,6 @@ namespace {
 using namespace nvcuda;
 
 constexpr int BM = 128, BN = 128, BK = 32, PAD = 8, THREADS = 256;
-
-template <class T>
-__device__ __forceinline__ float to_f32(T v) { return float(v); }
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-
-template <class T>
-__device__ __forceinline__ void store_out(void* out, DType dt, int64_t i, float v) {
-  switch (dt) {
-    case DType::bf16: static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v); break;
-    case DType::f16: static_cast<__half*>(out)[i] = __float2half_rn(v); break;
-    default: static_cast<float*>(out)[i] = v; break;
-  }
-}
 
 // C[m][n] = Σ_k A(m, k)·B(n, k) (+ bias[n]); A(m, k) = a[m*sam + k*sak], B(n, k) = b[n*sbn + k*sbk].
 template <class T>
@@ -96,7 +81,7 @@ __global__ void __launch_bounds__(THREADS) gemm_wmma(GemmOperands<T> p) {
         if (m < p.M && n < p.N) {
           float v = sc[warp][r][c];
           if (p.bias) v += to_f32(p.bias[n]);
-          store_out<T>(p.out, p.out_dtype, m * p.ldo + n, v);
+          store_as(p.out, p.out_dtype, m * p.ldo + n, v);
         }
       }
       __syncwarp();

@@ -25,6 +25,7 @@
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/sm90_primitives.cuh"
+#include "cuda/gemm/sm90_tma.cuh"
 
 namespace samebits::cuda {
 namespace {
@@ -153,34 +154,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
-          "linear (cuda)", "cuTensorMapEncodeTiled");
-    if (q != cudaDriverEntryPointSuccess || !p) throw Error("linear (cuda)", "driver", "cuTensorMapEncodeTiled is unavailable");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// A row-major [rows, cols] operand as a 2-D tensor map with a box of `box_rows` x 64, 128B swizzle.
-template <class T>
-CUtensorMap make_map(const T* ptr, int64_t rows, int64_t cols, int box_rows) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
-  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode_fn()(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                 2, const_cast<T*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw Error("linear (cuda)", "tensor map", "cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
-  return map;
-}
 
 template <class T, class O, bool TRANS_B>
 void launch(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
@@ -212,7 +185,7 @@ bool sm90_path_available() {
 template <class T>
 void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
                        int64_t K, cudaStream_t stream) {
-  const CUtensorMap ma = make_map(x, M, K, BM), mb = make_map(w, N, K, BN);
+  const CUtensorMap ma = tma_map_2d(x, M, K, BM), mb = tma_map_2d(w, N, K, BN);
   switch (out_dtype) {
     case DType::bf16: return launch<T, __nv_bfloat16, false>(ma, mb, bias, out, M, N, K, stream);
     case DType::f16: return launch<T, __half, false>(ma, mb, bias, out, M, N, K, stream);
@@ -224,7 +197,7 @@ template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
                           cudaStream_t stream) {
   // dx[M,K] = dy[M,N]·w[N,K]: reduction over N; w is read in 64 x 64 boxes along its rows.
-  const CUtensorMap ma = make_map(dy, M, N, BM), mb = make_map(w, N, K, BK);
+  const CUtensorMap ma = tma_map_2d(dy, M, N, BM), mb = tma_map_2d(w, N, K, BK);
   switch (out_dtype) {
     case DType::bf16: return launch<T, __nv_bfloat16, true>(ma, mb, nullptr, dx, M, K, N, stream);
     case DType::f16: return launch<T, __half, true>(ma, mb, nullptr, dx, M, K, N, stream);

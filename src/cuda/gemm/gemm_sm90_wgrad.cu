@@ -22,6 +22,7 @@
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/sm90_primitives.cuh"
+#include "cuda/gemm/sm90_tma.cuh"
 
 namespace samebits::cuda {
 namespace {
@@ -136,36 +137,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
-          "linear_backward_weight (cuda)", "cuTensorMapEncodeTiled");
-    if (q != cudaDriverEntryPointSuccess || !p)
-      throw Error("linear_backward_weight (cuda)", "driver", "cuTensorMapEncodeTiled is unavailable");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// [rows, cols] row-major as 64 x 64 boxes, 128B swizzle.
-template <class T>
-CUtensorMap box_map(const T* ptr, int64_t rows, int64_t cols) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
-  const cuuint32_t box[2] = {64, 64};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode()(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                  : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                              2, const_cast<T*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error("linear_backward_weight (cuda)", "tensor map", "cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
-  return map;
-}
 
 // A device copy of the chunk list, kept and grown across calls (one per process, guarded).
 const Chunk* upload(const std::vector<Chunk>& chunks, cudaStream_t stream) {
@@ -205,7 +176,7 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
           "linear_backward_weight (cuda)", "shared memory");
     configured = true;
   }
-  const CUtensorMap mdy = box_map(dy, M, N), mx = box_map(x, M, K);
+  const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64);
   const Chunk* dev = upload(chunks, stream);
   const int64_t tiles = ((N + BM - 1) / BM) * ((K + BN - 1) / BN);
   wgrad_sm90<T><<<unsigned(tiles), THREADS, SMEM_BYTES, stream>>>(mdy, mx, dev, int(chunks.size()), mask, dw, N, K);

@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
 
@@ -18,13 +19,6 @@ namespace samebits::cuda {
 namespace {
 
 constexpr int TILE = 64, ROWS = 32, THREADS = 256;
-
-template <class T>
-__device__ __forceinline__ float f32(T v) { return float(v); }
-template <>
-__device__ __forceinline__ float f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float f32<__half>(__half v) { return __half2float(v); }
 
 template <class T>
 __global__ void __launch_bounds__(THREADS) weight_grad(const T* __restrict__ dy, const T* __restrict__ x,
@@ -47,8 +41,8 @@ __global__ void __launch_bounds__(THREADS) weight_grad(const T* __restrict__ dy,
     for (int e = tid; e < ROWS * TILE; e += THREADS) {
       const int r = e / TILE, c = e % TILE;
       const int64_t m = m0 + r;
-      sdy[r][c] = (m < M && n0 + c < N) ? f32(dy[m * N + n0 + c]) : 0.0f;
-      sx[r][c] = (m < M && k0 + c < K) ? f32(x[m * K + k0 + c]) : 0.0f;
+      sdy[r][c] = (m < M && n0 + c < N) ? to_f32(dy[m * N + n0 + c]) : 0.0f;
+      sx[r][c] = (m < M && k0 + c < K) ? to_f32(x[m * K + k0 + c]) : 0.0f;
     }
     if (tid < ROWS) live[tid] = (m0 + tid < M) && (mask == nullptr || mask[m0 + tid] != 0);
     __syncthreads();
@@ -82,7 +76,7 @@ __global__ void bias_grad(const T* __restrict__ dy, const uint8_t* __restrict__ 
   if (n >= N) return;
   float acc = db[n];
   for (int64_t m = 0; m < M; ++m)
-    if (mask == nullptr || mask[m] != 0) acc = __fadd_rn(acc, f32(dy[m * N + n]));
+    if (mask == nullptr || mask[m] != 0) acc = __fadd_rn(acc, to_f32(dy[m * N + n]));
   db[n] = acc;
 }
 

@@ -1,0 +1,28 @@
+// Device-side conversions shared by the CUDA kernels: storage types to fp32 and fp32 to a DType.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "samebits/dtype.hpp"
+
+namespace samebits::cuda {
+
+template <class T>
+__device__ __forceinline__ float to_f32(T v) { return float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+
+// Rounds v (RNE) into element i of a buffer of dtype dt (bf16, fp16 or fp32).
+__device__ __forceinline__ void store_as(void* out, DType dt, int64_t i, float v) {
+  switch (dt) {
+    case DType::bf16: static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v); break;
+    case DType::f16: static_cast<__half*>(out)[i] = __float2half_rn(v); break;
+    default: static_cast<float*>(out)[i] = v; break;
+  }
+}
+
+}  // namespace samebits::cuda
