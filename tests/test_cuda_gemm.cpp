@@ -59,8 +59,8 @@ std::vector<int64_t> sweep_ms() {
 
 // The rows [0, m) of y computed in a batch of `m` rows placed at `offset` inside a buffer full of
 // other rows must equal the same rows computed in the full 8192-row batch.
-void sweep_forward_and_dx(DType dt) {
-  const int64_t N = 200, K = 136, MAX = 8192;  // neither a multiple of the 128-wide tile
+void sweep_forward_and_dx(DType dt, int64_t N = 200, int64_t K = 136, std::vector<int64_t> ms = sweep_ms()) {
+  const int64_t MAX = 8192;
   Rng r(17);
   const DeviceBuffer x(r.tensor(dt, {MAX, K}, -1, 1)), w(r.tensor(dt, {N, K}, -1, 1)),
       dy(r.tensor(dt, {MAX, N}, -1, 1));
@@ -71,7 +71,7 @@ void sweep_forward_and_dx(DType dt) {
   // A scratch copy whose rows around the target window hold other content.
   HostTensor xs = r.tensor(dt, {MAX + 64, K}, -3, 3), dys = r.tensor(dt, {MAX + 64, N}, -3, 3);
   const HostTensor x_host = x.host(), dy_host = dy.host();
-  for (int64_t m : sweep_ms()) {
+  for (int64_t m : ms) {
     const int64_t off = (m * 37) % 64, src = (m * 131) % (MAX - m + 1);
     HostTensor xm = xs, dym = dys;
     xm.copy_rows_from(x_host, src, off, m);
@@ -96,6 +96,12 @@ class CudaGemm : public ::testing::Test {
 
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
+// N = 200, K = 136 run the 128-wide tiles; wide outputs (>= 16384 columns) run 256-wide tiles.
+TEST_F(CudaGemm, WideTilesAreInvariantAcrossM) {
+  const std::vector<int64_t> ms = {1, 2, 7, 64, 127, 128, 129, 300, 1000, 2049};
+  sweep_forward_and_dx(DType::bf16, 16400, 136, ms);  // forward: 256-wide tiles, an edge tile in N
+  sweep_forward_and_dx(DType::bf16, 72, 16392, ms);   // dX: its output has 16392 columns
+}
 
 TEST_F(CudaGemm, WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath) {
   // N = 33: not a multiple of 8, so every architecture sums one token at a time.

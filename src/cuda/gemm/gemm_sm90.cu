@@ -1,12 +1,13 @@
 // Hopper (sm_90a) GEMM y = x·wᵀ: TMA loads, wgmma, a warp-specialised producer / consumer pipeline
 // on mbarriers.
 //
-// Why this shape. A 128 x 256 output tile per CTA with K in steps of 64 (four 16-deep wgmma steps,
-// ascending), for every M: an output element is always the same sequence of
-// wgmma.m64n256k16 instructions over ascending K, accumulated in fp32 registers, so its bits never
-// depend on M, on its neighbours or on the grid (rules 1-3; no split-K, no atomics). Warpgroup 0 is
+// Why this shape. A 128 x BN output tile per CTA (BN = 256, or 128 for outputs narrower than 16384
+// columns: a property of the weight, never of M) with K in steps of 64 (four 16-deep wgmma steps,
+// ascending): for a given weight an output element is always the same sequence of wgmma.m64nBNk16
+// instructions over ascending K, accumulated in fp32 registers, so its bits never depend on M, on
+// its neighbours or on the grid (rules 1-3; no split-K, no atomics). Warpgroup 0 is
 // the producer (registers given away with setmaxnreg): one thread streams A (x) and B (w) tiles with
-// the bulk tensor copy engine into a 4-stage ring (128B-swizzled, 48 KiB a stage) and signals
+// the bulk tensor copy engine into a 4-stage ring (128B-swizzled, 32 or 48 KiB a stage) and signals
 // "full" mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on
 // "full", issue wgmma straight from shared memory with one k-tile of MMAs kept in flight, and release
 // a stage on its "empty" mbarrier once the MMAs reading it are done. The epilogue adds the bias in
@@ -32,12 +33,23 @@ namespace {
 
 using namespace sm90;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-constexpr int A_TILE = BM * BK, B_TILE = BN * BK;  // elements
-constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
+constexpr int BM = 128, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int A_TILE = BM * BK;  // elements
 constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
-constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + 2 * STAGES * 8 + 1024;
-static_assert(CONSUMERS * 64 * (BN * 4 + STAGE_ROW_PAD) <= RING_BYTES, "the fp32 epilogue staging fits in the ring");
+
+// The tile width: 256 output columns, or 128 for outputs narrower than 16384 columns, so narrow
+// layers (QKV, O, down, the LM head's dX) get twice the CTAs. A function of the weight's shape
+// only, never of M, so every M runs the same instructions for a given weight (rule 2).
+inline int tile_width(int64_t out_cols) { return out_cols < 16384 ? 128 : 256; }
+
+template <int BN>
+struct Tile {
+  static constexpr int B_TILE = BN * BK;
+  static constexpr int NREG = BN / 2;
+  static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
+  static constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + 2 * STAGES * 8 + 1024;
+  static_assert(CONSUMERS * 64 * (BN * 4 + STAGE_ROW_PAD) <= RING_BYTES, "the fp32 epilogue staging fits in the ring");
+};
 
 template <class O>
 __device__ __forceinline__ O convert(float v);
@@ -49,8 +61,8 @@ template <>
 __device__ __forceinline__ __half convert<__half>(float v) { return __float2half_rn(v); }
 
 // Rounds one consumer's 64 x BN accumulators into `stage` (rows padded), then writes the rows out.
-template <class T, class O>
-__device__ __forceinline__ void epilogue(const float (&d)[128], uint8_t* stage, const T* bias, O* out, int64_t row_base,
+template <class T, class O, int BN>
+__device__ __forceinline__ void epilogue(const float (&d)[BN / 2], uint8_t* stage, const T* bias, O* out, int64_t row_base,
                                          int64_t n0, int64_t M, int64_t N, int t, int c) {
   constexpr int ROW_BYTES = BN * int(sizeof(O)) + STAGE_ROW_PAD;
   const int warp = t / 32, lane = t % 32;
@@ -81,7 +93,7 @@ __device__ __forceinline__ void epilogue(const float (&d)[128], uint8_t* stage, 
   }
 }
 
-template <class T, class O, bool TRANS_B>
+template <class T, class O, bool TRANS_B, int BN>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, const T* bias,
               O* out, int64_t M, int64_t N, int64_t K) {
@@ -89,8 +101,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
+  constexpr int B_TILE = Tile<BN>::B_TILE, NREG = Tile<BN>::NREG;
   T* sb = sa + STAGES * A_TILE;
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + RING_BYTES);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + Tile<BN>::RING_BYTES);
   uint64_t* empty = full + STAGES;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   // M tiles fastest: the CTAs in flight share W tiles, which L2 then serves across M.
@@ -127,9 +140,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   // consumers: warpgroup c owns rows c*64 .. c*64 + 63 of the tile
   const int c = wg - 1;
-  float d[128];
+  float d[NREG];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+  for (int i = 0; i < NREG; ++i) d[i] = 0.0f;
   for (int kt = 0; kt < kt_count; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(&full[s], (kt / STAGES) & 1);
@@ -139,7 +152,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const uint64_t da = smem_desc(sa + s * A_TILE + c * 64 * BK) + uint64_t(kk * 2);  // +32 bytes per k16
       const uint64_t db = TRANS_B ? smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4))  // +16 rows
                                   : smem_desc(sb + s * B_TILE) + uint64_t(kk * 2);
-      Wgmma<T, false, TRANS_B>::mma(d, da, db, 1);
+      Wgmma<T, false, TRANS_B, BN>::mma(d, da, db, 1);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     // Keep this k-tile's MMAs in flight; the previous tile's are done, so its stage can be refilled.
@@ -150,23 +163,38 @@ __global__ void __launch_bounds__(THREADS, 1)
   // Both consumers have finished reading the ring: reuse it to stage the output.
   asm volatile("bar.sync 1, 256;" ::: "memory");
   uint8_t* stage = base + size_t(c) * 64 * (BN * sizeof(O) + STAGE_ROW_PAD);
-  epilogue<T, O>(d, stage, bias, out, m0 + c * 64, n0, M, N, t, c);
+  epilogue<T, O, BN>(d, stage, bias, out, m0 + c * 64, n0, M, N, t, c);
 #endif
 }
 
 
-template <class T, class O, bool TRANS_B>
-void launch(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
-            cudaStream_t stream) {
+template <class T, class O, bool TRANS_B, int BN>
+void launch_tile(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
+                 cudaStream_t stream) {
+  constexpr size_t SMEM_BYTES = Tile<BN>::SMEM_BYTES;
   static bool configured = false;
   if (!configured) {
-    check(cudaFuncSetAttribute(gemm_sm90<T, O, TRANS_B>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
+    check(cudaFuncSetAttribute(gemm_sm90<T, O, TRANS_B, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
           "linear (cuda)", "shared memory");
     configured = true;
   }
   const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
-  gemm_sm90<T, O, TRANS_B><<<unsigned(tiles), THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, static_cast<O*>(out), M, N, K);
+  gemm_sm90<T, O, TRANS_B, BN><<<unsigned(tiles), THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, static_cast<O*>(out), M, N, K);
   check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
+}
+
+// C[M,N] = A[M,K]·B (+ bias): B is w[N,K] (forward) or, with TRANS_B, w[K,N] read along N (dX).
+// The tensor maps are made here because the B box depends on the tile width.
+template <class T, class O, bool TRANS_B>
+void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+  const CUtensorMap ma = tma_map_2d(a, M, K, BM);
+  if (tile_width(N) == 128) {
+    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, 128);
+    launch_tile<T, O, TRANS_B, 128>(ma, mb, bias, out, M, N, K, stream);
+  } else {
+    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, 256);
+    launch_tile<T, O, TRANS_B, 256>(ma, mb, bias, out, M, N, K, stream);
+  }
 }
 
 }  // namespace
@@ -185,34 +213,31 @@ bool sm90_path_available() {
 template <class T>
 void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
                        int64_t K, cudaStream_t stream) {
-  const CUtensorMap ma = tma_map_2d(x, M, K, BM), mb = tma_map_2d(w, N, K, BN);
   switch (out_dtype) {
-    case DType::bf16: return launch<T, __nv_bfloat16, false>(ma, mb, bias, out, M, N, K, stream);
-    case DType::f16: return launch<T, __half, false>(ma, mb, bias, out, M, N, K, stream);
-    default: return launch<T, float, false>(ma, mb, bias, out, M, N, K, stream);
+    case DType::bf16: return launch<T, __nv_bfloat16, false>(x, w, bias, out, M, N, K, stream);
+    case DType::f16: return launch<T, __half, false>(x, w, bias, out, M, N, K, stream);
+    default: return launch<T, float, false>(x, w, bias, out, M, N, K, stream);
   }
 }
 
 template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
                           cudaStream_t stream) {
-  // dx[M,K] = dy[M,N]·w[N,K]: reduction over N; w is read in 64 x 64 boxes along its rows.
-  const CUtensorMap ma = tma_map_2d(dy, M, N, BM), mb = tma_map_2d(w, N, K, BK);
+  // dx[M,K] = dy[M,N]·w[N,K]: the kernel's K is N (the reduction), its N is K (dx's columns).
   switch (out_dtype) {
-    case DType::bf16: return launch<T, __nv_bfloat16, true>(ma, mb, nullptr, dx, M, K, N, stream);
-    case DType::f16: return launch<T, __half, true>(ma, mb, nullptr, dx, M, K, N, stream);
-    default: return launch<T, float, true>(ma, mb, nullptr, dx, M, K, N, stream);
+    case DType::bf16: return launch<T, __nv_bfloat16, true>(dy, w, nullptr, dx, M, K, N, stream);
+    case DType::f16: return launch<T, __half, true>(dy, w, nullptr, dx, M, K, N, stream);
+    default: return launch<T, float, true>(dy, w, nullptr, dx, M, K, N, stream);
   }
 }
-
-template void gemm_sm90_input_grad<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, void*, DType, int64_t,
-                                                  int64_t, int64_t, cudaStream_t);
-template void gemm_sm90_input_grad<__half>(const __half*, const __half*, void*, DType, int64_t, int64_t, int64_t,
-                                           cudaStream_t);
 
 template void gemm_sm90_forward<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*,
                                                DType, int64_t, int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_forward<__half>(const __half*, const __half*, const __half*, void*, DType, int64_t, int64_t,
                                         int64_t, cudaStream_t);
+template void gemm_sm90_input_grad<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, void*, DType, int64_t,
+                                                  int64_t, int64_t, cudaStream_t);
+template void gemm_sm90_input_grad<__half>(const __half*, const __half*, void*, DType, int64_t, int64_t, int64_t,
+                                           cudaStream_t);
 
 }  // namespace samebits::cuda

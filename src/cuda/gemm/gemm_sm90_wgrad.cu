@@ -114,10 +114,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (ch.valid == BK) {  // a full chunk: four k16 steps, no per-step branch
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
-        Wgmma<T, true, true>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
+        Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
     } else {  // a segment's last chunk: only the k16 steps that hold its rows (uniform branch)
       for (int kk = 0; kk * 16 < ch.valid; ++kk)
-        Wgmma<T, true, true>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
+        Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     // Keep this chunk's MMAs in flight; the previous chunk's are done, so its stage can be refilled.
