@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops/tuning.hpp"
 #include "samebits/device.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
@@ -96,7 +97,33 @@ class CudaGemm : public ::testing::Test {
 
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
-// N = 200, K = 136 run the 128-wide tiles; wide outputs (>= 16384 columns) run 256-wide tiles.
+// N = 200, K = 136: the M sweep crosses the 128 -> 256 tile switch at M = 512; wide outputs
+// (>= 16384 columns) run 256-wide tiles at every M.
+TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
+  // The proof behind the one M-dependent choice: 128- and 256-wide tiles, forced on the same
+  // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles).
+  struct Shape { int64_t M, N, K; };
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const Shape& sh : {Shape{1, 4096, 4096}, Shape{77, 6144, 4096}, Shape{512, 4096, 12288}, Shape{300, 1000, 1536},
+                            Shape{1024, 200, 136}}) {
+      Rng r(uint64_t(sh.M + sh.N));
+      const DeviceBuffer x(r.tensor(dt, {sh.M, sh.K}, -1, 1)), w(r.tensor(dt, {sh.N, sh.K}, -1, 1)),
+          dy(r.tensor(dt, {sh.M, sh.N}, -1, 1));
+      HostTensor y[2], dx[2];
+      for (int i = 0; i < 2; ++i) {
+        detail::gemm_tile_width_override() = i == 0 ? 128 : 256;
+        const DeviceBuffer yd(DType::f32, {sh.M, sh.N}), dxd(dt, {sh.M, sh.K});
+        linear_forward(cuda_ctx(), {x.view(), w.view(), {}, yd.view()});
+        linear_backward_input(cuda_ctx(), {dy.view(), w.view(), dxd.view()});
+        y[i] = yd.host();
+        dx[i] = dxd.host();
+      }
+      detail::gemm_tile_width_override() = 0;
+      EXPECT_EQ(std::memcmp(y[0].data(), y[1].data(), y[0].bytes()), 0) << "forward M=" << sh.M << " N=" << sh.N;
+      EXPECT_EQ(std::memcmp(dx[0].data(), dx[1].data(), dx[0].bytes()), 0) << "dX M=" << sh.M << " N=" << sh.N;
+    }
+}
+
 TEST_F(CudaGemm, WideTilesAreInvariantAcrossM) {
   const std::vector<int64_t> ms = {1, 2, 7, 64, 127, 128, 129, 300, 1000, 2049};
   sweep_forward_and_dx(DType::bf16, 16400, 136, ms);  // forward: 256-wide tiles, an edge tile in N

@@ -1,11 +1,11 @@
 // Hopper (sm_90a) GEMM y = x·wᵀ: TMA loads, wgmma, a warp-specialised producer / consumer pipeline
 // on mbarriers.
 //
-// Why this shape. A 128 x BN output tile per CTA (BN = 256, or 128 for outputs narrower than 16384
-// columns: a property of the weight, never of M) with K in steps of 64 (four 16-deep wgmma steps,
-// ascending): for a given weight an output element is always the same sequence of wgmma.m64nBNk16
-// instructions over ascending K, accumulated in fp32 registers, so its bits never depend on M, on
-// its neighbours or on the grid (rules 1-3; no split-K, no atomics). Warpgroup 0 is
+// Why this shape. A 128 x BN output tile per CTA (BN = 256, or 128 for decode-sized M on narrow
+// outputs, see tile_width) with K in steps of 64 (four 16-deep wgmma steps, ascending): an output
+// element is always the same sequence of 16-deep MMA steps over ascending K, accumulated in fp32
+// registers, so its bits never depend on M, on its neighbours or on the grid (rules 1-3; no
+// split-K, no atomics). Warpgroup 0 is
 // the producer (registers given away with setmaxnreg): one thread streams A (x) and B (w) tiles with
 // the bulk tensor copy engine into a 4-stage ring (128B-swizzled, 32 or 48 KiB a stage) and signals
 // "full" mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on
@@ -27,6 +27,7 @@
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/sm90_primitives.cuh"
 #include "cuda/gemm/sm90_tma.cuh"
+#include "ops/tuning.hpp"
 
 namespace samebits::cuda {
 namespace {
@@ -37,10 +38,16 @@ constexpr int BM = 128, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CON
 constexpr int A_TILE = BM * BK;  // elements
 constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
 
-// The tile width: 256 output columns, or 128 for outputs narrower than 16384 columns, so narrow
-// layers (QKV, O, down, the LM head's dX) get twice the CTAs. A function of the weight's shape
-// only, never of M, so every M runs the same instructions for a given weight (rule 2).
-inline int tile_width(int64_t out_cols) { return out_cols < 16384 ? 128 : 256; }
+// The tile width. 256 output columns, except 128 when M <= 512 and the output is narrower than
+// 16384 columns, so decode-sized batches of narrow layers (QKV, O, down, the LM head's dX) get twice
+// the CTAs. This is the one place where a shape depends on M, which rule 2 allows only with proof
+// that every element keeps its bits: wgmma.m64n128k16 and m64n256k16 run the same per-element K
+// sequence, and tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switch at M = 512, and
+// TileWidthsGiveIdenticalBits forces both widths on the same problems).
+inline int tile_width(int64_t M, int64_t out_cols) {
+  if (const int forced = detail::gemm_tile_width_override()) return forced;
+  return (M <= 512 && out_cols < 16384) ? 128 : 256;
+}
 
 template <int BN>
 struct Tile {
@@ -188,7 +195,7 @@ void launch_tile(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, vo
 template <class T, class O, bool TRANS_B>
 void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
   const CUtensorMap ma = tma_map_2d(a, M, K, BM);
-  if (tile_width(N) == 128) {
+  if (tile_width(M, N) == 128) {
     const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, 128);
     launch_tile<T, O, TRANS_B, 128>(ma, mb, bias, out, M, N, K, stream);
   } else {
