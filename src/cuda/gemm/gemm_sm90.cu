@@ -117,14 +117,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int64_t m_tiles = (M + BM - 1) / BM;
   const int64_t m0 = (int64_t(blockIdx.x) % m_tiles) * BM, n0 = (int64_t(blockIdx.x) / m_tiles) * BN;
   const int kt_count = int((K + BK - 1) / BK);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], CONSUMERS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring_barriers(full, empty, STAGES, CONSUMERS);
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");

@@ -52,14 +52,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int64_t n_tiles = (N + BM - 1) / BM;
   const int64_t n0 = (int64_t(blockIdx.x) % n_tiles) * BM, k0 = (int64_t(blockIdx.x) / n_tiles) * BN;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], CONSUMERS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring_barriers(full, empty, STAGES, CONSUMERS);
 
   if (wg == 0) {  // producer: dYᵀ as two 64 x 64 boxes (its n columns), X as four (its k columns)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
