@@ -50,8 +50,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * B_TILE);
   uint64_t* empty = full + STAGES;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  const int64_t n_tiles = (N + BM - 1) / BM;
-  const int64_t n0 = (int64_t(blockIdx.x) % n_tiles) * BM, k0 = (int64_t(blockIdx.x) / n_tiles) * BN;
+  // K tiles fastest: the CTAs in flight share one column block of dY (the large operand when N is
+  // a vocabulary), which is then read from HBM once and served from L2 to all of them.
+  const int64_t k_tiles = (K + BN - 1) / BN;
+  const int64_t k0 = (int64_t(blockIdx.x) % k_tiles) * BN, n0 = (int64_t(blockIdx.x) / k_tiles) * BM;
   init_ring_barriers(full, empty, STAGES, CONSUMERS);
 
   if (wg == 0) {  // producer: dYᵀ as two 64 x 64 boxes (its n columns), X as four (its k columns)
