@@ -10,6 +10,7 @@
 
 #include "ops/tuning.hpp"
 #include "samebits/device.hpp"
+#include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
 
@@ -270,4 +271,32 @@ TEST_F(CudaGemm, PrintsOutputHashesForCrossCardComparison) {
   linear_backward_weight(cuda_ctx(), {dy.view(), x.view(), {}, dw.view(), {}});
   std::printf("HASH forward=%016llx dX=%016llx dW=%016llx\n", (unsigned long long)fnv(y.host()),
               (unsigned long long)fnv(dx.host()), (unsigned long long)fnv(dw.host()));
+}
+
+TEST_F(CudaGemm, BadInputIsAClearErrorOrACorrectSlowerPath) {
+  // K = 67 (not a multiple of 8): the generic path, still accurate against the CPU reference.
+  const int64_t M = 9, N = 40, K = 67;
+  Rng r(12);
+  const HostTensor xh = r.tensor(DType::bf16, {M, K}, -1, 1), wh = r.tensor(DType::bf16, {N, K}, -1, 1);
+  const DeviceBuffer x(xh), w(wh), y(DType::f32, {M, N});
+  linear_forward(cuda_ctx(), {x.view(), w.view(), {}, y.view()});
+  HostTensor yc(DType::f32, {M, N});
+  linear_forward(Context{}, {xh.view(), wh.view(), {}, yc.view()});
+  const HostTensor yg = y.host();
+  for (int64_t i = 0; i < yg.numel(); ++i) EXPECT_NEAR(yg.get(i), yc.get(i), 1e-4 + 1e-4 * std::fabs(yc.get(i)));
+  // K = 64 from a base 2 bytes off 16-byte alignment: the Hopper path refuses it by name.
+  if (cuda_backend_built()) {
+    const DeviceBuffer big(r.tensor(DType::bf16, {4 * 64 + 8}, -1, 1)), w2(r.tensor(DType::bf16, {16, 64}, -1, 1)),
+        y2(DType::f32, {4, 16});
+    TensorView xv = TensorView::of(static_cast<char*>(big.view().data) + 2, DType::bf16, {4, 64}, Device::cuda);
+    try {
+      linear_forward(cuda_ctx(), {xv, w2.view(), {}, y2.view()});
+      // Another architecture takes the generic path, which accepts any element alignment.
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+    }
+  }
+  // fp32 inputs are unsupported on CUDA by design, with a message naming the dtype.
+  const DeviceBuffer xf(r.tensor(DType::f32, {2, 8}, -1, 1)), wf(r.tensor(DType::f32, {3, 8}, -1, 1)), yf(DType::f32, {2, 3});
+  EXPECT_THROW(linear_forward(cuda_ctx(), {xf.view(), wf.view(), {}, yf.view()}), Unsupported);
 }
