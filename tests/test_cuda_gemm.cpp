@@ -142,7 +142,7 @@ TEST_F(CudaGemm, WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath)
     for (int64_t i = 0; i < M; ++i) mask.set(i, i % 7 != 3);
     const DeviceBuffer maskd(mask);
     const DeviceBuffer one(init);
-    linear_backward_weight(cuda_ctx(), {dy.view(), x.view(), maskd.view(), one.view(), {}});
+    linear_backward_weight(cuda_ctx(), {dy.view(), x.view(), maskd.view(), one.view(), {}, {}});
     const HostTensor want = one.host();
     for (std::vector<int64_t> cuts : {std::vector<int64_t>{1, 500}, {17, 18, 640, 999}, {250, 500, 750}}) {
       const DeviceBuffer acc(init);
@@ -150,7 +150,7 @@ TEST_F(CudaGemm, WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath)
       cuts.push_back(M);
       for (int64_t end : cuts) {
         linear_backward_weight(cuda_ctx(), {dy.rows(begin, end), x.rows(begin, end), maskd.view().rows(begin, end),
-                                            acc.view(), {}});
+                                            acc.view(), {}, {}});
         begin = end;
       }
       const HostTensor got = acc.host();
@@ -268,7 +268,7 @@ TEST_F(CudaGemm, PrintsOutputHashesForCrossCardComparison) {
   const DeviceBuffer y(DType::bf16, {M, N}), dx(DType::bf16, {M, K}), dw(DType::f32, {N, K});
   linear_forward(cuda_ctx(), {x.view(), w.view(), {}, y.view()});
   linear_backward_input(cuda_ctx(), {dy.view(), w.view(), dx.view()});
-  linear_backward_weight(cuda_ctx(), {dy.view(), x.view(), {}, dw.view(), {}});
+  linear_backward_weight(cuda_ctx(), {dy.view(), x.view(), {}, dw.view(), {}, {}});
   std::printf("HASH forward=%016llx dX=%016llx dW=%016llx\n", (unsigned long long)fnv(y.host()),
               (unsigned long long)fnv(dx.host()), (unsigned long long)fnv(dw.host()));
 }

@@ -161,7 +161,8 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
 
     step("batch compositions and layouts");
     ChainForward ref_f;
-    const Gate::View ref = g.run(ChainBatch::packed({target}), {&target}, 0, &ref_f);
+    const ChainBatch ref_batch = ChainBatch::packed({target});
+    const Gate::View ref = g.run(ref_batch, {&target}, 0, &ref_f);
     auto check = [&](const std::string& name, const std::vector<const Seq*>& seqs, const ChainBatch& b) {
       size_t at = 0;
       while (seqs[at] != &target) ++at;
@@ -170,12 +171,12 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
       const size_t before = out.fwd_invariance.drifts.size();
       g.compare(name, ref.fwd, v.fwd, out.fwd_invariance);
       if (out.fwd_invariance.drifts.size() > before) {  // name the first op whose bits moved
-        const std::string op = g.first_failing_op(ref_f, ChainBatch::packed({target}).seqs[0], f, b.seqs[at]);
+        const std::string op = g.first_failing_op(ref_f, ref_batch.seqs[0], f, b.seqs[at]);
         for (size_t i = before; i < out.fwd_invariance.drifts.size(); ++i) out.fwd_invariance.drifts[i].op = op;
       }
       g.compare(name, ref.bwd, v.bwd, out.bwd_invariance);
     };
-    check("repeat", {&target}, ChainBatch::packed({target}));
+    check("repeat", {&target}, ref_batch);
     for (int n : {2, 3, 5, opt.batch}) {
       const size_t pos = size_t(rng.integer(0, n - 1));
       const auto seqs = with_target(size_t(n - 1), pos);
@@ -287,8 +288,8 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
         b = next;
       }
       // Rescore the finished sequences in one packed forward (the trainer's view).
-      const ChainForward f = g.chain.forward(ChainBatch::packed(prompts));
       const ChainBatch packed = ChainBatch::packed(prompts);
+      const ChainForward f = g.chain.forward(packed);
       for (size_t k = 0; k < prompts.size(); ++k) {
         const int64_t first = packed.seqs[k].row + packed.seqs[k].len - opt.decode_tokens - 1;
         const TensorMap got{{"logp", doubles(f.logp, first, opt.decode_tokens)}};

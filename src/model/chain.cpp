@@ -53,6 +53,30 @@ Rows rows_of(const ChainBatch& b, int64_t vocab) {
   return r;
 }
 
+// The attention sequence table {q_row, q_len, k_row, k_len}: keys are the batch's own rows, or,
+// with a cache, the sequence's slot holding its `cached` earlier tokens and this step's.
+HostTensor attention_table(const ChainBatch& batch, const KvCache* cache, int64_t capacity,
+                           const std::vector<int64_t>* slot_lengths) {
+  HostTensor seqs(DType::i32, {int64_t(batch.seqs.size()), 4});
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const ChainSequence& s = batch.seqs[i];
+    int64_t row[4] = {s.row, s.len, s.row, s.len};
+    if (cache) {
+      if (s.slot < 0 || s.slot >= int64_t(slot_lengths->size()))
+        throw Error("chain", "batch", fmt::format("sequence {} has no valid cache slot", i));
+      if ((*slot_lengths)[size_t(s.slot)] != s.cached)
+        throw Error("chain", "batch", fmt::format("sequence {}: cached = {} but its slot holds {} tokens", i, s.cached,
+                                                  (*slot_lengths)[size_t(s.slot)]));
+      if (s.cached + s.len > capacity)
+        throw Error("chain", "batch", fmt::format("sequence {} overflows its cache slot ({} tokens)", i, capacity));
+      row[2] = s.slot * capacity;
+      row[3] = s.cached + s.len;
+    }
+    for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
+  }
+  return seqs;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- batches
@@ -166,37 +190,27 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   // The attention sequence table: keys are the batch's rows, or the cache slot's.
   if (cache && (cache->k_.size() != size_t(c.num_layers) || cache->k_[0].dtype() != act_))
     throw Error("chain", "cache", "was made for another model or activation dtype");
-  HostTensor seqs(DType::i32, {int64_t(batch.seqs.size()), 4});
-  for (size_t i = 0; i < batch.seqs.size(); ++i) {
-    const ChainSequence& s = batch.seqs[i];
-    int64_t row[4] = {s.row, s.len, s.row, s.len};
-    if (cache) {
-      if (s.slot < 0 || s.slot >= int64_t(cache->lengths_.size()))
-        throw Error("chain", "batch", fmt::format("sequence {} has no valid cache slot", i));
-      if (cache->length(s.slot) != s.cached)
-        throw Error("chain", "batch", fmt::format("sequence {}: cached = {} but its slot holds {} tokens", i, s.cached,
-                                                  cache->length(s.slot)));
-      if (s.cached + s.len > cache->capacity())
-        throw Error("chain", "batch", fmt::format("sequence {} overflows its cache slot ({} tokens)", i, cache->capacity()));
-      row[2] = s.slot * cache->capacity();
-      row[3] = s.cached + s.len;
-    }
-    for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
-  }
+  const HostTensor seqs = attention_table(batch, cache, cache ? cache->capacity() : 0, cache ? &cache->lengths_ : nullptr);
+
+  // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
+  auto norm = [&](const HostTensor& x, const HostTensor* residual, const std::string& weight, HostTensor& y,
+                  HostTensor* residual_out, HostTensor& rstd) {
+    RmsNormForwardArgs a;
+    a.x = x.view();
+    if (residual) a.residual = residual->view();
+    a.weight = W(weight);
+    a.y = y.view();
+    if (residual_out) a.residual_out = residual_out->view();
+    a.rstd = rstd.view();
+    a.eps = c.rms_norm_eps;
+    rmsnorm_forward(ctx_, a);
+  };
 
   HostTensor* x_in = &act("embed", {T, H});
   embedding_forward(ctx_, {r.ids.view(), W("model.embed_tokens.weight"), x_in->view()});
   HostTensor* n1 = &act("layer0.n1", {T, H});
   HostTensor* rstd1 = &acc("layer0.rstd1", {T});
-  {
-    RmsNormForwardArgs a;
-    a.x = x_in->view();
-    a.weight = W("model.layers.0.input_layernorm.weight");
-    a.y = n1->view();
-    a.rstd = rstd1->view();
-    a.eps = c.rms_norm_eps;
-    rmsnorm_forward(ctx_, a);
-  }
+  norm(*x_in, nullptr, "model.layers.0.input_layernorm.weight", *n1, nullptr, *rstd1);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
     auto linear = [&](const char* name, const HostTensor& in, const std::string& w, int64_t n) -> HostTensor& {
@@ -254,17 +268,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     HostTensor& x_mid = act(layer_name(l, "x_mid"), {T, H});
     HostTensor& n2 = act(layer_name(l, "n2"), {T, H});
     HostTensor& rstd2 = acc(layer_name(l, "rstd2"), {T});
-    {
-      RmsNormForwardArgs a;
-      a.x = o.view();
-      a.residual = x_in->view();
-      a.weight = W(p + "post_attention_layernorm.weight");
-      a.y = n2.view();
-      a.residual_out = x_mid.view();
-      a.rstd = rstd2.view();
-      a.eps = c.rms_norm_eps;
-      rmsnorm_forward(ctx_, a);
-    }
+    norm(o, x_in, p + "post_attention_layernorm.weight", n2, &x_mid, rstd2);
     const HostTensor& g = linear("gate", n2, p + "mlp.gate_proj.weight", I);
     const HostTensor& u = linear("up", n2, p + "mlp.up_proj.weight", I);
     HostTensor& m = act(layer_name(l, "swiglu"), {T, I});
@@ -276,15 +280,8 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     x_in = &act(next + "x_in", {T, H});
     n1 = &act(next + "n1", {T, H});
     rstd1 = &acc(next + "rstd1", {T});
-    RmsNormForwardArgs a;
-    a.x = d.view();
-    a.residual = x_mid.view();
-    a.weight = W(last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1));
-    a.y = n1->view();
-    a.residual_out = x_in->view();
-    a.rstd = rstd1->view();
-    a.eps = c.rms_norm_eps;
-    rmsnorm_forward(ctx_, a);
+    norm(d, &x_mid, last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1), *n1,
+         x_in, *rstd1);
   }
   if (cache)
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
@@ -335,11 +332,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
   const TensorView mask = r.row_mask.view();
   auto act = [&](std::vector<int64_t> shape) { return HostTensor::poisoned(act_, std::move(shape)); };
 
-  HostTensor seqs(DType::i32, {int64_t(batch.seqs.size()), 4});
-  for (size_t i = 0; i < batch.seqs.size(); ++i) {
-    const int64_t row[4] = {batch.seqs[i].row, batch.seqs[i].len, batch.seqs[i].row, batch.seqs[i].len};
-    for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
-  }
+  const HostTensor seqs = attention_table(batch, nullptr, 0, nullptr);
   HostTensor g_logp(acc_, {T});
   for (int64_t i = 0; i < T; ++i) g_logp.set(i, dlogp[size_t(i)]);
 
@@ -356,19 +349,25 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     a.dweight = G("lm_head.weight");  // the tied model's LM-head accumulator is a separate buffer
     lm_head_logprob_backward(ctx_, a);
   }
-  HostTensor dx = act({T, H});
-  {
+  // Backward of an RMSNorm whose input was the activation `x`: dy from the norm's output, plus
+  // (when fused) the gradient already on the residual stream; returns the input's gradient.
+  auto norm_back = [&](const HostTensor& dy, const HostTensor* dresidual, const std::string& x,
+                       const std::string& rstd, const std::string& weight) {
+    HostTensor dx_out = act({T, H});
     RmsNormBackwardArgs a;
-    a.dy = dn.view();
-    a.x = A("final.x_in");
-    a.weight = W("model.norm.weight");
-    a.rstd = A("final.rstd1");
+    a.dy = dy.view();
+    if (dresidual) a.dresidual_out = dresidual->view();
+    a.x = A(x);
+    a.weight = W(weight);
+    a.rstd = A(rstd);
     a.row_mask = mask;
-    a.dx = dx.view();
-    a.dweight = G("model.norm.weight");
+    a.dx = dx_out.view();
+    a.dweight = G(weight);
     a.eps = c.rms_norm_eps;
     rmsnorm_backward(ctx_, a);
-  }
+    return dx_out;
+  };
+  HostTensor dx = norm_back(dn, nullptr, "final.x_in", "final.rstd1", "model.norm.weight");
   // Σ of gradient contributions, each produced in the accumulator dtype, added in list order and
   // rounded once into `out`.
   auto sum_into = [&](std::vector<HostTensor>& parts, HostTensor& out) {
@@ -382,7 +381,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     const std::string n1_name = layer_name(l, "n1"), rstd1_name = layer_name(l, "rstd1");
     auto back_linear = [&](const TensorView& dy, const TensorView& x, const std::string& w, HostTensor& dx_out) {
       linear_backward_input(ctx_, {dy, W(w), dx_out.view()});
-      linear_backward_weight(ctx_, {dy, x, mask, G(w), {}});
+      linear_backward_weight(ctx_, {dy, x, mask, G(w), {}, {}});
     };
     // MLP: x_next = x_mid + down(swiglu(gate(n2), up(n2)))
     HostTensor dm = act({T, I});
@@ -394,20 +393,8 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     back_linear(du.view(), A(layer_name(l, "n2")), p + "mlp.up_proj.weight", parts[1]);
     HostTensor dn2 = act({T, H});
     sum_into(parts, dn2);
-    HostTensor dx_mid = act({T, H});
-    {
-      RmsNormBackwardArgs a;
-      a.dy = dn2.view();
-      a.dresidual_out = dx.view();
-      a.x = A(layer_name(l, "x_mid"));
-      a.weight = W(p + "post_attention_layernorm.weight");
-      a.rstd = A(layer_name(l, "rstd2"));
-      a.row_mask = mask;
-      a.dx = dx_mid.view();
-      a.dweight = G(p + "post_attention_layernorm.weight");
-      a.eps = c.rms_norm_eps;
-      rmsnorm_backward(ctx_, a);
-    }
+    const HostTensor dx_mid =
+        norm_back(dn2, &dx, layer_name(l, "x_mid"), layer_name(l, "rstd2"), p + "post_attention_layernorm.weight");
     // Attention: x_mid = x_in + o_proj(attention(rope(qk_norm(q)), rope(qk_norm(k)), v))
     HostTensor da = act({T, Hq * D});
     back_linear(dx_mid.view(), A(layer_name(l, "attn")), p + "self_attn.o_proj.weight", da);
@@ -453,19 +440,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     back_linear(dv.view(), A(n1_name), p + "self_attn.v_proj.weight", qkv[2]);
     HostTensor dn1 = act({T, H});
     sum_into(qkv, dn1);
-    HostTensor dx_in = act({T, H});
-    RmsNormBackwardArgs a;
-    a.dy = dn1.view();
-    a.dresidual_out = dx_mid.view();
-    a.x = A(in_name);
-    a.weight = W(p + "input_layernorm.weight");
-    a.rstd = A(rstd1_name);
-    a.row_mask = mask;
-    a.dx = dx_in.view();
-    a.dweight = G(p + "input_layernorm.weight");
-    a.eps = c.rms_norm_eps;
-    rmsnorm_backward(ctx_, a);
-    dx = std::move(dx_in);
+    dx = norm_back(dn1, &dx_mid, in_name, rstd1_name, p + "input_layernorm.weight");
   }
   embedding_backward(ctx_, {r.ids.view(), dx.view(), mask, G("model.embed_tokens.weight")});
   return dx;
