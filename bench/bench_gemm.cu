@@ -75,10 +75,15 @@ TensorView dev(void* p, DType d, int64_t r, int64_t c) { return TensorView::of(p
 int main(int argc, char** argv) {
   bool quick = false;
   std::string md = "gemm.md", csv = "gemm.csv";
+  std::string shape_filter, product_filter;  // substrings; empty: all
+  int64_t m_filter = 0;                      // one M; 0: all
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--md") && i + 1 < argc) md = argv[++i];
     else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
+    else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape_filter = argv[++i];
+    else if (!std::strcmp(argv[i], "--product") && i + 1 < argc) product_filter = argv[++i];
+    else if (!std::strcmp(argv[i], "--m") && i + 1 < argc) m_filter = std::atoll(argv[++i]);
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -93,6 +98,11 @@ int main(int argc, char** argv) {
     ms = {1, 128, 1024, 4096};
     run_shapes = {shapes[1], shapes[6]};
   }
+  if (!shape_filter.empty())
+    run_shapes.erase(std::remove_if(run_shapes.begin(), run_shapes.end(),
+                                    [&](const Shape& s) { return std::string(s.name).find(shape_filter) == std::string::npos; }),
+                     run_shapes.end());
+  if (m_filter > 0) ms = {m_filter};
   cublasHandle_t h;
   CK(cublasCreate(&h));
   const int64_t max_m = ms.back();
@@ -124,6 +134,7 @@ int main(int argc, char** argv) {
     ctx.backend = Backend::cuda;
     const float one = 1.0f, zero = 0.0f;
     for (const char* product : {"forward", "dX", "dW"}) {
+      if (!product_filter.empty() && product_filter != product) continue;
       for (int64_t M : ms) {
         const double flop = 2.0 * double(M) * double(s.N) * double(s.K);
         double ours = 0, theirs = 0;

@@ -87,6 +87,34 @@ void sweep_forward_and_dx(DType dt, int64_t N = 200, int64_t K = 136, std::vecto
   }
 }
 
+// The error of a dW (init + Σ over unmasked rows of dyᵀ·x, computed on the GPU) against an fp64 sum,
+// in units of the fp32 summation bound: any order of n terms is within n·u·Σ|terms| (u = 2^-24);
+// tensor cores truncate instead of rounding, so the unit is 2·n·u·Σ|terms|. Also prints the error
+// in units of the contract's fp32 reduction tolerance (relative to |ref|, set on short reductions).
+double dw_error_against_fp64(const HostTensor& got, const HostTensor& init, const HostTensor& dyh, const HostTensor& xh,
+                             const HostTensor& mask, const char* what) {
+  const int64_t M = dyh.shape()[0], N = dyh.shape()[1], K = xh.shape()[1];
+  double worst_bound = 0, worst_contract = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      double ref = init.get(n * K + k), mag = std::fabs(ref);
+      int64_t terms = 1;
+      for (int64_t m = 0; m < M; ++m)
+        if (mask.get(m) != 0) {
+          const double p = dyh.get(m * N + n) * xh.get(m * K + k);
+          ref += p;
+          mag += std::fabs(p);
+          ++terms;
+        }
+      const double err = std::fabs(got.get(n * K + k) - ref);
+      worst_bound = std::max(worst_bound, err / (2.0 * double(terms) * 0x1p-24 * mag));
+      worst_contract = std::max(worst_contract, err / (2e-5 + 2e-5 * std::fabs(ref)));
+    }
+  std::printf("ACCURACY dW %s over %lld tokens: worst error / (2 n u sum|terms|) = %.3g; / contract fp32 "
+              "reduction tolerance = %.3g\n", what, (long long)M, worst_bound, worst_contract);
+  return worst_bound;
+}
+
 }  // namespace
 
 class CudaGemm : public ::testing::Test {
@@ -211,30 +239,61 @@ TEST_F(CudaGemm, WeightGradientOnTensorCoresKeepsItsBitsAcrossMicroBatchesAndPad
     const HostTensor segp = segments_of(0, lens.size(), true);
     linear_backward_weight(cuda_ctx(), {dypd.view(), xpd.view(), maskpd.view(), accp.view(), {}, segp.view()});
     ASSERT_EQ(std::memcmp(accp.host().data(), want.data(), want.bytes()), 0) << dtype_name(dt) << " padded";
-    // And it is accurate. Against an fp64 sum over the unmasked tokens, the error of any fp32
-    // summation order of n terms is bounded by n·u·Σ|terms| (u = 2^-24); tensor cores truncate
-    // instead of rounding, so allow 2·n·u·Σ|terms|. Also report the error in units of the
-    // contract's fp32 reduction tolerance (relative to |ref|, measured on short reductions).
-    const HostTensor got = want;
-    double worst_bound = 0, worst_contract = 0;
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k) {
-        double ref = init.get(n * K + k), mag = std::fabs(ref);
-        int64_t terms = 1;
-        for (int64_t m = 0; m < M; ++m)
-          if (mask.get(m) != 0) {
-            const double p = dyh.get(m * N + n) * xh.get(m * K + k);
-            ref += p;
-            mag += std::fabs(p);
-            ++terms;
-          }
-        const double err = std::fabs(got.get(n * K + k) - ref);
-        worst_bound = std::max(worst_bound, err / (2.0 * double(terms) * 0x1p-24 * mag));
-        worst_contract = std::max(worst_contract, err / (2e-5 + 2e-5 * std::fabs(ref)));
+    const double worst = dw_error_against_fp64(want, init, dyh, xh, mask, dtype_name(dt));
+    EXPECT_LE(worst, 1.0);
+  }
+}
+
+TEST_F(CudaGemm, WeightGradientSplitsLongChunkListsAndIgnoresNaNPadding) {
+  // 1500 sequences of 1-3 tokens: more chunks than one launch carries (640), so the call chains
+  // launches through the accumulator; it must equal micro-batches cut elsewhere, be accurate (no
+  // chunk dropped or repeated at a launch boundary), and a padded layout whose padding rows hold NaN
+  // in both operands must give the same bits (the rows a k16 step reads past a sequence are zeroed).
+  const int64_t S = 1500, N = 64, K = 128, SLOT = 4;
+  std::vector<int64_t> lens, start = {0};
+  for (int64_t i = 0; i < S; ++i) {
+    lens.push_back(1 + i % 3);
+    start.push_back(start.back() + lens.back());
+  }
+  const int64_t M = start.back();
+  for (DType dt : {DType::bf16, DType::f16}) {
+    Rng r(21);
+    const HostTensor dyh = r.tensor(dt, {M, N}, -1, 1), xh = r.tensor(dt, {M, K}, -1, 1);
+    const HostTensor init = r.tensor(DType::f32, {N, K}, -1, 1);
+    HostTensor mask(DType::u8, {M});
+    for (int64_t i = 0; i < M; ++i) mask.set(i, 1);
+    auto segments = [&](int64_t first, int64_t last, int64_t slot) {
+      HostTensor s(DType::i32, {last - first, 2});
+      for (int64_t i = first; i < last; ++i) {
+        s.set(2 * (i - first), double(slot ? (i - first) * slot : start[i] - start[first]));
+        s.set(2 * (i - first) + 1, double(lens[size_t(i)]));
       }
-    std::printf("ACCURACY dW %s over %lld tokens: worst error / (2 n u sum|terms|) = %.3g; / contract fp32 "
-                "reduction tolerance = %.3g\n", dtype_name(dt), (long long)M, worst_bound, worst_contract);
-    EXPECT_LE(worst_bound, 1.0);
+      return s;
+    };
+    const DeviceBuffer dy(dyh), x(xh), one(init);
+    const HostTensor all = segments(0, S, 0);
+    linear_backward_weight(cuda_ctx(), {dy.view(), x.view(), {}, one.view(), {}, all.view()});
+    const HostTensor want = one.host();
+    const DeviceBuffer acc(init);
+    for (auto [first, last] : {std::pair<int64_t, int64_t>{0, 700}, {700, 1100}, {1100, S}}) {
+      const HostTensor segs = segments(first, last, 0);
+      linear_backward_weight(cuda_ctx(), {dy.rows(start[size_t(first)], start[size_t(last)]),
+                                          x.rows(start[size_t(first)], start[size_t(last)]), {}, acc.view(), {},
+                                          segs.view()});
+    }
+    ASSERT_EQ(std::memcmp(acc.host().data(), want.data(), want.bytes()), 0) << dtype_name(dt) << " micro-batches";
+    EXPECT_LE(dw_error_against_fp64(want, init, dyh, xh, mask, dtype_name(dt)), 1.0);
+    HostTensor dyp(dt, {S * SLOT, N}), xp(dt, {S * SLOT, K});
+    for (int64_t i = 0; i < S * SLOT * N; ++i) dyp.set(i, std::nan(""));
+    for (int64_t i = 0; i < S * SLOT * K; ++i) xp.set(i, std::nan(""));
+    for (int64_t i = 0; i < S; ++i) {
+      dyp.copy_rows_from(dyh, start[size_t(i)], i * SLOT, lens[size_t(i)]);
+      xp.copy_rows_from(xh, start[size_t(i)], i * SLOT, lens[size_t(i)]);
+    }
+    const DeviceBuffer dypd(dyp), xpd(xp), accp(init);
+    const HostTensor segp = segments(0, S, SLOT);
+    linear_backward_weight(cuda_ctx(), {dypd.view(), xpd.view(), {}, accp.view(), {}, segp.view()});
+    ASSERT_EQ(std::memcmp(accp.host().data(), want.data(), want.bytes()), 0) << dtype_name(dt) << " NaN padding";
   }
 }
 

@@ -86,6 +86,7 @@ void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& 
     if (sm90_path_available() && N % 8 == 0 && K % 8 == 0) {
       require_tma_alignment(v, "dy", a.dy);
       require_tma_alignment(v, "x", a.x);
+      require_tma_alignment(v, "dweight", a.dweight);
       gemm_sm90_weight_grad<T>(a.dy.as<const T>(), a.x.as<const T>(),
                                a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr,
                                a.segments.present() ? a.segments.as<const int32_t>() : nullptr,
