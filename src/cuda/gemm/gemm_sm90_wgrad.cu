@@ -34,7 +34,7 @@ namespace {
 
 using namespace sm90;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), CLUSTER = 2;
 constexpr int A_TILE = BM * BK, B_TILE = BN * BK;  // elements
 constexpr size_t SMEM_BYTES = size_t(STAGES) * (A_TILE + B_TILE) * 2 + 2 * STAGES * 8 + 1024;
 
@@ -48,7 +48,7 @@ struct ChunkList {
   int8_t valid[MAX_CHUNKS];
 };
 
-// Loads (store == false) or stores this thread's part of the fp32 accumulator tile in the
+// Loads (STORE == false) or stores this thread's part of the fp32 accumulator tile in the
 // m64n256 register layout: pairs of adjacent columns, 8-byte accesses (K % 8 == 0 keeps a pair
 // inside the row and aligned).
 template <bool STORE>
@@ -74,9 +74,12 @@ __device__ __forceinline__ void accumulator_io(float (&d)[128], float* dw, int64
     }
 }
 
-// Persistent: CTA b takes tiles b, b + gridDim.x, ... in a fixed tile order (K tiles fastest). Which
-// CTA computes a tile never changes its arithmetic. The ring runs on across tiles, so the next
-// tile's first chunks load while this tile's accumulator is written back.
+// Persistent clusters of two CTAs: cluster c takes tile pairs c, c + clusters, ... in a fixed order
+// (K tiles fastest); a pair is two tiles with the same K columns and neighbouring N rows, one per
+// CTA. Both need the same X block, so each CTA loads half of it and the copy engine multicasts it to
+// both (a third less L2 traffic than each loading all of it). Which CTA computes a tile never
+// changes its arithmetic. The ring runs on across tiles, so the next tile's first chunks load while
+// this tile's accumulator is written back.
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_sm90(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
@@ -90,20 +93,23 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * B_TILE);
   uint64_t* empty = full + STAGES;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  // K tiles fastest: the CTAs in flight share one column block of dY (the large operand when N is
-  // a vocabulary), which is then read from HBM once and served from L2 to all of them.
-  const int64_t k_tiles = (K + BN - 1) / BN, tiles = k_tiles * ((N + BM - 1) / BM);
+  const uint32_t rank = cluster_rank(), partner = rank ^ 1;
+  // K tiles fastest: the clusters in flight share one column block of dY (the large operand when
+  // N is a vocabulary), which is then read from HBM once and served from L2 to all of them.
+  const int64_t k_tiles = (K + BN - 1) / BN, pairs = k_tiles * ((N + 2 * BM - 1) / (2 * BM));
+  const int64_t first_pair = blockIdx.x / CLUSTER, pair_step = gridDim.x / CLUSTER;
   const int n_chunks = chunks.count;
-  // The producer asks L2 for the next tile's fp32 accumulator this many chunks before the current
-  // tile's last one (~1000 tokens, tens of microseconds ahead), so the consumers' reload hits L2.
-  init_ring_barriers(full, empty, STAGES, CONSUMERS);
+  // A stage is free again once the consumers of both CTAs are done with it (the partner's producer
+  // writes half of it).
+  init_ring_barriers(full, empty, STAGES, CONSUMERS * CLUSTER);
+  cluster_sync();  // the partner's barriers are initialised before anyone signals them
 
-  if (wg == 0) {  // producer: dYᵀ as two 64 x 64 boxes (its n columns), X as four (its k columns)
+  if (wg == 0) {  // producer: dYᵀ as two 64 x 64 boxes (its n columns); X as four, two from each CTA
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (t == 0) {
       uint32_t g = 0;  // chunks issued by this CTA, across its tiles
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int64_t k0 = (tile % k_tiles) * BN, n0 = (tile / k_tiles) * BM;
+      for (int64_t pair = first_pair; pair < pairs; pair += pair_step) {
+        const int64_t k0 = (pair % k_tiles) * BN, n0 = ((pair / k_tiles) * CLUSTER + rank) * BM;
         for (int i = 0; i < n_chunks; ++i, ++g) {
           const int s = int(g % STAGES);
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
@@ -111,63 +117,72 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int32_t row = chunks.row[i];
           for (int j = 0; j < BM / 64; ++j)
             tma_load_2d(sa + s * A_TILE + j * 64 * BK, &map_dy, int32_t(n0 + 64 * j), row, &full[s]);
-          for (int j = 0; j < BN / 64; ++j)
-            tma_load_2d(sb + s * B_TILE + j * 64 * BK, &map_x, int32_t(k0 + 64 * j), row, &full[s]);
+          for (int j = int(rank) * (BN / 128); j < int(rank + 1) * (BN / 128); ++j)
+            tma_load_2d_multicast(sb + s * B_TILE + j * 64 * BK, &map_x, int32_t(k0 + 64 * j), row, &full[s], 0x3);
         }
       }
     }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int c = wg - 1, warp = t / 32, lane = t % 32, ct = threadIdx.x - 128;  // ct: 0..255 over both consumers
-  uint32_t g = 0;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t k0 = (tile % k_tiles) * BN, n0 = (tile / k_tiles) * BM;
-    const int64_t row0 = n0 + c * 64 + warp * 16 + lane / 4;
-    float d[128];  // the accumulator starts from dW: m64n256 layout, rows n, columns k
-    accumulator_io<false>(d, dw, row0, k0, N, K, lane);
-    for (int i = 0; i < n_chunks; ++i, ++g) {
-      const int s = int(g % STAGES);
-      const int valid = chunks.valid[i];
-      // Dead rows: masked ones, and those the last k16 step reads past the segment's end.
-      uint64_t dead = masked ? masked[i] : 0;
-      for (int r = valid; r < (valid + 15) / 16 * 16; ++r) dead |= uint64_t(1) << r;
-      mbar_wait(&full[s], (g / STAGES) & 1);
-      T* a = sa + s * A_TILE;
-      T* b = sb + s * B_TILE;
-      if (dead != 0) {
-        // Zero the dead rows of both operands (whole 128-byte rows of every 64-column box: the 128B
-        // swizzle only permutes within a row), split over both consumers, so padding holding NaN
-        // or Inf cannot reach a product. Uniform across the CTA: both consumers see the same chunk.
-        for (int e = ct; e < 64 * (BM / 64 + BN / 64) * 8; e += 256) {
-          const int box = e / 512, r = (e / 8) % 64, part = e % 8;
-          if ((dead >> r) & 1) {
-            T* rowp = box < BM / 64 ? a + box * 64 * BK + r * 64 : b + (box - BM / 64) * 64 * BK + r * 64;
-            reinterpret_cast<uint4*>(rowp)[part] = make_uint4(0, 0, 0, 0);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1, warp = t / 32, lane = t % 32, ct = threadIdx.x - 128;  // ct: 0..255 over both consumers
+    uint32_t g = 0;
+    for (int64_t pair = first_pair; pair < pairs; pair += pair_step) {
+      const int64_t k0 = (pair % k_tiles) * BN, n0 = ((pair / k_tiles) * CLUSTER + rank) * BM;
+      const int64_t row0 = n0 + c * 64 + warp * 16 + lane / 4;
+      float d[128];  // the accumulator starts from dW: m64n256 layout, rows n, columns k (rows >= N: 0)
+      accumulator_io<false>(d, dw, row0, k0, N, K, lane);
+      for (int i = 0; i < n_chunks; ++i, ++g) {
+        const int s = int(g % STAGES);
+        const int valid = chunks.valid[i];
+        // Dead rows: masked ones, and those the last k16 step reads past the segment's end.
+        uint64_t dead = masked ? masked[i] : 0;
+        for (int r = valid; r < (valid + 15) / 16 * 16; ++r) dead |= uint64_t(1) << r;
+        mbar_wait(&full[s], (g / STAGES) & 1);
+        T* a = sa + s * A_TILE;
+        T* b = sb + s * B_TILE;
+        if (dead != 0) {
+          // Zero the dead rows of both operands in this CTA (whole 128-byte rows of every 64-column
+          // box: the 128B swizzle only permutes within a row), split over both consumers, so padding
+          // holding NaN or Inf cannot reach a product. Uniform across the CTA: both consumers see the
+          // same chunk.
+          for (int e = ct; e < 64 * (BM / 64 + BN / 64) * 8; e += 256) {
+            const int box = e / 512, r = (e / 8) % 64, part = e % 8;
+            if ((dead >> r) & 1) {
+              T* rowp = box < BM / 64 ? a + box * 64 * BK + r * 64 : b + (box - BM / 64) * 64 * BK + r * 64;
+              reinterpret_cast<uint4*>(rowp)[part] = make_uint4(0, 0, 0, 0);
+            }
           }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          asm volatile("bar.sync 1, 256;" ::: "memory");
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-      }
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      const uint64_t da = smem_desc_mn(a + c * 64 * BK), db = smem_desc_mn(b);
-      if (valid == BK) {  // a full chunk: four k16 steps, no per-step branch
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        const uint64_t da = smem_desc_mn(a + c * 64 * BK), db = smem_desc_mn(b);
+        if (valid == BK) {  // a full chunk: four k16 steps, no per-step branch
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
-      } else {  // a segment's last chunk: only the k16 steps that hold its rows (uniform branch)
-        for (int kk = 0; kk * 16 < valid; ++kk)
-          Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
+          for (int kk = 0; kk < BK / 16; ++kk)
+            Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
+        } else {  // a segment's last chunk: only the k16 steps that hold its rows (uniform branch)
+          for (int kk = 0; kk * 16 < valid; ++kk)
+            Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        // Keep this chunk's MMAs in flight; the previous chunk's are done, so its stage can be refilled.
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (i > 0 && t == 0) {
+          mbar_arrive(&empty[(g - 1) % STAGES]);
+          mbar_arrive_remote(&empty[(g - 1) % STAGES], partner);
+        }
       }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      // Keep this chunk's MMAs in flight; the previous chunk's are done, so its stage can be refilled.
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (i > 0 && t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      if (t == 0) {
+        mbar_arrive(&empty[(g - 1) % STAGES]);
+        mbar_arrive_remote(&empty[(g - 1) % STAGES], partner);
+      }
+      accumulator_io<true>(d, dw, row0, k0, N, K, lane);
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
-    accumulator_io<true>(d, dw, row0, k0, N, K, lane);
   }
+  // Neither CTA leaves while the other may still multicast into it or signal its barriers.
+  cluster_sync();
 #endif
 }
 
@@ -199,8 +214,27 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
     configured = true;
   }
   const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64);
-  const int64_t tiles = ((N + BM - 1) / BM) * ((K + BN - 1) / BN);
-  const unsigned grid = unsigned(std::min<int64_t>(tiles, std::max(sms, 1)));
+  // Persistent: as many clusters as fit at once (at most one per tile pair).
+  static int max_clusters = 0;
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (max_clusters == 0) {
+    cfg.gridDim = dim3(unsigned(CLUSTER * std::max(sms / CLUSTER, 1)));
+    check(cudaOccupancyMaxActiveClusters(&max_clusters, wgrad_sm90<T>, &cfg), "linear_backward_weight (cuda)",
+          "cluster occupancy");
+    max_clusters = std::max(max_clusters, 1);
+  }
+  const int64_t pairs = ((N + 2 * BM - 1) / (2 * BM)) * ((K + BN - 1) / BN);
+  cfg.gridDim = dim3(unsigned(CLUSTER * std::min<int64_t>(pairs, max_clusters)));
   ChunkList list{};
   auto launch = [&] {
     if (list.count == 0) return;
@@ -211,7 +245,8 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
       mark_masked_rows<<<unsigned((list.count + 127) / 128), 128, 0, stream>>>(list, mask, masked);
       check(cudaGetLastError(), "linear_backward_weight (cuda)", "mask kernel launch");
     }
-    wgrad_sm90<T><<<grid, THREADS, SMEM_BYTES, stream>>>(mdy, mx, list, masked, dw, N, K);
+    check(cudaLaunchKernelEx(&cfg, wgrad_sm90<T>, mdy, mx, list, static_cast<const uint64_t*>(masked), dw, N, K),
+          "linear_backward_weight (cuda)", "sm90 kernel launch");
     check(cudaGetLastError(), "linear_backward_weight (cuda)", "sm90 kernel launch");
     if (masked) check(cudaFreeAsync(masked, stream), "linear_backward_weight (cuda)", "mask scratch");
     list.count = 0;
