@@ -1,13 +1,14 @@
 // Hopper (sm_90a) GEMM y = x·wᵀ: TMA loads, wgmma, a warp-specialised producer / consumer pipeline
 // on mbarriers.
 //
-// Why this shape. A 128 x BN output tile per CTA (BN = 256, or 128 for decode-sized M on narrow
+// Why this shape. A 128 x BN output tile per CTA (BN = 256, or 128 / 64 for decode-sized M on narrow
 // outputs, see tile_width) with K in steps of 64 (four 16-deep wgmma steps, ascending): an output
 // element is always the same sequence of 16-deep MMA steps over ascending K, accumulated in fp32
 // registers, so its bits never depend on M, on its neighbours or on the grid (rules 1-3; no
 // split-K, no atomics). Warpgroup 0 is
 // the producer (registers given away with setmaxnreg): one thread streams A (x) and B (w) tiles with
-// the bulk tensor copy engine into a 4-stage ring (128B-swizzled, 32 or 48 KiB a stage) and signals
+// the bulk tensor copy engine into a 192 KiB ring (128B-swizzled; 4, 6 or 8 stages of 48, 32 or 24 KiB
+// for BN = 256, 128, 64) and signals
 // "full" mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on
 // "full", issue wgmma straight from shared memory with one k-tile of MMAs kept in flight, and release
 // a stage on its "empty" mbarrier once the MMAs reading it are done. The epilogue adds the bias in
@@ -34,25 +35,29 @@ namespace {
 
 using namespace sm90;
 
-constexpr int BM = 128, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int BM = 128, BK = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int RING_BUDGET = 192 * 1024;  // bytes of shared memory for the stage ring
 constexpr int A_TILE = BM * BK;  // elements
 constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
 
-// The tile width. 256 output columns, except 128 when M <= 512 and the output is narrower than
-// 16384 columns, so decode-sized batches of narrow layers (QKV, O, down, the LM head's dX) get twice
-// the CTAs. This is the one place where a shape depends on M, which rule 2 allows only with proof
-// that every element keeps its bits: wgmma.m64n128k16 and m64n256k16 run the same per-element K
-// sequence, and tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switch at M = 512, and
-// TileWidthsGiveIdenticalBits forces both widths on the same problems).
+// The tile width: 256 output columns; on outputs narrower than 16384 columns, 128 when M <= 512 and
+// 64 when M <= 256, so decode-sized batches of narrow layers (QKV, O, down, the LM head's dX) get
+// two or four times the CTAs to stream the weight with. This is the one place where a shape depends
+// on M, which rule 2 allows only with proof that every element keeps its bits: wgmma.m64n64k16,
+// m64n128k16 and m64n256k16 run the same per-element K sequence, and tests/test_cuda_gemm.cpp
+// checks it (the M sweep crosses both switches, and TileWidthsGiveIdenticalBits forces all three
+// widths on the same problems).
 inline int tile_width(int64_t M, int64_t out_cols) {
   if (const int forced = detail::gemm_tile_width_override()) return forced;
-  return (M <= 512 && out_cols < 16384) ? 128 : 256;
+  if (out_cols >= 16384) return 256;
+  return M <= 256 ? 64 : M <= 512 ? 128 : 256;
 }
 
 template <int BN>
 struct Tile {
   static constexpr int B_TILE = BN * BK;
   static constexpr int NREG = BN / 2;
+  static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
   static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
   static constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + 2 * STAGES * 8 + 1024;
   static_assert(CONSUMERS * 64 * (BN * 4 + STAGE_ROW_PAD) <= RING_BYTES, "the fp32 epilogue staging fits in the ring");
@@ -103,12 +108,12 @@ __device__ __forceinline__ void epilogue(const float (&d)[BN / 2], uint8_t* stag
 template <class T, class O, bool TRANS_B, int BN>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, const T* bias,
-              O* out, int64_t M, int64_t N, int64_t K) {
+              O* out, int64_t M, int64_t N, int64_t K, int a_rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
-  constexpr int B_TILE = Tile<BN>::B_TILE, NREG = Tile<BN>::NREG;
+  constexpr int B_TILE = Tile<BN>::B_TILE, NREG = Tile<BN>::NREG, STAGES = Tile<BN>::STAGES;
   T* sb = sa + STAGES * A_TILE;
   uint64_t* full = reinterpret_cast<uint64_t*>(base + Tile<BN>::RING_BYTES);
   uint64_t* empty = full + STAGES;
@@ -125,7 +130,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int kt = 0; kt < kt_count; ++kt) {
         const int s = kt % STAGES;
         if (kt >= STAGES) mbar_wait(&empty[s], ((kt / STAGES) - 1) & 1);
-        mbar_expect_tx(&full[s], uint32_t((A_TILE + B_TILE) * sizeof(T)));
+        mbar_expect_tx(&full[s], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
         tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
         if (TRANS_B) {  // four 64-column boxes of w rows [kt*BK, +BK)
           for (int i = 0; i < BN / 64; ++i)
@@ -169,7 +174,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 
 template <class T, class O, bool TRANS_B, int BN>
-void launch_tile(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
+void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N,
+                 int64_t K,
                  cudaStream_t stream) {
   constexpr size_t SMEM_BYTES = Tile<BN>::SMEM_BYTES;
   static bool configured = false;
@@ -179,7 +185,8 @@ void launch_tile(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, vo
     configured = true;
   }
   const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
-  gemm_sm90<T, O, TRANS_B, BN><<<unsigned(tiles), THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, static_cast<O*>(out), M, N, K);
+  gemm_sm90<T, O, TRANS_B, BN><<<unsigned(tiles), THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, static_cast<O*>(out), M, N, K,
+                                                                              a_rows);
   check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
 }
 
@@ -187,13 +194,21 @@ void launch_tile(const CUtensorMap& ma, const CUtensorMap& mb, const T* bias, vo
 // The tensor maps are made here because the B box depends on the tile width.
 template <class T, class O, bool TRANS_B>
 void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
-  const CUtensorMap ma = tma_map_2d(a, M, K, BM);
-  if (tile_width(M, N) == 128) {
-    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, 128);
-    launch_tile<T, O, TRANS_B, 128>(ma, mb, bias, out, M, N, K, stream);
-  } else {
-    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, 256);
-    launch_tile<T, O, TRANS_B, 256>(ma, mb, bias, out, M, N, K, stream);
+  // Fewer than BM rows: the A box covers the rows that exist (rounded up to 8) instead of letting
+  // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
+  // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
+  // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
+  const int a_rows = M >= BM ? BM : int((M + 7) / 8 * 8);
+  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows);
+  auto run = [&](auto width) {
+    constexpr int BN = decltype(width)::value;
+    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, BN);
+    launch_tile<T, O, TRANS_B, BN>(ma, a_rows, mb, bias, out, M, N, K, stream);
+  };
+  switch (tile_width(M, N)) {
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 128: return run(std::integral_constant<int, 128>{});
+    default: return run(std::integral_constant<int, 256>{});
   }
 }
 
