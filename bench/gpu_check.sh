@@ -18,7 +18,11 @@ build-gpu/samebits verify --backend cuda --no-chain -q --status-dir "$out" | gre
 rm -f "$out/cuda.json"
 echo "== SASS: value-adding atomics in libsamebits.so"
 cuobjdump --dump-sass build-gpu/libsamebits.so > /tmp/sass.txt 2>&1
-echo "kernels: $(grep -c 'Function :' /tmp/sass.txt), ATOM/RED instructions: $(grep -cE '\b(ATOM|ATOMS|ATOMG|RED)\b' /tmp/sass.txt)"
+# Opcodes only (after the address and an optional predicate): SYNCS.ARRIVE.TRANS64.RED is an mbarrier
+# arrival on a cluster peer (the dW kernel's stage release), not an atomic on data.
+op='^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T]+\s+)?'
+echo "kernels: $(grep -c 'Function :' /tmp/sass.txt), ATOM/RED instructions: $(grep -cE "$op(ATOM|ATOMS|ATOMG|RED)[.[:space:]]" /tmp/sass.txt)" \
+  "(mbarrier peer arrivals, not data atomics: $(grep -cE "$op""SYNCS\.ARRIVE\.[A-Z0-9.]*RED" /tmp/sass.txt))"
 echo "HGMMA: $(grep -c HGMMA /tmp/sass.txt), UTMALDG: $(grep -c UTMALDG /tmp/sass.txt), HMMA: $(grep -c HMMA /tmp/sass.txt)"
 echo "== compute-sanitizer"
 for tool in memcheck racecheck; do
