@@ -15,7 +15,7 @@
 // a forward GEMM. The kernel is persistent (one CTA per SM walking a fixed tile order), its ring
 // runs on across tiles so the next tile's operands load during the write-back, and the accumulator
 // moves in 8-byte pairs. (Prefetching the next tile's accumulator into L2 was measured slower on an
-// H200: it competes with the operand stream.) The chunk list travels as a kernel parameter.
+// H200 at every lead tried: the prefetches queue in the copy engine ahead of operand loads.) The chunk list travels as a kernel parameter.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
