@@ -360,6 +360,19 @@ TEST_F(CudaGemm, BadInputIsAClearErrorOrACorrectSlowerPath) {
       EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
     }
   }
+  // The fp32 dW accumulator 4 bytes off 16-byte alignment: refused by name on the Hopper path (its
+  // 8-byte pair accesses), accumulated one token at a time elsewhere.
+  if (cuda_backend_built()) {
+    const DeviceBuffer dy(r.tensor(DType::bf16, {4, 16}, -1, 1)), x4(r.tensor(DType::bf16, {4, 64}, -1, 1)),
+        acc(r.tensor(DType::f32, {16 * 64 + 4}, -1, 1));
+    TensorView dwv = TensorView::of(static_cast<char*>(acc.view().data) + 4, DType::f32, {16, 64}, Device::cuda);
+    try {
+      linear_backward_weight(cuda_ctx(), {dy.view(), x4.view(), {}, dwv, {}, {}});
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("dweight"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+    }
+  }
   // fp32 inputs are unsupported on CUDA by design, with a message naming the dtype.
   const DeviceBuffer xf(r.tensor(DType::f32, {2, 8}, -1, 1)), wf(r.tensor(DType::f32, {3, 8}, -1, 1)), yf(DType::f32, {2, 3});
   EXPECT_THROW(linear_forward(cuda_ctx(), {xf.view(), wf.view(), {}, yf.view()}), Unsupported);
