@@ -223,15 +223,9 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
           "linear (cuda)", "shared memory");
     configured = true;
   }
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    check(cudaGetDevice(&dev), "linear (cuda)", "device");
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "linear (cuda)", "SM count");
-  }
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
   const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
-  const unsigned grid = unsigned(std::min<int64_t>(tiles, std::max(sms, 1)));
+  const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count("linear (cuda)")));
   gemm_sm90<T, O, TRANS_B, BN><<<grid, THREADS, SMEM_BYTES, stream>>>(ma, mb, bias, static_cast<O*>(out), M, N, K,
                                                                      a_rows);
   check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");

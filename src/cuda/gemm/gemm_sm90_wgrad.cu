@@ -204,13 +204,9 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
                            float* dw, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
   if (N == 0 || K == 0) return;
   static bool configured = false;
-  static int sms = 0;
   if (!configured) {
     check(cudaFuncSetAttribute(wgrad_sm90<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
           "linear_backward_weight (cuda)", "shared memory");
-    int dev = 0;
-    check(cudaGetDevice(&dev), "linear_backward_weight (cuda)", "device");
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "linear_backward_weight (cuda)", "SM count");
     configured = true;
   }
   const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64);
@@ -228,7 +224,7 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (max_clusters == 0) {
-    cfg.gridDim = dim3(unsigned(CLUSTER * std::max(sms / CLUSTER, 1)));
+    cfg.gridDim = dim3(unsigned(CLUSTER * std::max(current_sm_count("linear_backward_weight (cuda)") / CLUSTER, 1)));
     check(cudaOccupancyMaxActiveClusters(&max_clusters, wgrad_sm90<T>, &cfg), "linear_backward_weight (cuda)",
           "cluster occupancy");
     max_clusters = std::max(max_clusters, 1);
@@ -247,7 +243,6 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
     }
     check(cudaLaunchKernelEx(&cfg, wgrad_sm90<T>, mdy, mx, list, static_cast<const uint64_t*>(masked), dw, N, K),
           "linear_backward_weight (cuda)", "sm90 kernel launch");
-    check(cudaGetLastError(), "linear_backward_weight (cuda)", "sm90 kernel launch");
     if (masked) check(cudaFreeAsync(masked, stream), "linear_backward_weight (cuda)", "mask scratch");
     list.count = 0;
   };

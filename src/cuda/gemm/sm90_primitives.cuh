@@ -122,31 +122,25 @@ struct Wgmma {
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit inputs");
   __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
-    if constexpr (N == 256 && BF16) {
-      asm volatile(SB_WGMMA("m64n256k16", "bf16", SB_R128, "%128", "%129", "%130", "%131", "%132")
-                   : SB_D128(0)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));
-    } else if constexpr (N == 256) {
-      asm volatile(SB_WGMMA("m64n256k16", "f16", SB_R128, "%128", "%129", "%130", "%131", "%132")
-                   : SB_D128(0)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));
-    } else if constexpr (N == 128 && BF16) {
-      asm volatile(SB_WGMMA("m64n128k16", "bf16", SB_R64, "%64", "%65", "%66", "%67", "%68")
-                   : SB_D64(0)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));
+// One width: the same statement with the bf16 or the f16 instruction.
+#define SB_WGMMA_BOTH(SHAPE, REGS, D, A, B, SCALE, TA, TB)                                                 \
+  if constexpr (BF16) {                                                                                  \
+    asm volatile(SB_WGMMA(SHAPE, "bf16", REGS, A, B, SCALE, TA, TB)                                      \
+                 : D                                                                                     \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));        \
+  } else {                                                                                               \
+    asm volatile(SB_WGMMA(SHAPE, "f16", REGS, A, B, SCALE, TA, TB)                                       \
+                 : D                                                                                     \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));        \
+  }
+    if constexpr (N == 256) {
+      SB_WGMMA_BOTH("m64n256k16", SB_R128, SB_D128(0), "%128", "%129", "%130", "%131", "%132")
     } else if constexpr (N == 128) {
-      asm volatile(SB_WGMMA("m64n128k16", "f16", SB_R64, "%64", "%65", "%66", "%67", "%68")
-                   : SB_D64(0)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));
-    } else if constexpr (BF16) {
-      asm volatile(SB_WGMMA("m64n64k16", "bf16", SB_R32, "%32", "%33", "%34", "%35", "%36")
-                   : SB_D32(0)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));
+      SB_WGMMA_BOTH("m64n128k16", SB_R64, SB_D64(0), "%64", "%65", "%66", "%67", "%68")
     } else {
-      asm volatile(SB_WGMMA("m64n64k16", "f16", SB_R32, "%32", "%33", "%34", "%35", "%36")
-                   : SB_D32(0)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(int(TRANS_A)), "n"(int(TRANS_B)));
+      SB_WGMMA_BOTH("m64n64k16", SB_R32, SB_D32(0), "%32", "%33", "%34", "%35", "%36")
     }
+#undef SB_WGMMA_BOTH
   }
 };
 #undef SB_WGMMA
