@@ -4,24 +4,31 @@
 // batch and any split of it into micro-batches (at sequence boundaries, packed or padded) to give
 // the same bits, every token must land in the same group with the same partners. So groups are
 // anchored to sequences: each segment (sequence) is cut into chunks of 64 rows from its first row,
-// a chunk runs ceil(valid/16) k16 steps, and the rows its last step reads past the segment's end,
-// and masked rows, are zeroed in shared memory (both operands) before the MMAs read them. The fp32
+// every chunk runs four k16 steps, and the rows past the segment's end, and masked rows, are zeroed
+// in shared memory (both operands) before the MMAs read them (their products are exact zeros). The fp32
 // accumulator tile is loaded from dW, the chunks are applied in segment order, and the tile is
 // stored back: a micro-batch continues exactly where the previous one stopped. Rows outside every
 // segment are never read. Same producer / consumer pipeline as the forward kernel; both operands are
 // read along their output dimension (dYᵀ and X are M- and N-major), 128 x 256 tiles of dW.
 //
-// Speed. The accumulator round trip (128 KiB in and out per tile) is what a dW kernel pays beyond
-// a forward GEMM. The kernel is persistent (one CTA per SM walking a fixed tile order), its ring
-// runs on across tiles so the next tile's operands load during the write-back, and the accumulator
-// moves in 8-byte pairs. (Prefetching the next tile's accumulator into L2 was measured slower on an
-// H200 at every lead tried: the prefetches queue in the copy engine ahead of operand loads.) The chunk list travels as a kernel parameter.
+// Speed. The accumulator round trip (128 KiB in and out per tile, 4/M bytes per flop) is what a dW
+// kernel pays beyond a forward GEMM, and unlike a beta = 1 epilogue it cannot wait for the end of
+// the tile: the old value must be in the registers before the first MMA, or micro-batches would
+// not chain bit for bit. So the accumulator travels through the operand ring: the producer loads
+// the next tile's accumulator by TMA into the first three ring slots of that tile (eight 128-row x
+// 32-column boxes, 128-byte swizzled so the register-layout reads are conflict-free) while this
+// tile's last chunks compute, and the consumers copy it to registers from shared memory. The
+// kernel is persistent (one CTA per SM walking a fixed tile order) and its ring runs on across
+// tiles. (Prefetching the next tile's accumulator into L2 was measured slower on an H200 at every
+// lead tried: the prefetches queue in the copy engine ahead of operand loads.) The chunk list
+// travels as a kernel parameter.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "cuda/common/runtime.cuh"
@@ -36,7 +43,13 @@ using namespace sm90;
 
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), CLUSTER = 2;
 constexpr int A_TILE = BM * BK, B_TILE = BN * BK;  // elements
-constexpr size_t SMEM_BYTES = size_t(STAGES) * (A_TILE + B_TILE) * 2 + 2 * STAGES * 8 + 1024;
+constexpr int STAGE_BYTES = (A_TILE + B_TILE) * 2;  // one ring slot: dYᵀ then X, 48 KiB
+constexpr size_t SMEM_BYTES = size_t(STAGES) * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+// The fp32 accumulator tile as TMA boxes of BM rows x 32 columns (128 bytes), three to a ring slot.
+constexpr int ACC_BOX_COLS = 32, ACC_BOX_BYTES = BM * ACC_BOX_COLS * 4, ACC_BOXES = BN / ACC_BOX_COLS;
+constexpr int ACC_BOXES_PER_SLOT = STAGE_BYTES / ACC_BOX_BYTES;
+constexpr int ACC_SLOTS = (ACC_BOXES + ACC_BOXES_PER_SLOT - 1) / ACC_BOXES_PER_SLOT;
+static_assert(ACC_SLOTS < STAGES, "the accumulator must leave a ring slot for operands");
 
 // The chunks of one launch, passed by value (no host-to-device copy): chunk i covers rows
 // [row[i], row[i] + valid[i]) of one segment, valid <= 64. Longer lists take several launches,
@@ -48,34 +61,55 @@ struct ChunkList {
   int8_t valid[MAX_CHUNKS];
 };
 
-// Loads (STORE == false) or stores this thread's part of the fp32 accumulator tile in the
-// m64n256 register layout: pairs of adjacent columns, 8-byte accesses (K % 8 == 0 keeps a pair
-// inside the row and aligned).
-template <bool STORE>
-__device__ __forceinline__ void accumulator_io(float (&d)[128], float* dw, int64_t row0, int64_t k0, int64_t N,
-                                               int64_t K, int lane) {
+// This thread's part of the fp32 accumulator tile in the m64n256 register layout (rows n, columns
+// k; pairs of adjacent columns, 8-byte accesses). The load reads the ring slots starting at `slot0`
+// (box b in slot slot0 + b / 3, 128-byte swizzle: the 16-byte chunk index XOR the row mod 8, so a
+// warp's eight rows hit eight different chunks); rows and columns outside dW arrive as zeros.
+__device__ __forceinline__ void accumulator_from_ring(float (&d)[128], const uint8_t* ring, uint32_t slot0,
+                                                      int tile_row, int lane) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int box = j / 4;
+    const uint8_t* p = ring + ((slot0 + box / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
+                       (box % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = tile_row + 8 * h, chunk = (2 * (j % 4) + (lane % 4) / 2) ^ (r % 8);
+      const float2 v = *reinterpret_cast<const float2*>(p + r * 128 + chunk * 16 + 8 * (lane % 2));
+      d[j * 4 + h * 2] = v.x;
+      d[j * 4 + h * 2 + 1] = v.y;
+    }
+  }
+}
+__device__ __forceinline__ void accumulator_store(const float (&d)[128], float* dw, int n0, int k0, int tile_row,
+                                                  int N, int K, int lane) {
+  // 32-bit coordinates and one 64-bit row pointer keep the registers beside the 128 accumulators few.
+  const int n = n0 + tile_row, k = k0 + 2 * (lane % 4);
+  float* p = dw + int64_t(n) * K + k;
 #pragma unroll
   for (int j = 0; j < 32; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n = row0 + 8 * h, k = k0 + 8 * j + 2 * (lane % 4);
-      float2* p = reinterpret_cast<float2*>(dw + n * K + k);
-      if (n < N && k < K) {
-        if (STORE) {
-          *p = make_float2(d[j * 4 + h * 2], d[j * 4 + h * 2 + 1]);
-        } else {
-          const float2 v = *p;
-          d[j * 4 + h * 2] = v.x;
-          d[j * 4 + h * 2 + 1] = v.y;
-        }
-      } else if (!STORE) {
-        d[j * 4 + h * 2] = d[j * 4 + h * 2 + 1] = 0.0f;
-      }
-    }
+    for (int h = 0; h < 2; ++h)  // K % 8 == 0: a pair stays inside its row
+      if (n + 8 * h < N && k + 8 * j < K)
+        *reinterpret_cast<float2*>(p + int64_t(8 * h) * K + 8 * j) = make_float2(d[j * 4 + h * 2], d[j * 4 + h * 2 + 1]);
+}
+
+// Grouped raster: pairs of N tiles fastest within groups of GROUP_PAIRS (2048 rows of dW), K tiles
+// next, groups in order. The ~66 pairs in flight then cover about 8 x 8 tiles, so every chunk of
+// tokens they read (64 rows of X over 8 K tiles, of dY over 16 N tiles) serves eight tiles from
+// L2; walking all K tiles of one N row instead re-read X from HBM once per N row pair (16 times
+// for the down projection, 0.8 GB at 2048 tokens), which bound the kernel by HBM.
+constexpr int GROUP_PAIRS = 8;
+__device__ __forceinline__ void pair_origin(int pair, int n_pairs, int k_tiles, uint32_t rank, int& n0, int& k0) {
+  const int group = pair / (GROUP_PAIRS * k_tiles), first = group * GROUP_PAIRS;
+  const int width = n_pairs - first < GROUP_PAIRS ? n_pairs - first : GROUP_PAIRS;
+  const int in_group = pair % (GROUP_PAIRS * k_tiles);
+  n0 = ((first + in_group % width) * CLUSTER + int(rank)) * BM;
+  k0 = (in_group / width) * BN;
 }
 
 // Persistent clusters of two CTAs: cluster c takes tile pairs c, c + clusters, ... in a fixed order
-// (K tiles fastest); a pair is two tiles with the same K columns and neighbouring N rows, one per
+// (grouped raster, above); a pair is two tiles with the same K columns and neighbouring N rows, one per
 // CTA. Both need the same X block, so each CTA loads half of it and the copy engine multicasts it to
 // both (a third less L2 traffic than each loading all of it). Which CTA computes a tile never
 // changes its arithmetic. The ring runs on across tiles, so the next tile's first chunks load while
@@ -83,42 +117,55 @@ __device__ __forceinline__ void accumulator_io(float (&d)[128], float* dw, int64
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_sm90(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
-               const __grid_constant__ ChunkList chunks, const uint64_t* __restrict__ masked, float* dw, int64_t N,
-               int64_t K) {
+               const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ ChunkList chunks,
+               const uint64_t* __restrict__ masked, float* dw, int N, int K) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  T* sa = reinterpret_cast<T*>(base);
-  T* sb = sa + STAGES * A_TILE;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * B_TILE);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + STAGES * STAGE_BYTES);
   uint64_t* empty = full + STAGES;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const uint32_t rank = cluster_rank(), partner = rank ^ 1;
-  // K tiles fastest: the clusters in flight share one column block of dY (the large operand when
-  // N is a vocabulary), which is then read from HBM once and served from L2 to all of them.
-  const int64_t k_tiles = (K + BN - 1) / BN, pairs = k_tiles * ((N + 2 * BM - 1) / (2 * BM));
-  const int64_t first_pair = blockIdx.x / CLUSTER, pair_step = gridDim.x / CLUSTER;
+  const int k_tiles = (K + BN - 1) / BN, n_pairs = (N + 2 * BM - 1) / (2 * BM), pairs = k_tiles * n_pairs;
+  const int first_pair = int(blockIdx.x) / CLUSTER, pair_step = int(gridDim.x) / CLUSTER;
   const int n_chunks = chunks.count;
   // A stage is free again once the consumers of both CTAs are done with it (the partner's producer
   // writes half of it).
   init_ring_barriers(full, empty, STAGES, CONSUMERS * CLUSTER);
   cluster_sync();  // the partner's barriers are initialised before anyone signals them
 
-  if (wg == 0) {  // producer: dYᵀ as two 64 x 64 boxes (its n columns); X as four, two from each CTA
+  if (wg == 0) {  // producer: per tile, the accumulator (ACC_SLOTS slots), then per chunk dYᵀ as two
+                  // 64 x 64 boxes (its n columns) and X as four, two from each CTA
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (t == 0) {
-      uint32_t g = 0;  // chunks issued by this CTA, across its tiles
-      for (int64_t pair = first_pair; pair < pairs; pair += pair_step) {
-        const int64_t k0 = (pair % k_tiles) * BN, n0 = ((pair / k_tiles) * CLUSTER + rank) * BM;
-        for (int i = 0; i < n_chunks; ++i, ++g) {
+      uint32_t g = 0;  // ring slots filled by this CTA, across its tiles
+      for (int pair = first_pair; pair < pairs; pair += pair_step) {
+        int n0, k0;
+        pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
+        for (int q = 0; q < ACC_SLOTS; ++q) {
+          const int left = ACC_BOXES - q * ACC_BOXES_PER_SLOT, boxes = left < ACC_BOXES_PER_SLOT ? left : ACC_BOXES_PER_SLOT;
           const int s = int(g % STAGES);
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
-          mbar_expect_tx(&full[s], uint32_t((A_TILE + B_TILE) * sizeof(T)));
+          ++g;
+          uint8_t* slot = base + s * STAGE_BYTES;
+          uint64_t* bar = &full[s];
+          mbar_expect_tx(bar, uint32_t(boxes * ACC_BOX_BYTES));
+          for (int b = 0; b < boxes; ++b)
+            tma_load_2d(slot + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * (q * ACC_BOXES_PER_SLOT + b)),
+                        int32_t(n0), bar);
+        }
+        for (int i = 0; i < n_chunks; ++i) {
+          const int s = int(g % STAGES);
+          if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
+          ++g;
+          uint64_t* bar = &full[s];
+          T* a = reinterpret_cast<T*>(base + s * STAGE_BYTES);
+          T* b = a + A_TILE;
+          mbar_expect_tx(bar, uint32_t(STAGE_BYTES));
           const int32_t row = chunks.row[i];
-          for (int j = 0; j < BM / 64; ++j)
-            tma_load_2d(sa + s * A_TILE + j * 64 * BK, &map_dy, int32_t(n0 + 64 * j), row, &full[s]);
+          for (int j = 0; j < BM / 64; ++j) tma_load_2d(a + j * 64 * BK, &map_dy, int32_t(n0 + 64 * j), row, bar);
           for (int j = int(rank) * (BN / 128); j < int(rank + 1) * (BN / 128); ++j)
-            tma_load_2d_multicast(sb + s * B_TILE + j * 64 * BK, &map_x, int32_t(k0 + 64 * j), row, &full[s], 0x3);
+            tma_load_2d_multicast(b + j * 64 * BK, &map_x, int32_t(k0 + 64 * j), row, bar, 0x3);
         }
       }
     }
@@ -126,20 +173,31 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int c = wg - 1, warp = t / 32, lane = t % 32, ct = threadIdx.x - 128;  // ct: 0..255 over both consumers
     uint32_t g = 0;
-    for (int64_t pair = first_pair; pair < pairs; pair += pair_step) {
-      const int64_t k0 = (pair % k_tiles) * BN, n0 = ((pair / k_tiles) * CLUSTER + rank) * BM;
-      const int64_t row0 = n0 + c * 64 + warp * 16 + lane / 4;
-      float d[128];  // the accumulator starts from dW: m64n256 layout, rows n, columns k (rows >= N: 0)
-      accumulator_io<false>(d, dw, row0, k0, N, K, lane);
+    for (int pair = first_pair; pair < pairs; pair += pair_step) {
+      int n0, k0;
+      pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
+      const int tile_row = c * 64 + warp * 16 + lane / 4;
+      // The accumulator starts from dW (m64n256 layout, rows n, columns k; outside dW: 0), read
+      // from the ring once its boxes land; the whole warpgroup has read it before the slots go back.
+      float d[128];
+      for (int q = 0; q < ACC_SLOTS; ++q) mbar_wait(&full[(g + q) % STAGES], ((g + q) / STAGES) & 1);
+      accumulator_from_ring(d, base, g % STAGES, tile_row, lane);
+      if (c == 0) named_barrier_sync(2, 128); else named_barrier_sync(3, 128);  // constant ids
+      if (t == 0)
+        for (int q = 0; q < ACC_SLOTS; ++q) {
+          mbar_arrive(&empty[(g + q) % STAGES]);
+          mbar_arrive_remote(&empty[(g + q) % STAGES], partner);
+        }
+      g += ACC_SLOTS;
       for (int i = 0; i < n_chunks; ++i, ++g) {
         const int s = int(g % STAGES);
         const int valid = chunks.valid[i];
-        // Dead rows: masked ones, and those the last k16 step reads past the segment's end.
+        // Dead rows: masked ones, and those past the segment's end (the chunk's last 64 - valid).
         uint64_t dead = masked ? masked[i] : 0;
-        for (int r = valid; r < (valid + 15) / 16 * 16; ++r) dead |= uint64_t(1) << r;
+        if (valid < BK) dead |= ~uint64_t(0) << valid;
         mbar_wait(&full[s], (g / STAGES) & 1);
-        T* a = sa + s * A_TILE;
-        T* b = sb + s * B_TILE;
+        T* a = reinterpret_cast<T*>(base + s * STAGE_BYTES);
+        T* b = a + A_TILE;
         if (dead != 0) {
           // Zero the dead rows of both operands in this CTA (whole 128-byte rows of every 64-column
           // box: the 128B swizzle only permutes within a row), split over both consumers, so padding
@@ -157,14 +215,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
         const uint64_t da = smem_desc_mn(a + c * 64 * BK), db = smem_desc_mn(b);
-        if (valid == BK) {  // a full chunk: four k16 steps, no per-step branch
+        // Always four k16 steps: rows past `valid` are zero in both operands, so their products are
+        // exact zeros. (Issuing only ceil(valid / 16) steps put wgmma under a branch, and ptxas then
+        // serialised every wgmma of the kernel: warning C7520, a wait after each instruction.)
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
-        } else {  // a segment's last chunk: only the k16 steps that hold its rows (uniform branch)
-          for (int kk = 0; kk * 16 < valid; ++kk)
-            Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
-        }
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<T, true, true, 256>::mma(d, da + uint64_t(kk * (2048 >> 4)), db + uint64_t(kk * (2048 >> 4)), 1);
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         // Keep this chunk's MMAs in flight; the previous chunk's are done, so its stage can be refilled.
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
@@ -178,7 +234,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_arrive(&empty[(g - 1) % STAGES]);
         mbar_arrive_remote(&empty[(g - 1) % STAGES], partner);
       }
-      accumulator_io<true>(d, dw, row0, k0, N, K, lane);
+      accumulator_store(d, dw, n0, k0, tile_row, N, K, lane);
     }
   }
   // Neither CTA leaves while the other may still multicast into it or signal its barriers.
@@ -203,13 +259,16 @@ template <class T>
 void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const int32_t* segments, int64_t n_segments,
                            float* dw, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
   if (N == 0 || K == 0) return;
+  // The kernel indexes tiles and rows in 32 bits (TMA coordinates are 32-bit too).
+  if (M > INT32_MAX || N > INT32_MAX / 2 || K > INT32_MAX / 2)
+    throw Error("linear_backward_weight (cuda)", "shape", "M above 2^31 - 1, or N or K above 2^30, is not supported");
   static bool configured = false;
   if (!configured) {
     check(cudaFuncSetAttribute(wgrad_sm90<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
           "linear_backward_weight (cuda)", "shared memory");
     configured = true;
   }
-  const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64);
+  const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64), mdw = tma_map_2d(dw, N, K, BM);
   // Persistent: as many clusters as fit at once (at most one per tile pair).
   static int max_clusters = 0;
   cudaLaunchConfig_t cfg{};
@@ -241,7 +300,7 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
       mark_masked_rows<<<unsigned((list.count + 127) / 128), 128, 0, stream>>>(list, mask, masked);
       check(cudaGetLastError(), "linear_backward_weight (cuda)", "mask kernel launch");
     }
-    check(cudaLaunchKernelEx(&cfg, wgrad_sm90<T>, mdy, mx, list, static_cast<const uint64_t*>(masked), dw, N, K),
+    check(cudaLaunchKernelEx(&cfg, wgrad_sm90<T>, mdy, mx, mdw, list, static_cast<const uint64_t*>(masked), dw, int(N), int(K)),
           "linear_backward_weight (cuda)", "sm90 kernel launch");
     if (masked) check(cudaFreeAsync(masked, stream), "linear_backward_weight (cuda)", "mask scratch");
     list.count = 0;
