@@ -126,10 +126,11 @@ class CudaGemm : public ::testing::Test {
 
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
-// N = 200, K = 136: the M sweep crosses the 64 -> 128 -> 256 tile switches at M = 256 and 512; wide outputs
-// (>= 16384 columns) run 256-wide tiles at every M.
+// N = 200, K = 136: the M sweep crosses the 64 -> 128 -> 192 / 256 tile switches at M = 256 and 512 (192
+// while one round of two 192-wide column tiles beats one of a 256-wide tile); wide outputs (>= 16384
+// columns) run 256- or 192-wide tiles.
 TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
-  // The proof behind the one M-dependent choice: 64-, 128- and 256-wide tiles, forced on the same
+  // The proof behind the one M-dependent choice: 64-, 128-, 192- and 256-wide tiles, forced on the same
   // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles).
   struct Shape { int64_t M, N, K; };
   for (DType dt : {DType::bf16, DType::f16})
@@ -138,9 +139,9 @@ TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
       Rng r(uint64_t(sh.M + sh.N));
       const DeviceBuffer x(r.tensor(dt, {sh.M, sh.K}, -1, 1)), w(r.tensor(dt, {sh.N, sh.K}, -1, 1)),
           dy(r.tensor(dt, {sh.M, sh.N}, -1, 1));
-      const int widths[3] = {64, 128, 256};
-      HostTensor y[3], dx[3];
-      for (int i = 0; i < 3; ++i) {
+      const int widths[4] = {64, 128, 192, 256};
+      HostTensor y[4], dx[4];
+      for (int i = 0; i < 4; ++i) {
         detail::gemm_tile_width_override() = widths[i];
         const DeviceBuffer yd(DType::f32, {sh.M, sh.N}), dxd(dt, {sh.M, sh.K});
         linear_forward(cuda_ctx(), {x.view(), w.view(), {}, yd.view()});
@@ -149,7 +150,7 @@ TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
         dx[i] = dxd.host();
       }
       detail::gemm_tile_width_override() = 0;
-      for (int i = 1; i < 3; ++i) {
+      for (int i = 1; i < 4; ++i) {
         EXPECT_EQ(std::memcmp(y[0].data(), y[i].data(), y[0].bytes()), 0)
             << "forward M=" << sh.M << " N=" << sh.N << " width " << widths[i] << " vs 64";
         EXPECT_EQ(std::memcmp(dx[0].data(), dx[i].data(), dx[0].bytes()), 0)

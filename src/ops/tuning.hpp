@@ -4,7 +4,7 @@
 
 namespace samebits::detail {
 
-// 0: the GEMM picks its tile width itself; 64, 128 or 256: forced (tests/test_cuda_gemm.cpp).
+// 0: the GEMM picks its tile width itself; 64, 128, 192 or 256: forced (tests/test_cuda_gemm.cpp).
 int& gemm_tile_width_override();
 
 }  // namespace samebits::detail

@@ -1,8 +1,7 @@
 // Hopper (sm_90a) GEMM y = x·wᵀ: TMA loads, wgmma, a warp-specialised producer / consumer pipeline
 // on mbarriers.
 //
-// Why this shape. A 128 x BN output tile (BN = 256, or 128 / 64 for decode-sized M on narrow
-// outputs, see tile_width) with K in steps of 64 (four 16-deep wgmma steps, ascending): an output
+// Why this shape. A 128 x BN output tile (BN = 256; 192, 128 or 64 for some M, see tile_width) with K in steps of 64 (four 16-deep wgmma steps, ascending): an output
 // element is always the same sequence of 16-deep MMA steps over ascending K, accumulated in fp32
 // registers, so its bits never depend on M, on its neighbours or on the grid (rules 1-3; no split-K,
 // no atomics). The kernel is persistent: one CTA per SM walks a fixed tile order, and its ring runs
@@ -10,8 +9,8 @@
 // H200, same process: geometric-mean ratio to cuBLAS at M >= 1024 0.981 against 0.961 with one CTA
 // per tile; on an H100 0.984 / 0.981 against 0.960 / 0.972 in two alternating repetitions).
 // Warpgroup 0 is the producer (registers given away with setmaxnreg): one thread streams A (x) and
-// B (w) tiles with the bulk tensor copy engine into a 192 KiB ring (128B-swizzled; 4, 6 or
-// 8 stages of 48, 32 or 24 KiB for BN = 256, 128, 64) and signals "full" mbarriers with the byte
+// B (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6
+// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64) and signals "full" mbarriers with the byte
 // count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from
 // shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
 // once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and writes
@@ -41,7 +40,7 @@ namespace {
 using namespace sm90;
 
 constexpr int BM = 128, BK = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-constexpr int RING_BUDGET = 192 * 1024;  // bytes of shared memory for the stage ring
+constexpr int RING_BUDGET = 200 * 1024;  // bytes of shared memory for the stage ring
 constexpr int A_TILE = BM * BK;  // elements
 constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
 // The epilogue stages 128-byte column slices of a consumer's 64 rows in its own shared-memory area
@@ -50,15 +49,23 @@ constexpr int SLICE_BYTES = 128, STAGING_BYTES = CONSUMERS * 64 * (SLICE_BYTES +
 
 // The tile width: 256 output columns; on outputs narrower than 16384 columns, 128 when M <= 512 and
 // 64 when M <= 256, so decode-sized batches of narrow layers (QKV, O, down, the LM head's dX) get
-// two or four times the CTAs to stream the weight with. This is the one place where a shape depends
-// on M, which rule 2 allows only with proof that every element keeps its bits: wgmma.m64n64k16,
-// m64n128k16 and m64n256k16 run the same per-element K sequence, and tests/test_cuda_gemm.cpp
-// checks it (the M sweep crosses both switches, and TileWidthsGiveIdenticalBits forces all three
-// widths on the same problems).
-inline int tile_width(int64_t M, int64_t out_cols) {
+// two or four times the CTAs to stream the weight with. Above M = 256, 192 where that costs less
+// once the last, partial round of tiles over the SMs is counted (rounds x width: QKV 4096 -> 6144 at
+// M = 1024 is 1.45 rounds of 256-wide tiles, a second round that leaves 60% of the GPU idle, and
+// 1.94 rounds of 192-wide ones). This is the one place where a shape depends on M (and on the SM
+// count), which rule 2 allows only with proof that every element keeps its bits: wgmma.m64n64k16,
+// m64n128k16, m64n192k16 and m64n256k16 run the same per-element K sequence, and
+// tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switches, and TileWidthsGiveIdenticalBits
+// forces all four widths on the same problems).
+inline int64_t tile_rounds(int64_t M, int64_t out_cols, int width, int sms) {
+  const int64_t tiles = ((M + 127) / 128) * ((out_cols + width - 1) / width);
+  return (tiles + sms - 1) / sms;
+}
+inline int tile_width(int64_t M, int64_t out_cols, int sms) {
   if (const int forced = detail::gemm_tile_width_override()) return forced;
-  if (out_cols >= 16384) return 256;
-  return M <= 256 ? 64 : M <= 512 ? 128 : 256;
+  int width = out_cols >= 16384 ? 256 : M <= 256 ? 64 : M <= 512 ? 128 : 256;
+  if (M > 256 && 192 * tile_rounds(M, out_cols, 192, sms) < width * tile_rounds(M, out_cols, width, sms)) width = 192;
+  return width;
 }
 
 template <int BN>
@@ -246,9 +253,10 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
     const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, BN);
     launch_tile<T, O, TRANS_B, BN>(ma, a_rows, mb, bias, out, M, N, K, stream);
   };
-  switch (tile_width(M, N)) {
+  switch (tile_width(M, N, current_sm_count("linear (cuda)"))) {
     case 64: return run(std::integral_constant<int, 64>{});
     case 128: return run(std::integral_constant<int, 128>{});
+    case 192: return run(std::integral_constant<int, 192>{});
     default: return run(std::integral_constant<int, 256>{});
   }
 }

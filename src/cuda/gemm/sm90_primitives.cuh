@@ -98,7 +98,7 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(8192 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// wgmma.m64nNk16 (N = 64, 128 or 256) with A and B from shared memory, fp32 accumulators (N/2 a thread).
+// wgmma.m64nNk16 (N = 64, 128, 192 or 256) with A and B from shared memory, fp32 accumulators (N/2 a thread).
 // TRANS_A / TRANS_B: the operand is M- / N-major (read along the output rows / columns), not K-major.
 // Inline PTX takes one operand per accumulator register: the operand lists come from the SB_D*
 // macros and the register-name lists are spelled out once per size.
@@ -106,9 +106,11 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
 #define SB_D16(i) SB_D4(i), SB_D4(i + 4), SB_D4(i + 8), SB_D4(i + 12)
 #define SB_D32(i) SB_D16(i), SB_D16(i + 16)
 #define SB_D64(i) SB_D32(i), SB_D32(i + 32)
+#define SB_D96(i) SB_D64(i), SB_D32(i + 64)
 #define SB_D128(i) SB_D64(i), SB_D64(i + 64)
 #define SB_R32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define SB_R64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define SB_R96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
 #define SB_R128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 // One wgmma: SHAPE and TYPE name the instruction; A, B, SCALE, TA, TB are the operand numbers of the
 // two descriptors, the scale-d flag and the two transpose immediates, which follow the registers.
@@ -118,7 +120,7 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
   ", " TB ";\n}\n"
 template <class T, bool TRANS_A, bool TRANS_B, int N>
 struct Wgmma {
-  static_assert(N == 64 || N == 128 || N == 256, "wgmma widths used by the GEMM kernels");
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma widths used by the GEMM kernels");
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit inputs");
   __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
@@ -135,6 +137,8 @@ struct Wgmma {
   }
     if constexpr (N == 256) {
       SB_WGMMA_BOTH("m64n256k16", SB_R128, SB_D128(0), "%128", "%129", "%130", "%131", "%132")
+    } else if constexpr (N == 192) {
+      SB_WGMMA_BOTH("m64n192k16", SB_R96, SB_D96(0), "%96", "%97", "%98", "%99", "%100")
     } else if constexpr (N == 128) {
       SB_WGMMA_BOTH("m64n128k16", SB_R64, SB_D64(0), "%64", "%65", "%66", "%67", "%68")
     } else {
@@ -145,9 +149,11 @@ struct Wgmma {
 };
 #undef SB_WGMMA
 #undef SB_R128
+#undef SB_R96
 #undef SB_R64
 #undef SB_R32
 #undef SB_D128
+#undef SB_D96
 #undef SB_D64
 #undef SB_D32
 #undef SB_D16
