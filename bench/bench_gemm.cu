@@ -42,30 +42,42 @@ __global__ void fill_random(__nv_bfloat16* p, int64_t n, uint64_t seed) {
   }
 }
 
-// Median milliseconds of fn(rep) over repetitions after warm-up.
-template <class Fn>
-double time_ms(Fn&& fn, int max_reps) {
+// Median milliseconds of ours(rep) and theirs(rep), timed alternately (ours, theirs, ours, ...) after
+// two warm-up calls of each, so that a drift of the card's clock under sustained load (power, heat)
+// falls on both alike instead of on whichever runs second.
+struct PairMs {
+  double ours, theirs;
+};
+template <class A, class B>
+PairMs time_pair(A&& ours, B&& theirs, int max_reps) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  for (int i = 0; i < 2; ++i) fn(i);
+  for (int i = 0; i < 2; ++i) {
+    ours(i);
+    theirs(i);
+  }
   CK(cudaDeviceSynchronize());
-  std::vector<float> t;
+  std::vector<float> t[2];
   float total = 0;
-  for (int i = 0; i < max_reps && (i < 3 || total < 200.0f); ++i) {
+  auto once = [&](auto& fn, int i, std::vector<float>& out) {
     CK(cudaEventRecord(a));
     fn(i);
     CK(cudaEventRecord(b));
     CK(cudaEventSynchronize(b));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
+    out.push_back(ms);
     total += ms;
+  };
+  for (int i = 0; i < max_reps && (i < 3 || total < 400.0f); ++i) {
+    once(ours, i, t[0]);
+    once(theirs, i, t[1]);
   }
-  std::sort(t.begin(), t.end());
   CK(cudaEventDestroy(a));
   CK(cudaEventDestroy(b));
-  return t[t.size() / 2];
+  for (auto& v : t) std::sort(v.begin(), v.end());
+  return {t[0][t[0].size() / 2], t[1][t[1].size() / 2]};
 }
 
 TensorView dev(void* p, DType d, int64_t r, int64_t c) { return TensorView::of(p, d, {r, c}, Device::cuda); }
@@ -137,42 +149,40 @@ int main(int argc, char** argv) {
       if (!product_filter.empty() && product_filter != product) continue;
       for (int64_t M : ms) {
         const double flop = 2.0 * double(M) * double(s.N) * double(s.K);
-        double ours = 0, theirs = 0;
+        PairMs ms{};
         if (!std::strcmp(product, "forward")) {
-          ours = time_ms([&](int i) {
+          ms = time_pair([&](int i) {
             const int c = i % copies;
             linear_forward(ctx, {dev(x[c], DType::bf16, M, s.K), dev(w[c], DType::bf16, s.N, s.K), {}, dev(y, DType::bf16, M, s.N)});
-          }, 50);
-          theirs = time_ms([&](int i) {
+          }, [&](int i) {
             const int c = i % copies;
             CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(s.N), int(M), int(s.K), &one, w[c], CUDA_R_16BF, int(s.K),
                             x[c], CUDA_R_16BF, int(s.K), &zero, y, CUDA_R_16BF, int(s.N), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT));
           }, 50);
         } else if (!std::strcmp(product, "dX")) {
-          ours = time_ms([&](int i) {
+          ms = time_pair([&](int i) {
             const int c = i % copies;
             linear_backward_input(ctx, {dev(dy[c], DType::bf16, M, s.N), dev(w[c], DType::bf16, s.N, s.K), dev(dx, DType::bf16, M, s.K)});
-          }, 50);
-          theirs = time_ms([&](int i) {
+          }, [&](int i) {
             const int c = i % copies;
             CK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(s.K), int(M), int(s.N), &one, w[c], CUDA_R_16BF, int(s.K),
                             dy[c], CUDA_R_16BF, int(s.N), &zero, dx, CUDA_R_16BF, int(s.K), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT));
           }, 50);
         } else {
-          ours = time_ms([&](int i) {
+          ms = time_pair([&](int i) {
             const int c = i % copies;
             linear_backward_weight(ctx, {dev(dy[c], DType::bf16, M, s.N), dev(x[c], DType::bf16, M, s.K), {},
                                          dev(dw, DType::f32, s.N, s.K), {}});
-          }, 20);
-          theirs = time_ms([&](int i) {
+          }, [&](int i) {
             const int c = i % copies;
             CK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, int(s.K), int(s.N), int(M), &one, x[c], CUDA_R_16BF, int(s.K),
                             dy[c], CUDA_R_16BF, int(s.N), &one, dw, CUDA_R_32F, int(s.K), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT));
           }, 20);
         }
+        const double ours = ms.ours, theirs = ms.theirs;
         const double bytes = std::strcmp(product, "dW") ? double(w_bytes) + 2.0 * double(M) * double(s.K + s.N)
                                                         : 8.0 * double(s.N * s.K) + 2.0 * double(M) * double(s.K + s.N);
         std::fprintf(fm, "| %s | %s | %lld | %.3f | %.3f | %.1f | %.1f | %.2f | %.3f |\n", s.name, product,
