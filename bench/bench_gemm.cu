@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
   std::string md = "gemm.md", csv = "gemm.csv";
   std::string shape_filter, product_filter;  // substrings; empty: all
   int64_t m_filter = 0;                      // one M; 0: all
+  int64_t min_m = 0;                         // only M >= min_m
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--md") && i + 1 < argc) md = argv[++i];
@@ -96,6 +97,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape_filter = argv[++i];
     else if (!std::strcmp(argv[i], "--product") && i + 1 < argc) product_filter = argv[++i];
     else if (!std::strcmp(argv[i], "--m") && i + 1 < argc) m_filter = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--min-m") && i + 1 < argc) min_m = std::atoll(argv[++i]);
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -115,6 +117,7 @@ int main(int argc, char** argv) {
                                     [&](const Shape& s) { return std::string(s.name).find(shape_filter) == std::string::npos; }),
                      run_shapes.end());
   if (m_filter > 0) ms = {m_filter};
+  ms.erase(std::remove_if(ms.begin(), ms.end(), [&](int64_t m) { return m < min_m; }), ms.end());
   cublasHandle_t h;
   CK(cublasCreate(&h));
   const int64_t max_m = ms.back();
