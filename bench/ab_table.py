@@ -11,6 +11,8 @@ for k in keys:
     print(k[0][:30].ljust(30), k[1].ljust(4), str(k[2]).rjust(5), *(f"{runs[n].get(k, float('nan')):9.3f}" for n in names))
 for lo, hi in ((1, 128), (256, 512), (1024, 8192)):
     sel = [k for k in keys if lo <= k[2] <= hi]
+    if not sel:
+        continue
     gm = [math.exp(sum(math.log(runs[n][k]) for k in sel if k in runs[n]) / max(1, sum(k in runs[n] for k in sel))) for n in names]
     worst = [min(runs[n][k] for k in sel if k in runs[n]) for n in names]
     print(f"geomean M {lo}..{hi}".ljust(41), *(f"{g:9.3f}" for g in gm))
