@@ -28,7 +28,7 @@ echo "== compute-sanitizer"
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/samebits_tests \
     --gtest_filter='CudaGemm.HundredRepeatsAreIdentical:CudaGemm.WeightGradient*' > "$out/sanitizer_$tool.log" 2>&1
-  echo "$tool exit $? : $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
+  echo "$tool exit $? : $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
 done
 echo "== GEMM benchmark"
 if [ "$full" = "--full" ]; then
