@@ -14,14 +14,14 @@
 // Speed. The accumulator round trip (128 KiB in and out per tile, 4/M bytes per flop) is what a dW
 // kernel pays beyond a forward GEMM, and unlike a beta = 1 epilogue it cannot wait for the end of
 // the tile: the old value must be in the registers before the first MMA, or micro-batches would
-// not chain bit for bit. So the accumulator travels through the operand ring: the producer loads
-// the next tile's accumulator by TMA into the first three ring slots of that tile (eight 128-row x
-// 32-column boxes, 128-byte swizzled so the register-layout reads are conflict-free) while this
-// tile's last chunks compute, and the consumers copy it to registers from shared memory. The
-// kernel is persistent (one CTA per SM walking a fixed tile order) and its ring runs on across
-// tiles. (Prefetching the next tile's accumulator into L2 was measured slower on an H200 at every
-// lead tried: the prefetches queue in the copy engine ahead of operand loads.) The chunk list
-// travels as a kernel parameter.
+// not chain bit for bit. So the accumulator comes in by TMA as eight 128-row x 32-column boxes
+// (128-byte swizzled so the register-layout reads are conflict-free): the first two into a 32 KiB
+// buffer of their own, loaded a whole tile ahead, the other six through the first two ring slots
+// of the tile, loaded while the previous tile's last chunks compute; the consumers copy them to
+// registers from shared memory. The kernel is persistent (one CTA per SM walking a fixed tile
+// order) and its ring runs on across tiles. (Prefetching the next tile's accumulator into L2 was
+// measured slower on an H200 at every lead tried: the prefetches queue in the copy engine ahead of
+// operand loads.) The chunk list travels as a kernel parameter.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,12 +44,16 @@ using namespace sm90;
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), CLUSTER = 2;
 constexpr int A_TILE = BM * BK, B_TILE = BN * BK;  // elements
 constexpr int STAGE_BYTES = (A_TILE + B_TILE) * 2;  // one ring slot: dYᵀ then X, 48 KiB
-constexpr size_t SMEM_BYTES = size_t(STAGES) * STAGE_BYTES + 2 * STAGES * 8 + 1024;
-// The fp32 accumulator tile as TMA boxes of BM rows x 32 columns (128 bytes), three to a ring slot.
+// The fp32 accumulator tile as TMA boxes of BM rows x 32 columns (128 bytes): the first
+// ACC_HELD_BOXES in a buffer of their own, loaded a whole tile ahead; the rest, three to a slot, in
+// ACC_SLOTS slots of the operand ring, loaded while this tile's last chunks compute.
 constexpr int ACC_BOX_COLS = 32, ACC_BOX_BYTES = BM * ACC_BOX_COLS * 4, ACC_BOXES = BN / ACC_BOX_COLS;
+constexpr int ACC_HELD_BOXES = 2, ACC_HELD_BYTES = ACC_HELD_BOXES * ACC_BOX_BYTES;
 constexpr int ACC_BOXES_PER_SLOT = STAGE_BYTES / ACC_BOX_BYTES;
-constexpr int ACC_SLOTS = (ACC_BOXES + ACC_BOXES_PER_SLOT - 1) / ACC_BOXES_PER_SLOT;
+constexpr int ACC_SLOTS = (ACC_BOXES - ACC_HELD_BOXES + ACC_BOXES_PER_SLOT - 1) / ACC_BOXES_PER_SLOT;
 static_assert(ACC_SLOTS < STAGES, "the accumulator must leave a ring slot for operands");
+constexpr size_t SMEM_BYTES = size_t(STAGES) * STAGE_BYTES + ACC_HELD_BYTES + (2 * STAGES + 2) * 8 + 1024;
+static_assert(SMEM_BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
 
 // The chunks of one launch, passed by value (no host-to-device copy): chunk i covers rows
 // [row[i], row[i] + valid[i]) of one segment, valid <= 64. Longer lists take several launches,
@@ -62,16 +66,18 @@ struct ChunkList {
 };
 
 // This thread's part of the fp32 accumulator tile in the m64n256 register layout (rows n, columns
-// k; pairs of adjacent columns, 8-byte accesses). The load reads the ring slots starting at `slot0`
-// (box b in slot slot0 + b / 3, 128-byte swizzle: the 16-byte chunk index XOR the row mod 8, so a
-// warp's eight rows hit eight different chunks); rows and columns outside dW arrive as zeros.
-__device__ __forceinline__ void accumulator_from_ring(float (&d)[128], const uint8_t* ring, uint32_t slot0,
-                                                      int tile_row, int lane) {
+// k; pairs of adjacent columns, 8-byte accesses): boxes 0 .. ACC_HELD_BOXES - 1 from `held`, the
+// others from the ring slots starting at `slot0` (three to a slot). 128-byte swizzle: the 16-byte
+// chunk index XOR the row mod 8, so a warp's eight rows hit eight different chunks; rows and
+// columns outside dW arrive as zeros.
+__device__ __forceinline__ void accumulator_from_smem(float (&d)[128], const uint8_t* held, const uint8_t* ring,
+                                                      uint32_t slot0, int tile_row, int lane) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
-    const int box = j / 4;
-    const uint8_t* p = ring + ((slot0 + box / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
-                       (box % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
+    const int box = j / 4, rb = box - ACC_HELD_BOXES;
+    const uint8_t* p = box < ACC_HELD_BOXES ? held + box * ACC_BOX_BYTES
+                                            : ring + ((slot0 + rb / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
+                                                  (rb % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = tile_row + 8 * h, chunk = (2 * (j % 4) + (lane % 4) / 2) ^ (r % 8);
@@ -122,8 +128,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + STAGES * STAGE_BYTES);
+  uint8_t* held = base + STAGES * STAGE_BYTES;  // the accumulator's first boxes
+  uint64_t* full = reinterpret_cast<uint64_t*>(held + ACC_HELD_BYTES);
   uint64_t* empty = full + STAGES;
+  uint64_t* held_full = empty + STAGES;      // the next tile's first boxes have landed
+  uint64_t* held_empty = held_full + 1;      // both consumers hold them in registers: free again
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const uint32_t rank = cluster_rank(), partner = rank ^ 1;
   const int k_tiles = (K + BN - 1) / BN, n_pairs = (N + 2 * BM - 1) / (2 * BM), pairs = k_tiles * n_pairs;
@@ -132,18 +141,32 @@ __global__ void __launch_bounds__(THREADS, 1)
   // A stage is free again once the consumers of both CTAs are done with it (the partner's producer
   // writes half of it).
   init_ring_barriers(full, empty, STAGES, CONSUMERS * CLUSTER);
+  if (threadIdx.x == 0) {
+    mbar_init(held_full, 1);
+    mbar_init(held_empty, CONSUMERS);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   cluster_sync();  // the partner's barriers are initialised before anyone signals them
 
   if (wg == 0) {  // producer: per tile, the accumulator (ACC_SLOTS slots), then per chunk dYᵀ as two
                   // 64 x 64 boxes (its n columns) and X as four, two from each CTA
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (t == 0) {
-      uint32_t g = 0;  // ring slots filled by this CTA, across its tiles
-      for (int pair = first_pair; pair < pairs; pair += pair_step) {
+      auto load_held = [&](int pair) {  // boxes 0 .. ACC_HELD_BOXES - 1 of a tile's accumulator
+        int n0, k0;
+        pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
+        mbar_expect_tx(held_full, uint32_t(ACC_HELD_BYTES));
+        for (int b = 0; b < ACC_HELD_BOXES; ++b)
+          tma_load_2d(held + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * b), int32_t(n0), held_full);
+      };
+      uint32_t g = 0, tile = 0;  // ring slots filled and tiles begun by this CTA
+      if (first_pair < pairs) load_held(first_pair);
+      for (int pair = first_pair; pair < pairs; pair += pair_step, ++tile) {
         int n0, k0;
         pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
         for (int q = 0; q < ACC_SLOTS; ++q) {
-          const int left = ACC_BOXES - q * ACC_BOXES_PER_SLOT, boxes = left < ACC_BOXES_PER_SLOT ? left : ACC_BOXES_PER_SLOT;
+          const int first_box = ACC_HELD_BOXES + q * ACC_BOXES_PER_SLOT, left = ACC_BOXES - first_box;
+          const int boxes = left < ACC_BOXES_PER_SLOT ? left : ACC_BOXES_PER_SLOT;
           const int s = int(g % STAGES);
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
           ++g;
@@ -151,9 +174,11 @@ __global__ void __launch_bounds__(THREADS, 1)
           uint64_t* bar = &full[s];
           mbar_expect_tx(bar, uint32_t(boxes * ACC_BOX_BYTES));
           for (int b = 0; b < boxes; ++b)
-            tma_load_2d(slot + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * (q * ACC_BOXES_PER_SLOT + b)),
-                        int32_t(n0), bar);
+            tma_load_2d(slot + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * (first_box + b)), int32_t(n0), bar);
         }
+        // The next tile's held boxes load while this one computes, once the consumers hold this
+        // tile's (they do by the time slot STAGES of the tile is free, so the wait never stalls the ring).
+        const int prefetch_at = n_chunks - 1 < STAGES ? n_chunks - 1 : STAGES;
         for (int i = 0; i < n_chunks; ++i) {
           const int s = int(g % STAGES);
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
@@ -166,28 +191,35 @@ __global__ void __launch_bounds__(THREADS, 1)
           for (int j = 0; j < BM / 64; ++j) tma_load_2d(a + j * 64 * BK, &map_dy, int32_t(n0 + 64 * j), row, bar);
           for (int j = int(rank) * (BN / 128); j < int(rank + 1) * (BN / 128); ++j)
             tma_load_2d_multicast(b + j * 64 * BK, &map_x, int32_t(k0 + 64 * j), row, bar, 0x3);
+          if (i == prefetch_at && pair + pair_step < pairs) {
+            mbar_wait(held_empty, tile & 1);
+            load_held(pair + pair_step);
+          }
         }
       }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int c = wg - 1, warp = t / 32, lane = t % 32, ct = threadIdx.x - 128;  // ct: 0..255 over both consumers
-    uint32_t g = 0;
-    for (int pair = first_pair; pair < pairs; pair += pair_step) {
+    uint32_t g = 0, tile = 0;
+    for (int pair = first_pair; pair < pairs; pair += pair_step, ++tile) {
       int n0, k0;
       pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
       const int tile_row = c * 64 + warp * 16 + lane / 4;
       // The accumulator starts from dW (m64n256 layout, rows n, columns k; outside dW: 0), read
       // from the ring once its boxes land; the whole warpgroup has read it before the slots go back.
       float d[128];
+      mbar_wait(held_full, tile & 1);
       for (int q = 0; q < ACC_SLOTS; ++q) mbar_wait(&full[(g + q) % STAGES], ((g + q) / STAGES) & 1);
-      accumulator_from_ring(d, base, g % STAGES, tile_row, lane);
+      accumulator_from_smem(d, held, base, g % STAGES, tile_row, lane);
       if (c == 0) named_barrier_sync(2, 128); else named_barrier_sync(3, 128);  // constant ids
-      if (t == 0)
+      if (t == 0) {
+        mbar_arrive(held_empty);
         for (int q = 0; q < ACC_SLOTS; ++q) {
           mbar_arrive(&empty[(g + q) % STAGES]);
           mbar_arrive_remote(&empty[(g + q) % STAGES], partner);
         }
+      }
       g += ACC_SLOTS;
       for (int i = 0; i < n_chunks; ++i, ++g) {
         const int s = int(g % STAGES);
