@@ -37,7 +37,7 @@ CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows) {
                                    : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = encoder()(&map, type, 2, const_cast<T*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error("linear (cuda)", "tensor map", "cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
