@@ -247,10 +247,13 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
   // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
   // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
   const int a_rows = M >= BM ? BM : int((M + 7) / 8 * 8);
-  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows);
+  // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
+  // cache hint; see sm90_tma.cuh).
+  const bool streaming = M <= 128;
+  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
-    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK) : tma_map_2d(b, N, K, BN);
+    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming) : tma_map_2d(b, N, K, BN, streaming);
     launch_tile<T, O, TRANS_B, BN>(ma, a_rows, mb, bias, out, M, N, K, stream);
   };
   switch (tile_width(M, N, current_sm_count("linear (cuda)"))) {

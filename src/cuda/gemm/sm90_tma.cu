@@ -27,7 +27,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 }  // namespace
 
 template <class T>
-CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows) {
+CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, bool promote_256) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
@@ -37,15 +37,16 @@ CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows) {
                                    : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = encoder()(&map, type, 2, const_cast<T*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                               CU_TENSOR_MAP_SWIZZLE_128B,
+                               promote_256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error("linear (cuda)", "tensor map", "cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return map;
 }
 
-template CUtensorMap tma_map_2d<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t, int);
-template CUtensorMap tma_map_2d<__half>(const __half*, int64_t, int64_t, int);
-template CUtensorMap tma_map_2d<float>(const float*, int64_t, int64_t, int);
+template CUtensorMap tma_map_2d<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t, int, bool);
+template CUtensorMap tma_map_2d<__half>(const __half*, int64_t, int64_t, int, bool);
+template CUtensorMap tma_map_2d<float>(const float*, int64_t, int64_t, int, bool);
 
 }  // namespace samebits::cuda::sm90
