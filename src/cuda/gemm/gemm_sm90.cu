@@ -26,6 +26,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "cuda/common/runtime.cuh"
@@ -224,12 +225,8 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
                  int64_t K,
                  cudaStream_t stream) {
   constexpr size_t SMEM_BYTES = Tile<BN>::SMEM_BYTES;
-  static bool configured = false;
-  if (!configured) {
-    check(cudaFuncSetAttribute(gemm_sm90<T, O, TRANS_B, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
-          "linear (cuda)", "shared memory");
-    configured = true;
-  }
+  static std::atomic<int> smem_allowed[64] = {};
+  allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN>, SMEM_BYTES, smem_allowed, "linear (cuda)");
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
   const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count("linear (cuda)")));

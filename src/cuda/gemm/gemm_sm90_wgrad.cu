@@ -28,6 +28,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -294,15 +295,10 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
   // The kernel indexes tiles and rows in 32 bits (TMA coordinates are 32-bit too).
   if (M > INT32_MAX || N > INT32_MAX / 2 || K > INT32_MAX / 2)
     throw Error("linear_backward_weight (cuda)", "shape", "M above 2^31 - 1, or N or K above 2^30, is not supported");
-  static bool configured = false;
-  if (!configured) {
-    check(cudaFuncSetAttribute(wgrad_sm90<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES)),
-          "linear_backward_weight (cuda)", "shared memory");
-    configured = true;
-  }
+  static std::atomic<int> smem_allowed[64] = {}, cluster_capacity[64] = {};
+  allow_dynamic_smem(wgrad_sm90<T>, SMEM_BYTES, smem_allowed, "linear_backward_weight (cuda)");
   const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64), mdw = tma_map_2d(dw, N, K, BM);
-  // Persistent: as many clusters as fit at once (at most one per tile pair).
-  static int max_clusters = 0;
+  // Persistent: as many clusters as fit at once on this device (at most one per tile pair).
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -314,12 +310,12 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (max_clusters == 0) {
+  const int max_clusters = once_per_device(cluster_capacity, "linear_backward_weight (cuda)", [&] {
+    int n = 0;
     cfg.gridDim = dim3(unsigned(CLUSTER * std::max(current_sm_count("linear_backward_weight (cuda)") / CLUSTER, 1)));
-    check(cudaOccupancyMaxActiveClusters(&max_clusters, wgrad_sm90<T>, &cfg), "linear_backward_weight (cuda)",
-          "cluster occupancy");
-    max_clusters = std::max(max_clusters, 1);
-  }
+    check(cudaOccupancyMaxActiveClusters(&n, wgrad_sm90<T>, &cfg), "linear_backward_weight (cuda)", "cluster occupancy");
+    return std::max(n, 1);
+  });
   const int64_t pairs = ((N + 2 * BM - 1) / (2 * BM)) * ((K + BN - 1) / BN);
   cfg.gridDim = dim3(unsigned(CLUSTER * std::min<int64_t>(pairs, max_clusters)));
   ChunkList list{};
