@@ -72,20 +72,17 @@ inline int tile_width(int64_t M, int64_t out_cols, int sms) {
 template <int BN>
 struct Tile {
   static constexpr int B_TILE = BN * BK;
-  static constexpr int NREG = BN / 2;
   static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
   static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
   static constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + STAGING_BYTES + 2 * STAGES * 8 + 1024;
 };
 
 template <class O>
-__device__ __forceinline__ O convert(float v);
-template <>
-__device__ __forceinline__ float convert<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 convert<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half convert<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ O convert(float v) {  // one rounding to the output type
+  if constexpr (std::is_same<O, __nv_bfloat16>::value) return __float2bfloat16_rn(v);
+  else if constexpr (std::is_same<O, __half>::value) return __float2half_rn(v);
+  else return v;
+}
 
 // Rounds one consumer's 64 x BN accumulators and writes them out, one 128-byte column slice at a
 // time: the slice is staged in shared memory (rows padded), then copied out as whole 16-byte pieces
@@ -137,7 +134,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
-  constexpr int B_TILE = Tile<BN>::B_TILE, NREG = Tile<BN>::NREG, STAGES = Tile<BN>::STAGES;
+  constexpr int B_TILE = Tile<BN>::B_TILE, NREG = BN / 2, STAGES = Tile<BN>::STAGES;
   T* sb = sa + STAGES * A_TILE;
   uint8_t* staging = base + Tile<BN>::RING_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + STAGING_BYTES);
