@@ -71,8 +71,10 @@ struct ChunkList {
 // others from the ring slots starting at `slot0` (three to a slot). 128-byte swizzle: the 16-byte
 // chunk index XOR the row mod 8, so a warp's eight rows hit eight different chunks; rows and
 // columns outside dW arrive as zeros.
-__device__ __forceinline__ void accumulator_from_smem(float (&d)[128], const uint8_t* held, const uint8_t* ring,
-                                                      uint32_t slot0, int tile_row, int lane) {
+// ([[maybe_unused]]: the device helpers here go unused in the sm_80 pass, where the kernel compiles out.)
+[[maybe_unused]] __device__ __forceinline__ void accumulator_from_smem(float (&d)[128], const uint8_t* held,
+                                                                       const uint8_t* ring, uint32_t slot0,
+                                                                       int tile_row, int lane) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const int box = j / 4, rb = box - ACC_HELD_BOXES;
@@ -88,8 +90,8 @@ __device__ __forceinline__ void accumulator_from_smem(float (&d)[128], const uin
     }
   }
 }
-__device__ __forceinline__ void accumulator_store(const float (&d)[128], float* dw, int n0, int k0, int tile_row,
-                                                  int N, int K, int lane) {
+[[maybe_unused]] __device__ __forceinline__ void accumulator_store(const float (&d)[128], float* dw, int n0, int k0,
+                                                                   int tile_row, int N, int K, int lane) {
   // 32-bit coordinates and one 64-bit row pointer keep the registers beside the 128 accumulators few.
   const int n = n0 + tile_row, k = k0 + 2 * (lane % 4);
   float* p = dw + int64_t(n) * K + k;
@@ -107,7 +109,8 @@ __device__ __forceinline__ void accumulator_store(const float (&d)[128], float* 
 // L2; walking all K tiles of one N row instead re-read X from HBM once per N row pair (16 times
 // for the down projection, 0.8 GB at 2048 tokens), which bound the kernel by HBM.
 constexpr int GROUP_PAIRS = 8;
-__device__ __forceinline__ void pair_origin(int pair, int n_pairs, int k_tiles, uint32_t rank, int& n0, int& k0) {
+[[maybe_unused]] __device__ __forceinline__ void pair_origin(int pair, int n_pairs, int k_tiles, uint32_t rank,
+                                                             int& n0, int& k0) {
   const int group = pair / (GROUP_PAIRS * k_tiles), first = group * GROUP_PAIRS;
   const int width = n_pairs - first < GROUP_PAIRS ? n_pairs - first : GROUP_PAIRS;
   const int in_group = pair % (GROUP_PAIRS * k_tiles);
