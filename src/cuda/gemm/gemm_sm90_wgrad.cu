@@ -300,7 +300,7 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
     throw Error("linear_backward_weight (cuda)", "shape", "M above 2^31 - 1, or N or K above 2^30, is not supported");
   static std::atomic<int> smem_allowed[64] = {}, cluster_capacity[64] = {};
   allow_dynamic_smem(wgrad_sm90<T>, SMEM_BYTES, smem_allowed, "linear_backward_weight (cuda)");
-  const CUtensorMap mdy = tma_map_2d(dy, M, N, 64), mx = tma_map_2d(x, M, K, 64), mdw = tma_map_2d(dw, N, K, BM);
+  const CUtensorMap mdy = tma_map_2d(dy, M, N, BK), mx = tma_map_2d(x, M, K, BK), mdw = tma_map_2d(dw, N, K, BM);
   // Persistent: as many clusters as fit at once on this device (at most one per tile pair).
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
