@@ -127,15 +127,17 @@ class CudaGemm : public ::testing::Test {
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
 // N = 200, K = 136: the M sweep crosses the 64 -> 128 -> 192 / 256 tile switches at M = 256 and 512 (192
-// while one round of two 192-wide column tiles beats one of a 256-wide tile); wide outputs (>= 16384
-// columns) run 256- or 192-wide tiles.
+// while one round of two 192-wide column tiles beats one of a 256-wide tile) and the switch from the
+// threads' own stores to TMA stores of the output at M = 128 (the M = 8192 reference is stored by TMA);
+// wide outputs (>= 16384 columns) run 256- or 192-wide tiles.
 TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
   // The proof behind the one M-dependent choice: 64-, 128-, 192- and 256-wide tiles, forced on the same
-  // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles).
+  // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles; N = 1001:
+  // fp32 rows whose pitch TMA cannot store, written by the threads).
   struct Shape { int64_t M, N, K; };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Shape& sh : {Shape{1, 4096, 4096}, Shape{77, 6144, 4096}, Shape{512, 4096, 12288}, Shape{300, 1000, 1536},
-                            Shape{1024, 200, 136}}) {
+                            Shape{1024, 200, 136}, Shape{300, 1001, 136}}) {
       Rng r(uint64_t(sh.M + sh.N));
       const DeviceBuffer x(r.tensor(dt, {sh.M, sh.K}, -1, 1)), w(r.tensor(dt, {sh.N, sh.K}, -1, 1)),
           dy(r.tensor(dt, {sh.M, sh.N}, -1, 1));

@@ -51,6 +51,24 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// TMA stores (shared -> global) in bulk groups: the copy engine reads the shared-memory box
+// asynchronously and clips rows and columns outside the tensor. Before a box's shared memory is
+// written again, wait until at most PENDING younger groups still have to read theirs; before the CTA
+// exits, until every group is done. Writers fence their shared-memory stores for the async proxy
+// (fence.proxy.async) before the issuing thread starts the copy.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map), "r"(c0),
+               "r"(c1), "r"(smem_u32(src))
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(PENDING) : "memory");
+}
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // Thread-block clusters: this CTA's rank, a barrier over every thread of the cluster, an arrival
 // on the same mbarrier in another CTA of the cluster (default .release.cta semantics, as a stage
 // release needs: the MMAs that read the stage have completed; a cluster-scope release would fence
