@@ -60,7 +60,10 @@ constexpr int SMEM_LIMIT = 227 * 1024;
 // two or four times the CTAs to stream the weight with. Above M = 256, 192 where that costs less
 // once the last, partial round of tiles over the SMs is counted (rounds x width: QKV 4096 -> 6144 at
 // M = 1024 is 1.45 rounds of 256-wide tiles, a second round that leaves 60% of the GPU idle, and
-// 1.94 rounds of 192-wide ones). This is the one place where a shape depends on M (and on the SM
+// 1.94 rounds of 192-wide ones), by a margin of 10%: a 192-wide tile has room for one TMA store box
+// a consumer beside its five-stage ring, not two, and where the saving is small it lost (H100, same
+// run: LM head 4096 -> 128256 at M = 2048 / 4096 0.92 against 1.01 / 1.00, gate+up 4096 -> 28672 at
+// M = 8192 0.91 against 0.99). This is the one place where a shape depends on M (and on the SM
 // count), which rule 2 allows only with proof that every element keeps its bits: wgmma.m64n64k16,
 // m64n128k16, m64n192k16 and m64n256k16 run the same per-element K sequence, and
 // tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switches, and TileWidthsGiveIdenticalBits
@@ -72,7 +75,8 @@ inline int64_t tile_rounds(int64_t M, int64_t out_cols, int width, int sms) {
 inline int tile_width(int64_t M, int64_t out_cols, int sms) {
   if (const int forced = detail::gemm_tile_width_override()) return forced;
   int width = out_cols >= 16384 ? 256 : M <= 256 ? 64 : M <= 512 ? 128 : 256;
-  if (M > 256 && 192 * tile_rounds(M, out_cols, 192, sms) < width * tile_rounds(M, out_cols, width, sms)) width = 192;
+  if (M > 256 && 10 * 192 * tile_rounds(M, out_cols, 192, sms) < 9 * width * tile_rounds(M, out_cols, width, sms))
+    width = 192;
   return width;
 }
 
