@@ -31,7 +31,7 @@ done
 build . build-gpu bench_gemm samebits_tests || exit 1
 wait
 echo "== CUDA GEMM tests (this tree)"
-build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*' > "$out/tests.log" 2>&1
+timeout 300 build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*' > "$out/tests.log" 2>&1 || { echo "tests failed or hung (exit $?)"; tail -5 "$out/tests.log"; exit 1; }
 grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^HASH" "$out/tests.log" | head -20
 for v in "${variants[@]}"; do
   echo "== variant $v: $(cat ".ab/$v/REV")"

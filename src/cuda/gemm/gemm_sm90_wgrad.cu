@@ -15,13 +15,19 @@
 // kernel pays beyond a forward GEMM, and unlike a beta = 1 epilogue it cannot wait for the end of
 // the tile: the old value must be in the registers before the first MMA, or micro-batches would
 // not chain bit for bit. So the accumulator comes in by TMA as eight 128-row x 32-column boxes
-// (128-byte swizzled so the register-layout reads are conflict-free): the first two into a 32 KiB
-// buffer of their own, loaded a whole tile ahead, the other six through the first two ring slots
-// of the tile, loaded while the previous tile's last chunks compute; the consumers copy them to
-// registers from shared memory. The kernel is persistent (one CTA per SM walking a fixed tile
-// order) and its ring runs on across tiles. (Prefetching the next tile's accumulator into L2 was
-// measured slower on an H200 at every lead tried: the prefetches queue in the copy engine ahead of
-// operand loads.) The chunk list travels as a kernel parameter.
+// (128-byte swizzled so the register-layout accesses are conflict-free): the first two into a
+// 32 KiB buffer of their own, loaded a whole tile ahead, the other six through the first two ring
+// slots of the tile, loaded while the previous tile's last chunks compute. At the tile boundary the
+// consumers swap their registers with those boxes in place: they take the new tile's starting
+// values and leave the finished tile behind, which an accumulator warp writes back by TMA stores
+// before it hands the buffer and the slots back (only a CTA's last tile is stored by its threads).
+// The consumers never wait on global stores, and every accumulator byte passes L2 marked
+// evict-first, so the 2.5 GB an LM-head dW streams does not push out the operands many tiles share
+// (H100, LM head (Qwen3), M = 1024: DRAM reads 4.9 -> 3.3 GB). The kernel is persistent (one CTA
+// per SM walking a fixed tile order) and its ring runs on across tiles. (Measured and dropped: an
+// L2 prefetch of the next tile's accumulator, which queued in the copy engine ahead of operand
+// loads; a whole tile's accumulator a tile ahead in a 128 KiB buffer, which left the ring four
+// 32-token stages, too shallow for M >= 512.) The chunk list travels as a kernel parameter.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -53,8 +59,14 @@ constexpr int ACC_HELD_BOXES = 2, ACC_HELD_BYTES = ACC_HELD_BOXES * ACC_BOX_BYTE
 constexpr int ACC_BOXES_PER_SLOT = STAGE_BYTES / ACC_BOX_BYTES;
 constexpr int ACC_SLOTS = (ACC_BOXES - ACC_HELD_BOXES + ACC_BOXES_PER_SLOT - 1) / ACC_BOXES_PER_SLOT;
 static_assert(ACC_SLOTS < STAGES, "the accumulator must leave a ring slot for operands");
-constexpr size_t SMEM_BYTES = size_t(STAGES) * STAGE_BYTES + ACC_HELD_BYTES + (2 * STAGES + 2) * 8 + 1024;
+constexpr size_t SMEM_BYTES = size_t(STAGES) * STAGE_BYTES + ACC_HELD_BYTES + (2 * STAGES + 3) * 8 + 1024;
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
+// Registers a thread: the launch gives every warpgroup 168 (65536 / 384, in steps of 8); the
+// producer warpgroup hands some to the consumers (the 128 fp32 accumulators). More than the launch
+// gave would leave setmaxnreg.inc waiting forever.
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (65536 / THREADS) / 8 * 8 * (CONSUMERS + 1),
+              "the registers the launch gives the CTA");
 
 // The chunks of one launch, passed by value (no host-to-device copy): chunk i covers rows
 // [row[i], row[i] + valid[i]) of one segment, valid <= 64. Longer lists take several launches,
@@ -66,32 +78,44 @@ struct ChunkList {
   int8_t valid[MAX_CHUNKS];
 };
 
-// This thread's part of the fp32 accumulator tile in the m64n256 register layout (rows n, columns
-// k; pairs of adjacent columns, 8-byte accesses): boxes 0 .. ACC_HELD_BOXES - 1 from `held`, the
-// others from the ring slots starting at `slot0` (three to a slot). 128-byte swizzle: the 16-byte
-// chunk index XOR the row mod 8, so a warp's eight rows hit eight different chunks; rows and
-// columns outside dW arrive as zeros.
+// Swaps this thread's part of the fp32 accumulator tile in the m64n256 register layout (rows n,
+// columns k; pairs of adjacent columns, 8-byte accesses) with shared memory: boxes 0 ..
+// ACC_HELD_BOXES - 1 in `held`, the others in the ring slots starting at `slot0` (three to a slot).
+// The registers take the next tile's starting values and leave the finished tile in their place.
+// 128-byte swizzle: the 16-byte chunk index XOR the row mod 8, so a warp's eight rows hit eight
+// different chunks; rows and columns outside dW arrive as zeros and are clipped by the stores. The
+// accesses are volatile asm so that each pair loads then stores: left free, the compiler hoists all
+// 64 loads above the stores, and 128 more live registers spill.
 // ([[maybe_unused]]: the device helpers here go unused in the sm_80 pass, where the kernel compiles out.)
-[[maybe_unused]] __device__ __forceinline__ void accumulator_from_smem(float (&d)[128], const uint8_t* held,
-                                                                       const uint8_t* ring, uint32_t slot0,
-                                                                       int tile_row, int lane) {
+[[maybe_unused]] __device__ __forceinline__ void accumulator_swap(float (&d)[128], uint8_t* held, uint8_t* ring,
+                                                                  uint32_t slot0, int tile_row, int lane) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const int box = j / 4, rb = box - ACC_HELD_BOXES;
     const uint8_t* p = box < ACC_HELD_BOXES ? held + box * ACC_BOX_BYTES
                                             : ring + ((slot0 + rb / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
                                                   (rb % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
+    uint32_t addr[2];
+    float2 v[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = tile_row + 8 * h, chunk = (2 * (j % 4) + (lane % 4) / 2) ^ (r % 8);
-      const float2 v = *reinterpret_cast<const float2*>(p + r * 128 + chunk * 16 + 8 * (lane % 2));
-      d[j * 4 + h * 2] = v.x;
-      d[j * 4 + h * 2 + 1] = v.y;
+      addr[h] = smem_u32(p + r * 128 + chunk * 16 + 8 * (lane % 2));
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v[h].x), "=f"(v[h].y) : "r"(addr[h]) : "memory");
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr[h]), "f"(d[j * 4 + h * 2]), "f"(d[j * 4 + h * 2 + 1])
+                   : "memory");
+      d[j * 4 + h * 2] = v[h].x;
+      d[j * 4 + h * 2 + 1] = v[h].y;
     }
   }
 }
+// The last tile of a CTA has no next tile to swap with: its threads store it themselves.
 [[maybe_unused]] __device__ __forceinline__ void accumulator_store(const float (&d)[128], float* dw, int n0, int k0,
-                                                                   int tile_row, int N, int K, int lane) {
+                                                                   int tile_row, int N, int K, int lane,
+                                                                   uint64_t policy) {
   // 32-bit coordinates and one 64-bit row pointer keep the registers beside the 128 accumulators few.
   const int n = n0 + tile_row, k = k0 + 2 * (lane % 4);
   float* p = dw + int64_t(n) * K + k;
@@ -100,7 +124,7 @@ struct ChunkList {
 #pragma unroll
     for (int h = 0; h < 2; ++h)  // K % 8 == 0: a pair stays inside its row
       if (n + 8 * h < N && k + 8 * j < K)
-        *reinterpret_cast<float2*>(p + int64_t(8 * h) * K + 8 * j) = make_float2(d[j * 4 + h * 2], d[j * 4 + h * 2 + 1]);
+        st_global_v2_hint(p + int64_t(8 * h) * K + 8 * j, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], policy);
 }
 
 // Grouped raster: pairs of N tiles fastest within groups of GROUP_PAIRS (2048 rows of dW), K tiles
@@ -136,7 +160,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(held + ACC_HELD_BYTES);
   uint64_t* empty = full + STAGES;
   uint64_t* held_full = empty + STAGES;      // the next tile's first boxes have landed
-  uint64_t* held_empty = held_full + 1;      // both consumers hold them in registers: free again
+  uint64_t* held_empty = held_full + 1;      // the consumers hold them in registers and the stores have read the buffer
+  uint64_t* acc_swapped = held_empty + 1;    // both consumers have swapped a tile's accumulator in
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const uint32_t rank = cluster_rank(), partner = rank ^ 1;
   const int k_tiles = (K + BN - 1) / BN, n_pairs = (N + 2 * BM - 1) / (2 * BM), pairs = k_tiles * n_pairs;
@@ -147,21 +172,24 @@ __global__ void __launch_bounds__(THREADS, 1)
   init_ring_barriers(full, empty, STAGES, CONSUMERS * CLUSTER);
   if (threadIdx.x == 0) {
     mbar_init(held_full, 1);
-    mbar_init(held_empty, CONSUMERS);
+    mbar_init(held_empty, 1);
+    mbar_init(acc_swapped, CONSUMERS);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();  // the partner's barriers are initialised before anyone signals them
 
   if (wg == 0) {  // producer: per tile, the accumulator (ACC_SLOTS slots), then per chunk dYᵀ as two
                   // 64 x 64 boxes (its n columns) and X as four, two from each CTA
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
     if (t == 0) {
+      const uint64_t policy = l2_policy_evict_first();  // the accumulator: read once, written once
       auto load_held = [&](int pair) {  // boxes 0 .. ACC_HELD_BOXES - 1 of a tile's accumulator
         int n0, k0;
         pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
         mbar_expect_tx(held_full, uint32_t(ACC_HELD_BYTES));
         for (int b = 0; b < ACC_HELD_BOXES; ++b)
-          tma_load_2d(held + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * b), int32_t(n0), held_full);
+          tma_load_2d_hint(held + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * b), int32_t(n0), held_full,
+                           policy);
       };
       uint32_t g = 0, tile = 0;  // ring slots filled and tiles begun by this CTA
       if (first_pair < pairs) load_held(first_pair);
@@ -178,7 +206,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           uint64_t* bar = &full[s];
           mbar_expect_tx(bar, uint32_t(boxes * ACC_BOX_BYTES));
           for (int b = 0; b < boxes; ++b)
-            tma_load_2d(slot + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * (first_box + b)), int32_t(n0), bar);
+            tma_load_2d_hint(slot + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * (first_box + b)), int32_t(n0),
+                             bar, policy);
         }
         // The next tile's held boxes load while this one computes, once the consumers hold this
         // tile's (they do by the time slot STAGES of the tile is free, so the wait never stalls the ring).
@@ -202,28 +231,59 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+    if (t == 32) {  // the accumulator writer: once both consumers have swapped tile j's starting values
+                    // in, tile j - 1's results are in their place; store them, and once the copy engine
+                    // has read them, give the held buffer and the slots back
+      const uint64_t policy = l2_policy_evict_first();
+      uint32_t g = 0, tile = 0;
+      for (int pair = first_pair; pair < pairs; pair += pair_step, ++tile) {
+        mbar_wait(acc_swapped, tile & 1);
+        if (tile > 0) {
+          int n0, k0;
+          pair_origin(pair - pair_step, n_pairs, k_tiles, rank, n0, k0);
+          for (int b = 0; b < ACC_BOXES; ++b) {
+            const int rb = b - ACC_HELD_BOXES;
+            const uint8_t* box = b < ACC_HELD_BOXES ? held + b * ACC_BOX_BYTES
+                                                   : base + ((g + rb / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
+                                                         (rb % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
+            tma_store_2d_hint(&map_dw, box, int32_t(k0 + ACC_BOX_COLS * b), int32_t(n0), policy);
+          }
+          tma_store_wait_read<0>();
+        }
+        mbar_arrive(held_empty);
+        for (int q = 0; q < ACC_SLOTS; ++q)  // a stage's four arrivals: both consumers of both CTAs
+          for (int k = 0; k < CONSUMERS; ++k) {
+            mbar_arrive(&empty[(g + q) % STAGES]);
+            mbar_arrive_remote(&empty[(g + q) % STAGES], partner);
+          }
+        g += ACC_SLOTS + n_chunks;
+      }
+      tma_store_wait_all();  // written before the CTA (and its shared memory) goes
+    }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int c = wg - 1, warp = t / 32, lane = t % 32, ct = threadIdx.x - 128;  // ct: 0..255 over both consumers
+    const int tile_row = c * 64 + warp * 16 + lane / 4;
+    // The accumulator starts from dW (m64n256 layout, rows n, columns k; outside dW: 0): once its
+    // boxes land, the registers swap with them, leaving the previous tile's results (zeros before
+    // the first tile) for the accumulator writer.
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
     uint32_t g = 0, tile = 0;
-    for (int pair = first_pair; pair < pairs; pair += pair_step, ++tile) {
-      int n0, k0;
-      pair_origin(pair, n_pairs, k_tiles, rank, n0, k0);
-      const int tile_row = c * 64 + warp * 16 + lane / 4;
-      // The accumulator starts from dW (m64n256 layout, rows n, columns k; outside dW: 0), read
-      // from the ring once its boxes land; the whole warpgroup has read it before the slots go back.
-      float d[128];
+    for (int pair = first_pair; first_pair < pairs; pair += pair_step, ++tile) {
+      if (pair >= pairs) {  // one pass more than tiles: the last tile's results
+        int n0, k0;
+        pair_origin(pair - pair_step, n_pairs, k_tiles, rank, n0, k0);
+        accumulator_store(d, dw, n0, k0, tile_row, N, K, lane, l2_policy_evict_first());
+        break;
+      }
       mbar_wait(held_full, tile & 1);
       for (int q = 0; q < ACC_SLOTS; ++q) mbar_wait(&full[(g + q) % STAGES], ((g + q) / STAGES) & 1);
-      accumulator_from_smem(d, held, base, g % STAGES, tile_row, lane);
+      accumulator_swap(d, held, base, g % STAGES, tile_row, lane);
+      fence_async_shared();  // the finished rows, for the copy engine's stores
       if (c == 0) named_barrier_sync(2, 128); else named_barrier_sync(3, 128);  // constant ids
-      if (t == 0) {
-        mbar_arrive(held_empty);
-        for (int q = 0; q < ACC_SLOTS; ++q) {
-          mbar_arrive(&empty[(g + q) % STAGES]);
-          mbar_arrive_remote(&empty[(g + q) % STAGES], partner);
-        }
-      }
+      if (t == 0) mbar_arrive(acc_swapped);
       g += ACC_SLOTS;
       for (int i = 0; i < n_chunks; ++i, ++g) {
         const int s = int(g % STAGES);
@@ -270,7 +330,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_arrive(&empty[(g - 1) % STAGES]);
         mbar_arrive_remote(&empty[(g - 1) % STAGES], partner);
       }
-      accumulator_store(d, dw, n0, k0, tile_row, N, K, lane);
     }
   }
   // Neither CTA leaves while the other may still multicast into it or signal its barriers.
