@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > /tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
 ninja -C build-gpu > /tmp/build.log 2>&1 || { grep -E "error" /tmp/build.log | head -30; exit 1; }
 echo "== GPU tests"
-OMP_WAIT_POLICY=passive build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*:Validation*:Harness*' > "$out/tests.log" 2>&1
+OMP_WAIT_POLICY=passive timeout 600 build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*:Validation*:Harness*' > "$out/tests.log" 2>&1
 grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|actual|^HASH|^ACCURACY" "$out/tests.log" | head -30
 echo "== status matrix (cuda)"
 build-gpu/samebits verify --backend cuda --no-chain -q --status-dir "$out" | grep -E "^linear|FAIL|ERROR linear (bf|fp16)" | head -12
@@ -26,7 +26,7 @@ echo "kernels: $(grep -c 'Function :' /tmp/sass.txt), ATOM/RED instructions: $(g
 echo "HGMMA: $(grep -c HGMMA /tmp/sass.txt), UTMALDG: $(grep -c UTMALDG /tmp/sass.txt), HMMA: $(grep -c HMMA /tmp/sass.txt)"
 echo "== compute-sanitizer"
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/samebits_tests \
+  timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/samebits_tests \
     --gtest_filter='CudaGemm.HundredRepeatsAreIdentical:CudaGemm.WeightGradient*' > "$out/sanitizer_$tool.log" 2>&1
   echo "$tool exit $? : $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
 done
