@@ -10,7 +10,8 @@
 // per tile; on an H100 0.984 / 0.981 against 0.960 / 0.972 in two alternating repetitions).
 // Warpgroup 0 is the producer (registers given away with setmaxnreg): one thread streams A (x) and
 // B (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6
-// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64) and signals "full" mbarriers with the byte
+// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; for M <= 64, compact 64-row tiles:
+// 5 or 12 stages of 40 or 16 KiB for BN = 256, 64) and signals "full" mbarriers with the byte
 // count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from
 // shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
 // once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and writes
@@ -44,7 +45,6 @@ using namespace sm90;
 
 constexpr int BM = 128, BK = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
 constexpr int RING_BUDGET = 200 * 1024;  // bytes of shared memory for the stage ring
-constexpr int A_TILE = BM * BK;  // elements
 constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
 // The epilogue stages 128-byte column slices of a consumer's 64 rows in its own shared-memory area
 // (outside the ring, which already holds the next tile's operands in the persistent loop): as a
@@ -80,9 +80,15 @@ inline int tile_width(int64_t M, int64_t out_cols, int sms) {
   return width;
 }
 
-template <int BN>
+// A CTA's tile is 128 rows, 64 per consumer warpgroup. A COMPACT tile is one consumer's 64 rows:
+// for M <= 64 (decode) a ring slot then holds 64 rows of x instead of 128, so the same ring holds
+// more stages of the weight, which is what such a call streams (12 instead of 8 stages for BN = 64,
+// 5 instead of 4 for BN = 256). The second consumer warpgroup has no rows and leaves at once. Every
+// stored row runs the same wgmma sequence as in a full tile (rows 0..63 are consumer 0's either way).
+template <int BN, bool COMPACT>
 struct Tile {
-  static constexpr int B_TILE = BN * BK;
+  static constexpr int A_ROWS = COMPACT ? 64 : BM, RELEASERS = COMPACT ? 1 : CONSUMERS;
+  static constexpr int A_TILE = A_ROWS * BK, B_TILE = BN * BK;  // elements
   static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
   static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
   static constexpr int BARRIER_BYTES = 2 * STAGES * 8, ALIGN_SLACK = 1024;
@@ -190,7 +196,7 @@ __device__ __forceinline__ void epilogue_tma(const float (&d)[BN / 2], uint8_t* 
   }
 }
 
-template <class T, class O, bool TRANS_B, int BN>
+template <class T, class O, bool TRANS_B, int BN, bool COMPACT>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
               const __grid_constant__ CUtensorMap map_out, bool store_by_tma, const T* bias, O* out, int64_t M,
@@ -199,10 +205,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
-  constexpr int B_TILE = Tile<BN>::B_TILE, NREG = BN / 2, STAGES = Tile<BN>::STAGES;
+  using Ring = Tile<BN, COMPACT>;
+  constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
   T* sb = sa + STAGES * A_TILE;
-  uint8_t* staging = base + Tile<BN>::RING_BYTES;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tile<BN>::STAGING_BYTES);
+  uint8_t* staging = base + Ring::RING_BYTES;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
   uint64_t* empty = full + STAGES;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   // Persistent: CTA b takes tiles b, b + gridDim.x, ... of a fixed tile order; the ring runs on
@@ -222,7 +229,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     n0 = (in_group / group_rows) * BN;
   };
   const int kt_count = int((K + BK - 1) / BK);
-  init_ring_barriers(full, empty, STAGES, CONSUMERS);
+  init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -250,8 +257,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   // consumers: warpgroup c owns rows c*64 .. c*64 + 63 of each tile
   const int c = wg - 1;
+  if (COMPACT && c == 1) return;
   uint8_t* stage = staging + size_t(c) * 64 * (SLICE_BYTES + STAGE_ROW_PAD);
-  constexpr int BOXES = Tile<BN>::STORE_BOXES;
+  constexpr int BOXES = Ring::STORE_BOXES;
   uint8_t* boxes = staging + size_t(c) * BOXES * BOX_BYTES;
   uint32_t g = 0, boxes_used = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -286,12 +294,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 
-template <class T, class O, bool TRANS_B, int BN>
+template <class T, class O, bool TRANS_B, int BN, bool COMPACT>
 void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N,
                  int64_t K, cudaStream_t stream) {
-  constexpr size_t SMEM_BYTES = Tile<BN>::SMEM_BYTES;
+  constexpr size_t SMEM_BYTES = Tile<BN, COMPACT>::SMEM_BYTES;
   static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN>, SMEM_BYTES, smem_allowed, "linear (cuda)");
+  allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN, COMPACT>, SMEM_BYTES, smem_allowed, "linear (cuda)");
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
   const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count("linear (cuda)")));
@@ -304,8 +312,8 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
       M > 128 && (N * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   CUtensorMap mo{};
   if (store_by_tma) mo = tma_map_2d(static_cast<const O*>(out), M, N, 64);
-  gemm_sm90<T, O, TRANS_B, BN><<<grid, THREADS, SMEM_BYTES, stream>>>(ma, mb, mo, store_by_tma, bias,
-                                                                     static_cast<O*>(out), M, N, K, a_rows);
+  gemm_sm90<T, O, TRANS_B, BN, COMPACT><<<grid, THREADS, SMEM_BYTES, stream>>>(ma, mb, mo, store_by_tma, bias,
+                                                                              static_cast<O*>(out), M, N, K, a_rows);
   check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
 }
 
@@ -325,7 +333,11 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
     const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming) : tma_map_2d(b, N, K, BN, streaming);
-    launch_tile<T, O, TRANS_B, BN>(ma, a_rows, mb, bias, out, M, N, K, stream);
+    // M <= 64 (decode): compact tiles where the width is one that decode-sized calls get.
+    if constexpr (BN == 64 || BN == 256) {
+      if (M <= 64) return launch_tile<T, O, TRANS_B, BN, true>(ma, a_rows, mb, bias, out, M, N, K, stream);
+    }
+    launch_tile<T, O, TRANS_B, BN, false>(ma, a_rows, mb, bias, out, M, N, K, stream);
   };
   switch (tile_width(M, N, current_sm_count("linear (cuda)"))) {
     case 64: return run(std::integral_constant<int, 64>{});
