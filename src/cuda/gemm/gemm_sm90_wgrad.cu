@@ -78,23 +78,29 @@ struct ChunkList {
   int8_t valid[MAX_CHUNKS];
 };
 
+// Where box b (0 .. ACC_BOXES - 1) of a tile's accumulator lies: the first ACC_HELD_BOXES in `held`,
+// the others three to a slot in the ring slots starting at `slot0`.
+// ([[maybe_unused]]: the device helpers here go unused in the sm_80 pass, where the kernel compiles out.)
+[[maybe_unused]] __device__ __forceinline__ uint8_t* accumulator_box(uint8_t* held, uint8_t* ring, uint32_t slot0,
+                                                                     int b) {
+  const int rb = b - ACC_HELD_BOXES;
+  return b < ACC_HELD_BOXES ? held + b * ACC_BOX_BYTES
+                            : ring + ((slot0 + rb / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
+                                  (rb % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
+}
+
 // Swaps this thread's part of the fp32 accumulator tile in the m64n256 register layout (rows n,
-// columns k; pairs of adjacent columns, 8-byte accesses) with shared memory: boxes 0 ..
-// ACC_HELD_BOXES - 1 in `held`, the others in the ring slots starting at `slot0` (three to a slot).
+// columns k; pairs of adjacent columns, 8-byte accesses) with its boxes in shared memory.
 // The registers take the next tile's starting values and leave the finished tile in their place.
 // 128-byte swizzle: the 16-byte chunk index XOR the row mod 8, so a warp's eight rows hit eight
 // different chunks; rows and columns outside dW arrive as zeros and are clipped by the stores. The
 // accesses are volatile asm so that each pair loads then stores: left free, the compiler hoists all
 // 64 loads above the stores, and 128 more live registers spill.
-// ([[maybe_unused]]: the device helpers here go unused in the sm_80 pass, where the kernel compiles out.)
 [[maybe_unused]] __device__ __forceinline__ void accumulator_swap(float (&d)[128], uint8_t* held, uint8_t* ring,
                                                                   uint32_t slot0, int tile_row, int lane) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
-    const int box = j / 4, rb = box - ACC_HELD_BOXES;
-    const uint8_t* p = box < ACC_HELD_BOXES ? held + box * ACC_BOX_BYTES
-                                            : ring + ((slot0 + rb / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
-                                                  (rb % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
+    const uint8_t* p = accumulator_box(held, ring, slot0, j / 4);
     uint32_t addr[2];
     float2 v[2];
 #pragma unroll
@@ -209,8 +215,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_load_2d_hint(slot + b * ACC_BOX_BYTES, &map_dw, int32_t(k0 + ACC_BOX_COLS * (first_box + b)), int32_t(n0),
                              bar, policy);
         }
-        // The next tile's held boxes load while this one computes, once the consumers hold this
-        // tile's (they do by the time slot STAGES of the tile is free, so the wait never stalls the ring).
+        // The next tile's held boxes load while this one computes, once the accumulator writer's
+        // stores have read the previous tile out of the buffer (checked after STAGES chunks of this
+        // tile have been issued, when they usually have).
         const int prefetch_at = n_chunks - 1 < STAGES ? n_chunks - 1 : STAGES;
         for (int i = 0; i < n_chunks; ++i) {
           const int s = int(g % STAGES);
@@ -241,13 +248,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (tile > 0) {
           int n0, k0;
           pair_origin(pair - pair_step, n_pairs, k_tiles, rank, n0, k0);
-          for (int b = 0; b < ACC_BOXES; ++b) {
-            const int rb = b - ACC_HELD_BOXES;
-            const uint8_t* box = b < ACC_HELD_BOXES ? held + b * ACC_BOX_BYTES
-                                                   : base + ((g + rb / ACC_BOXES_PER_SLOT) % STAGES) * STAGE_BYTES +
-                                                         (rb % ACC_BOXES_PER_SLOT) * ACC_BOX_BYTES;
-            tma_store_2d_hint(&map_dw, box, int32_t(k0 + ACC_BOX_COLS * b), int32_t(n0), policy);
-          }
+          for (int b = 0; b < ACC_BOXES; ++b)
+            tma_store_2d_hint(&map_dw, accumulator_box(held, base, g, b), int32_t(k0 + ACC_BOX_COLS * b), int32_t(n0),
+                              policy);
           tma_store_wait_read<0>();
         }
         mbar_arrive(held_empty);
