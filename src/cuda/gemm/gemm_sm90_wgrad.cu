@@ -153,7 +153,7 @@ constexpr int GROUP_PAIRS = 8;
 // CTA. Both need the same X block, so each CTA loads half of it and the copy engine multicasts it to
 // both (a third less L2 traffic than each loading all of it). Which CTA computes a tile never
 // changes its arithmetic. The ring runs on across tiles, so the next tile's first chunks load while
-// this tile's accumulator is written back.
+// the previous tile's accumulator is written back by the copy engine.
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_sm90(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
@@ -184,8 +184,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   cluster_sync();  // the partner's barriers are initialised before anyone signals them
 
-  if (wg == 0) {  // producer: per tile, the accumulator (ACC_SLOTS slots), then per chunk dYᵀ as two
-                  // 64 x 64 boxes (its n columns) and X as four, two from each CTA
+  if (wg == 0) {  // producer warpgroup. Thread 0 loads: per tile, the accumulator (ACC_SLOTS slots),
+                  // then per chunk dYᵀ as two 64 x 64 boxes (its n columns) and X as four, two from
+                  // each CTA. Thread 32 is the accumulator writer (below).
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
     if (t == 0) {
       const uint64_t policy = l2_policy_evict_first();  // the accumulator: read once, written once
