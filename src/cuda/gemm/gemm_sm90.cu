@@ -1,8 +1,9 @@
 // Hopper (sm_90a) GEMM y = x·wᵀ: TMA loads, wgmma, a warp-specialised producer / consumer pipeline
 // on mbarriers.
 //
-// Why this shape. A 128 x BN output tile (BN = 256; 192, 128 or 64 for some M, see tile_width) with K in steps of 64 (four 16-deep wgmma steps, ascending): an output
-// element is always the same sequence of 16-deep MMA steps over ascending K, accumulated in fp32
+// Why this shape. A 128 x BN output tile (BN = 256; 192, 128, 64, 48 or 32 and 64-row tiles for some
+// M, see tile_width and tile_choice) with K in steps of 64 (four 16-deep wgmma steps, ascending): an
+// output element is always the same sequence of 16-deep MMA steps over ascending K, accumulated in fp32
 // registers, so its bits never depend on M, on its neighbours or on the grid (rules 1-3; no split-K,
 // no atomics). The kernel is persistent: one CTA per SM walks a fixed tile order, and its ring runs
 // on across tiles, so the next tile's operands load while this tile's epilogue writes (measured on an
@@ -10,8 +11,8 @@
 // per tile; on an H100 0.984 / 0.981 against 0.960 / 0.972 in two alternating repetitions).
 // Warpgroup 0 is the producer (registers given away with setmaxnreg): one thread streams A (x) and
 // B (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6
-// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; for M <= 64, compact 64-row tiles:
-// 5 or 12 stages of 40 or 16 KiB for BN = 256, 64) and signals "full" mbarriers with the byte
+// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; compact 64-row tiles: 5, 12, 14 or
+// 16 stages of 40, 16, 14 or 12 KiB for BN = 256, 64, 48, 32) and signals "full" mbarriers with the byte
 // count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from
 // shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
 // once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and writes
@@ -65,26 +66,55 @@ constexpr int SMEM_LIMIT = 227 * 1024;
 // run: LM head 4096 -> 128256 at M = 2048 / 4096 0.92 against 1.01 / 1.00, gate+up 4096 -> 28672 at
 // M = 8192 0.91 against 0.99). This is the one place where a shape depends on M (and on the SM
 // count), which rule 2 allows only with proof that every element keeps its bits: wgmma.m64n64k16,
-// m64n128k16, m64n192k16 and m64n256k16 run the same per-element K sequence, and
-// tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switches, and TileWidthsGiveIdenticalBits
-// forces all four widths on the same problems).
+// m64n128k16, m64n192k16 and m64n256k16 (and m64n32k16, m64n48k16, below) run the same per-element
+// K sequence, and tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switches, and
+// TileWidthsGiveIdenticalBits forces every width, compact and full, on the same problems).
 inline int64_t tile_rounds(int64_t M, int64_t out_cols, int width, int sms) {
   const int64_t tiles = ((M + 127) / 128) * ((out_cols + width - 1) / width);
   return (tiles + sms - 1) / sms;
 }
 inline int tile_width(int64_t M, int64_t out_cols, int sms) {
-  if (const int forced = detail::gemm_tile_width_override()) return forced;
   int width = out_cols >= 16384 ? 256 : M <= 256 ? 64 : M <= 512 ? 128 : 256;
   if (M > 256 && 10 * 192 * tile_rounds(M, out_cols, 192, sms) < 9 * width * tile_rounds(M, out_cols, width, sms))
     width = 192;
   return width;
 }
 
+// Decode-sized calls of narrow layers (M <= 128, fewer than 16384 output columns) stream the weight
+// and want as many CTAs streaming it as there are SMs, each with as deep a ring as possible:
+// compact 64-row tiles (below), and for M <= 64 in the forward the narrowest width in 32, 48, 64 that
+// still fits one round (down and O 4096 columns: 128 tiles of 32, not 64 of 64; QKV 6144: 128 tiles
+// of 48, not 96 of 64). For 64 < M <= 128, two 64-row tiles of 64 columns where they fit one round
+// (down, O: 128 CTAs instead of 64). dX reads w along its output columns in 128-byte boxes, so its
+// tiles are at least 64 wide. Measured on an H100 against 64-wide tiles only (same run, forward M <=
+// 128, geometric-mean ratio to cuBLAS 1.045 -> 1.122; down M = 16: 1.07 -> 1.61; dX 1.024 -> 1.063).
+struct TileChoice {
+  int width;
+  bool compact;
+};
+inline TileChoice tile_choice(int64_t M, int64_t out_cols, int sms, bool forward) {
+  auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * ((out_cols + width - 1) / width); };
+  const bool narrow = out_cols < 16384;
+  int width = tile_width(M, out_cols, sms);
+  if (narrow && M <= 64 && forward)
+    for (int w : {32, 48})
+      if (tiles(64, w) <= sms) {
+        width = w;
+        break;
+      }
+  if (const int forced = detail::gemm_tile_width_override()) width = forced < 64 && !forward ? 64 : forced;
+  // Compact: 32- and 48-wide tiles always; 64- and 256-wide ones for M <= 64; 64-wide ones for
+  // 64 < M <= 128 too where the 64-row tiles fit one round.
+  const bool compact = width < 64 || (width == 64 && (M <= 64 || (M <= 128 && tiles(64, 64) <= sms))) ||
+                       (width == 256 && M <= 64);
+  return {width, compact};
+}
+
 // A CTA's tile is 128 rows, 64 per consumer warpgroup. A COMPACT tile is one consumer's 64 rows:
-// for M <= 64 (decode) a ring slot then holds 64 rows of x instead of 128, so the same ring holds
-// more stages of the weight, which is what such a call streams (12 instead of 8 stages for BN = 64,
-// 5 instead of 4 for BN = 256). The second consumer warpgroup has no rows and leaves at once. Every
-// stored row runs the same wgmma sequence as in a full tile (rows 0..63 are consumer 0's either way).
+// for decode-sized M a ring slot then holds 64 rows of x instead of 128, so the same ring holds more
+// stages of the weight, which is what such a call streams (12 instead of 8 stages for BN = 64, 5
+// instead of 4 for BN = 256), and 64 < M <= 128 gets twice the tiles. The second consumer warpgroup
+// has no rows and leaves at once. Every stored row runs the same wgmma sequence as in a full tile.
 template <int BN, bool COMPACT>
 struct Tile {
   static constexpr int A_ROWS = COMPACT ? 64 : BM, RELEASERS = COMPACT ? 1 : CONSUMERS;
@@ -117,7 +147,7 @@ template <class T, class O, int BN>
 __device__ __forceinline__ void epilogue(const float (&d)[BN / 2], uint8_t* stage, const T* bias, O* out, int64_t row_base,
                                          int64_t n0, int64_t M, int64_t N, int t, int c) {
   constexpr int ROW_BYTES = SLICE_BYTES + STAGE_ROW_PAD, SLICE_COLS = SLICE_BYTES / int(sizeof(O));
-  constexpr int PER_CHUNK = 16 / int(sizeof(O)), CHUNKS = SLICE_COLS / PER_CHUNK;
+  constexpr int PER_CHUNK = 16 / int(sizeof(O));
   constexpr int J_PER_SLICE = SLICE_COLS / 8;  // 8-column groups of the accumulator layout per slice
   const int warp = t / 32, lane = t % 32;
   // One fully unrolled loop over the accumulator's column groups (a slice loop around it would index
@@ -134,7 +164,10 @@ __device__ __forceinline__ void epilogue(const float (&d)[BN / 2], uint8_t* stag
         if (bias && n0 + col < N) v += float(bias[n0 + col]);
         reinterpret_cast<O*>(stage + r * ROW_BYTES)[col - slice * SLICE_COLS] = convert<O>(v);
       }
-    if ((j + 1) % J_PER_SLICE != 0) continue;
+    if ((j + 1) % J_PER_SLICE != 0 && j + 1 != BN / 8) continue;
+    // The tile's last slice may be narrower (32- and 48-wide tiles).
+    const int slice_cols = BN - slice * SLICE_COLS < SLICE_COLS ? BN - slice * SLICE_COLS : SLICE_COLS;
+    const int CHUNKS = slice_cols / PER_CHUNK;
     named_barrier_sync(2 + c, 128);  // this consumer's 128 threads: the slice is staged
     for (int i = t; i < 64 * CHUNKS; i += 128) {
       const int r = i / CHUNKS, ch = i % CHUNKS;
@@ -220,12 +253,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   // M tiles fastest over all of M re-streams the whole of x from HBM for every couple of W columns
   // once x outgrows L2 (measured: 56% of HBM bandwidth and a 62% L2 hit rate at M = 8192).
   constexpr int64_t GROUP_M = 16;
-  const int64_t m_tiles = (M + BM - 1) / BM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
+  constexpr int TM = Ring::A_ROWS;  // rows of C a tile covers
+  const int64_t m_tiles = (M + TM - 1) / TM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
   auto origin = [&](int64_t tile, int64_t& m0, int64_t& n0) {
     const int64_t group = tile / (GROUP_M * n_tiles), first_m = group * GROUP_M;
     const int64_t group_rows = m_tiles - first_m < GROUP_M ? m_tiles - first_m : GROUP_M;
     const int64_t in_group = tile % (GROUP_M * n_tiles);
-    m0 = (first_m + in_group % group_rows) * BM;
+    m0 = (first_m + in_group % group_rows) * TM;
     n0 = (in_group / group_rows) * BN;
   };
   const int kt_count = int((K + BK - 1) / BK);
@@ -286,8 +320,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     if (t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
-    if (store_by_tma) epilogue_tma<T, O, BN, BOXES>(d, boxes, bias, &map_out, m0 + c * 64, n0, N, t, c, boxes_used);
-    else epilogue<T, O, BN>(d, stage, bias, out, m0 + c * 64, n0, M, N, t, c);
+    if constexpr (BN >= 64) {  // a TMA store box is 128 bytes wide: wider than a 32-wide tile of 16-bit outputs
+      if (store_by_tma) {
+        epilogue_tma<T, O, BN, BOXES>(d, boxes, bias, &map_out, m0 + c * 64, n0, N, t, c, boxes_used);
+        continue;
+      }
+    }
+    epilogue<T, O, BN>(d, stage, bias, out, m0 + c * 64, n0, M, N, t, c);
   }
   if (store_by_tma && t == 0) tma_store_wait_all();  // the copy engine is done with this CTA's boxes
 #endif
@@ -301,7 +340,7 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
   static std::atomic<int> smem_allowed[64] = {};
   allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN, COMPACT>, SMEM_BYTES, smem_allowed, "linear (cuda)");
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
-  const int64_t tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);
+  const int64_t tiles = ((M + Tile<BN, COMPACT>::A_ROWS - 1) / Tile<BN, COMPACT>::A_ROWS) * ((N + BN - 1) / BN);
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count("linear (cuda)")));
   // The output goes out by TMA stores where its rows allow (16-byte pitch and base) and M > 128; the
   // values are the same either way (the M sweep crosses the switch). Measured on an H100 against the
@@ -309,7 +348,7 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
   // wait for their global stores before the next tile), but 5-9% slower at M <= 64 on the narrow
   // layers (O), whose calls are a few tiles long and end waiting for the copy engine.
   const bool store_by_tma =
-      M > 128 && (N * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+      BN >= 64 && M > 128 && (N * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   CUtensorMap mo{};
   if (store_by_tma) mo = tma_map_2d(static_cast<const O*>(out), M, N, 64);
   gemm_sm90<T, O, TRANS_B, BN, COMPACT><<<grid, THREADS, SMEM_BYTES, stream>>>(ma, mb, mo, store_by_tma, bias,
@@ -325,7 +364,9 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
   // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
   // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
   // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
-  const int a_rows = M >= BM ? BM : int((M + 7) / 8 * 8);
+  const TileChoice choice = tile_choice(M, N, current_sm_count("linear (cuda)"), !TRANS_B);
+  const int tile_rows = choice.compact ? 64 : BM;
+  const int a_rows = M >= tile_rows ? tile_rows : int((M + 7) / 8 * 8);
   // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
   // cache hint; see sm90_tma.cuh).
   const bool streaming = M <= 128;
@@ -333,13 +374,18 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
     const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming) : tma_map_2d(b, N, K, BN, streaming);
-    // M <= 64 (decode): compact tiles where the width is one that decode-sized calls get.
-    if constexpr (BN == 64 || BN == 256) {
-      if (M <= 64) return launch_tile<T, O, TRANS_B, BN, true>(ma, a_rows, mb, bias, out, M, N, K, stream);
+    if constexpr (BN <= 64 || BN == 256) {
+      if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true>(ma, a_rows, mb, bias, out, M, N, K, stream);
     }
-    launch_tile<T, O, TRANS_B, BN, false>(ma, a_rows, mb, bias, out, M, N, K, stream);
+    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false>(ma, a_rows, mb, bias, out, M, N, K, stream);
   };
-  switch (tile_width(M, N, current_sm_count("linear (cuda)"))) {
+  switch (choice.width) {
+    case 32:
+      if constexpr (!TRANS_B) return run(std::integral_constant<int, 32>{});
+      [[fallthrough]];
+    case 48:
+      if constexpr (!TRANS_B) return run(std::integral_constant<int, 48>{});
+      [[fallthrough]];
     case 64: return run(std::integral_constant<int, 64>{});
     case 128: return run(std::integral_constant<int, 128>{});
     case 192: return run(std::integral_constant<int, 192>{});

@@ -141,16 +141,19 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(8192 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// wgmma.m64nNk16 (N = 64, 128, 192 or 256) with A and B from shared memory, fp32 accumulators (N/2 a thread).
+// wgmma.m64nNk16 (N = 32, 48, 64, 128, 192 or 256) with A and B from shared memory, fp32 accumulators (N/2 a thread).
 // TRANS_A / TRANS_B: the operand is M- / N-major (read along the output rows / columns), not K-major.
 // Inline PTX takes one operand per accumulator register: the operand lists come from the SB_D*
 // macros and the register-name lists are spelled out once per size.
 #define SB_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define SB_D16(i) SB_D4(i), SB_D4(i + 4), SB_D4(i + 8), SB_D4(i + 12)
+#define SB_D24(i) SB_D16(i), SB_D4(i + 16), SB_D4(i + 20)
 #define SB_D32(i) SB_D16(i), SB_D16(i + 16)
 #define SB_D64(i) SB_D32(i), SB_D32(i + 32)
 #define SB_D96(i) SB_D64(i), SB_D32(i + 64)
 #define SB_D128(i) SB_D64(i), SB_D64(i + 64)
+#define SB_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define SB_R24 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}"
 #define SB_R32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define SB_R64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define SB_R96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
@@ -163,7 +166,7 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
   ", " TB ";\n}\n"
 template <class T, bool TRANS_A, bool TRANS_B, int N>
 struct Wgmma {
-  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma widths used by the GEMM kernels");
+  static_assert(N == 32 || N == 48 || N == 64 || N == 128 || N == 192 || N == 256, "wgmma widths used by the GEMM kernels");
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit inputs");
   __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
@@ -184,8 +187,12 @@ struct Wgmma {
       SB_WGMMA_BOTH("m64n192k16", SB_R96, SB_D96(0), "%96", "%97", "%98", "%99", "%100")
     } else if constexpr (N == 128) {
       SB_WGMMA_BOTH("m64n128k16", SB_R64, SB_D64(0), "%64", "%65", "%66", "%67", "%68")
-    } else {
+    } else if constexpr (N == 64) {
       SB_WGMMA_BOTH("m64n64k16", SB_R32, SB_D32(0), "%32", "%33", "%34", "%35", "%36")
+    } else if constexpr (N == 48) {
+      SB_WGMMA_BOTH("m64n48k16", SB_R24, SB_D24(0), "%24", "%25", "%26", "%27", "%28")
+    } else {
+      SB_WGMMA_BOTH("m64n32k16", SB_R16, SB_D16(0), "%16", "%17", "%18", "%19", "%20")
     }
 #undef SB_WGMMA_BOTH
   }
@@ -195,11 +202,14 @@ struct Wgmma {
 #undef SB_R96
 #undef SB_R64
 #undef SB_R32
+#undef SB_R16
+#undef SB_R24
 #undef SB_D128
 #undef SB_D96
 #undef SB_D64
 #undef SB_D32
 #undef SB_D16
+#undef SB_D24
 #undef SB_D4
 
 }  // namespace samebits::cuda::sm90
