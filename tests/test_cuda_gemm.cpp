@@ -126,18 +126,18 @@ class CudaGemm : public ::testing::Test {
 
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
-// N = 200, K = 136: the M sweep crosses the tile switches: 32-wide compact (forward) to 64-wide compact
-// at M = 64, to 64-wide full at 128, 128 at 256, 192 / 256 at 512 (192 while one round of two
-// 192-wide column tiles beats one of a 256-wide tile), and the switch from the threads' own stores to
-// TMA stores of the output at M = 128 (the M = 8192 reference is stored by TMA); wide outputs
-// (>= 16384 columns) run 256- or 192-wide tiles.
+// N = 200, K = 136: the M sweep crosses the tile switches: 32-wide compact (forward; dX: its 136
+// output columns) to 64-wide compact at M = 64, to 64-wide full at 128, 128 at 256, 192 / 256 at 512
+// (192 while one round of two 192-wide column tiles beats one of a 256-wide tile), and the switch
+// from the threads' own stores to TMA stores of the output at M = 128 (the M = 8192 reference is
+// stored by TMA); wide outputs (>= 16384 columns) run 256- or 192-wide tiles.
 TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
   // The proof behind the one M-dependent choice: 32-, 48- (forward only), 64-, 128-, 192- and
-  // 256-wide tiles, forced on the same problems, give every element the same bits (forward and dX;
-  // bf16 and fp16; edge tiles; N = 1001: fp32 rows whose pitch TMA cannot store, written by the
-  // threads). Tiles are compact (64 rows, one consumer) at widths 32 and 48 always, at 64 and 256 for
-  // M <= 64, and at 64 for M = 100 here; the 128- and 192-wide ones are full, so M = 1, 33 and 100
-  // compare the two.
+  // 256-wide tiles (a 32-wide dX tile reads w in 64-byte-swizzled boxes), forced on the same
+  // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles; N = 1001:
+  // fp32 rows whose pitch TMA cannot store, written by the threads). Tiles are compact (64 rows, one
+  // consumer) at widths 32 and 48 always, at 64 and 256 for M <= 64, and at 64 for M = 100 here; the
+  // 128- and 192-wide ones are full, so M = 1, 33 and 100 compare the two.
   struct Shape { int64_t M, N, K; };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Shape& sh : {Shape{1, 4096, 4096}, Shape{33, 2000, 1544}, Shape{77, 6144, 4096}, Shape{100, 1000, 1536}, Shape{512, 4096, 12288}, Shape{300, 1000, 1536},
@@ -145,7 +145,7 @@ TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
       Rng r(uint64_t(sh.M + sh.N));
       const DeviceBuffer x(r.tensor(dt, {sh.M, sh.K}, -1, 1)), w(r.tensor(dt, {sh.N, sh.K}, -1, 1)),
           dy(r.tensor(dt, {sh.M, sh.N}, -1, 1));
-      const int widths[6] = {64, 128, 192, 256, 32, 48};  // 32, 48: forward only (dX runs 64 there)
+      const int widths[6] = {64, 128, 192, 256, 32, 48};  // 48: forward only (dX runs 64 there)
       HostTensor y[6], dx[6];
       for (int i = 0; i < 6; ++i) {
         detail::gemm_tile_width_override() = widths[i];

@@ -85,8 +85,9 @@ inline int tile_width(int64_t M, int64_t out_cols, int sms) {
 // compact 64-row tiles (below), and for M <= 64 in the forward the narrowest width in 32, 48, 64 that
 // still fits one round (down and O 4096 columns: 128 tiles of 32, not 64 of 64; QKV 6144: 128 tiles
 // of 48, not 96 of 64). For 64 < M <= 128, two 64-row tiles of 64 columns where they fit one round
-// (down, O: 128 CTAs instead of 64). dX reads w along its output columns in 128-byte boxes, so its
-// tiles are at least 64 wide. Measured on an H100 against 64-wide tiles only (same run, forward M <=
+// (down, O: 128 CTAs instead of 64). dX reads w along its output columns in 128-byte boxes, or
+// 64-byte ones for a 32-wide tile, so its tiles are 32 or at least 64 wide (dX of gate+up and the LM
+// heads, 4096 output columns: 128 tiles of 32). Measured on an H100 against 64-wide tiles only (same run, forward M <=
 // 128, geometric-mean ratio to cuBLAS 1.045 -> 1.122; down M = 16: 1.07 -> 1.61; dX 1.024 -> 1.063).
 struct TileChoice {
   int width;
@@ -96,13 +97,13 @@ inline TileChoice tile_choice(int64_t M, int64_t out_cols, int sms, bool forward
   auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * ((out_cols + width - 1) / width); };
   const bool narrow = out_cols < 16384;
   int width = tile_width(M, out_cols, sms);
-  if (narrow && M <= 64 && forward)
+  if (narrow && M <= 64)
     for (int w : {32, 48})
-      if (tiles(64, w) <= sms) {
+      if (tiles(64, w) <= sms && (forward || w == 32)) {
         width = w;
         break;
       }
-  if (const int forced = detail::gemm_tile_width_override()) width = forced < 64 && !forward ? 64 : forced;
+  if (const int forced = detail::gemm_tile_width_override()) width = forced == 48 && !forward ? 64 : forced;
   // Compact: 32- and 48-wide tiles always; 64- and 256-wide ones for M <= 64; 64-wide ones for
   // 64 < M <= 128 too where the 64-row tiles fit one round.
   const bool compact = width < 64 || (width == 64 && (M <= 64 || (M <= 128 && tiles(64, 64) <= sms))) ||
@@ -277,8 +278,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
           mbar_expect_tx(&full[s], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
           tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
-          if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK)
-            for (int i = 0; i < BN / 64; ++i)
+          if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
+            for (int i = 0; i < (BN + 63) / 64; ++i)
               tma_load_2d(sb + s * B_TILE + i * 64 * BK, &map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
           } else {
             tma_load_2d(sb + s * B_TILE, &map_b, kt * BK, int32_t(n0), &full[s]);
@@ -309,8 +310,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
         const uint64_t da = smem_desc(sa + s * A_TILE + c * 64 * BK) + uint64_t(kk * 2);  // +32 bytes per k16
-        const uint64_t db = TRANS_B ? smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4))  // +16 rows
-                                    : smem_desc(sb + s * B_TILE) + uint64_t(kk * 2);
+        const uint64_t db = !TRANS_B  ? smem_desc(sb + s * B_TILE) + uint64_t(kk * 2)
+                            : BN == 32 ? smem_desc_mn_64b(sb + s * B_TILE) + uint64_t(kk * (1024 >> 4))  // +16 rows
+                                       : smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4));
         Wgmma<T, false, TRANS_B, BN>::mma(d, da, db, 1);
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -373,16 +375,15 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
   const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
-    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming) : tma_map_2d(b, N, K, BN, streaming);
+    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)
+                                   : tma_map_2d(b, N, K, BN, streaming);
     if constexpr (BN <= 64 || BN == 256) {
       if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true>(ma, a_rows, mb, bias, out, M, N, K, stream);
     }
     if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false>(ma, a_rows, mb, bias, out, M, N, K, stream);
   };
   switch (choice.width) {
-    case 32:
-      if constexpr (!TRANS_B) return run(std::integral_constant<int, 32>{});
-      [[fallthrough]];
+    case 32: return run(std::integral_constant<int, 32>{});
     case 48:
       if constexpr (!TRANS_B) return run(std::integral_constant<int, 48>{});
       [[fallthrough]];

@@ -141,6 +141,13 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(8192 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The same for a 32-column (64-byte) tile with 64-byte swizzle: 8 reduction rows per 512-byte atom
+// (SBO = 512 bytes), one atom across (LBO unused).
+__device__ __forceinline__ uint64_t smem_desc_mn_64b(const void* p) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(4096 >> 4) << 16) | (uint64_t(512 >> 4) << 32) | (uint64_t(2) << 62);
+}
+
 // wgmma.m64nNk16 (N = 32, 48, 64, 128, 192 or 256) with A and B from shared memory, fp32 accumulators (N/2 a thread).
 // TRANS_A / TRANS_B: the operand is M- / N-major (read along the output rows / columns), not K-major.
 // Inline PTX takes one operand per accumulator register: the operand lists come from the SB_D*

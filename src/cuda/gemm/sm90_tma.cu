@@ -27,17 +27,18 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 }  // namespace
 
 template <class T>
-CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, bool promote_256) {
+CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, bool promote_256, int box_bytes) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
-  const cuuint32_t box[2] = {cuuint32_t(128 / sizeof(T)), cuuint32_t(box_rows)};
+  if (box_bytes != 128 && box_bytes != 64) throw Error("linear (cuda)", "tensor map", "box rows of 64 or 128 bytes");
+  const cuuint32_t box[2] = {cuuint32_t(box_bytes / int(sizeof(T))), cuuint32_t(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
   const CUtensorMapDataType type = std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = encoder()(&map, type, 2, const_cast<T*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_128B,
+                               box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                                promote_256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
@@ -45,8 +46,8 @@ CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, b
   return map;
 }
 
-template CUtensorMap tma_map_2d<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t, int, bool);
-template CUtensorMap tma_map_2d<__half>(const __half*, int64_t, int64_t, int, bool);
-template CUtensorMap tma_map_2d<float>(const float*, int64_t, int64_t, int, bool);
+template CUtensorMap tma_map_2d<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t, int, bool, int);
+template CUtensorMap tma_map_2d<__half>(const __half*, int64_t, int64_t, int, bool, int);
+template CUtensorMap tma_map_2d<float>(const float*, int64_t, int64_t, int, bool, int);
 
 }  // namespace samebits::cuda::sm90

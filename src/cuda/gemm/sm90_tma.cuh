@@ -13,7 +13,9 @@ namespace samebits::cuda::sm90 {
 // weight streaming 2.5-2.9 against 2.3-2.8 TB/s on an H100) and hurts one that reuses tiles from
 // L2 (same-card A/B over M >= 1024: mean ratio to cuBLAS 0.998 / 1.010 / 0.998 for forward / dX /
 // dW without, 0.972 / 0.987 / 0.959 with). A cache hint only: the loaded values are the same.
+// box_bytes = 64: box rows of 64 bytes with 64-byte swizzle (32-wide tiles of a weight read N-major).
 template <class T>
-CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, bool promote_256 = false);
+CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, bool promote_256 = false,
+                       int box_bytes = 128);
 
 }  // namespace samebits::cuda::sm90
