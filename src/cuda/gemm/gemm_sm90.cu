@@ -82,13 +82,14 @@ inline int tile_width(int64_t M, int64_t out_cols, int sms) {
 
 // Decode-sized calls of narrow layers (M <= 128, fewer than 16384 output columns) stream the weight
 // and want as many CTAs streaming it as there are SMs, each with as deep a ring as possible:
-// compact 64-row tiles (below), and for M <= 64 in the forward the narrowest width in 32, 48, 64 that
-// still fits one round (down and O 4096 columns: 128 tiles of 32, not 64 of 64; QKV 6144: 128 tiles
-// of 48, not 96 of 64). For 64 < M <= 128, two 64-row tiles of 64 columns where they fit one round
-// (down, O: 128 CTAs instead of 64). dX reads w along its output columns in 128-byte boxes, or
-// 64-byte ones for a 32-wide tile, so its tiles are 32 or at least 64 wide (dX of gate+up and the LM
-// heads, 4096 output columns: 128 tiles of 32). Measured on an H100 against 64-wide tiles only (same run, forward M <=
-// 128, geometric-mean ratio to cuBLAS 1.045 -> 1.122; down M = 16: 1.07 -> 1.61; dX 1.024 -> 1.063).
+// compact 64-row tiles (below), and for M <= 64 the narrowest width in 32, 48, 64 that still fits one
+// round (down and O, 4096 columns: 128 tiles of 32, not 64 of 64; QKV, 6144: 128 tiles of 48, not 96
+// of 64). For 64 < M <= 128, two 64-row tiles of 64 columns where they fit one round (down, O: 128
+// CTAs instead of 64). dX reads w along its output columns in 128-byte boxes, or 64-byte ones for a
+// 32-wide tile, so its tiles are 32 or at least 64 wide (dX of gate+up and the LM heads, 4096 output
+// columns: 128 tiles of 32). Measured against 64-wide tiles only, same run: forward M <= 128 on an
+// H100, geometric-mean ratio to cuBLAS 1.045 -> 1.122 (down M = 16: 1.07 -> 1.61), dX 1.024 -> 1.063;
+// the 32-wide dX tiles on an H200, dX M <= 128 0.922 -> 0.956.
 struct TileChoice {
   int width;
   bool compact;
@@ -362,7 +363,7 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
 // The tensor maps are made here because the B box depends on the tile width.
 template <class T, class O, bool TRANS_B>
 void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
-  // Fewer than BM rows: the A box covers the rows that exist (rounded up to 8) instead of letting
+  // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
   // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
   // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
   // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
