@@ -336,14 +336,28 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 
+// C[M,N] = A[M,K]·B (+ bias) with BN-wide tiles of Tile<BN, COMPACT>::A_ROWS rows: B is w[N,K]
+// (forward) or, with TRANS_B, w[K,N] read along N (dX). The tensor maps are made here because the
+// boxes depend on the tile.
 template <class T, class O, bool TRANS_B, int BN, bool COMPACT>
-void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const T* bias, void* out, int64_t M, int64_t N,
-                 int64_t K, cudaStream_t stream) {
-  constexpr size_t SMEM_BYTES = Tile<BN, COMPACT>::SMEM_BYTES;
+void launch_tile(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
+                 cudaStream_t stream) {
+  using Ring = Tile<BN, COMPACT>;
+  // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
+  // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
+  // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
+  // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
+  const int a_rows = M >= Ring::A_ROWS ? Ring::A_ROWS : int((M + 7) / 8 * 8);
+  // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
+  // cache hint; see sm90_tma.cuh).
+  const bool streaming = M <= 128;
+  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
+  const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)
+                                 : tma_map_2d(b, N, K, BN, streaming);
   static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN, COMPACT>, SMEM_BYTES, smem_allowed, "linear (cuda)");
+  allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN, COMPACT>, Ring::SMEM_BYTES, smem_allowed, "linear (cuda)");
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
-  const int64_t tiles = ((M + Tile<BN, COMPACT>::A_ROWS - 1) / Tile<BN, COMPACT>::A_ROWS) * ((N + BN - 1) / BN);
+  const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * ((N + BN - 1) / BN);
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count("linear (cuda)")));
   // The output goes out by TMA stores where its rows allow (16-byte pitch and base) and M > 128; the
   // values are the same either way (the M sweep crosses the switch). Measured on an H100 against the
@@ -354,34 +368,20 @@ void launch_tile(const CUtensorMap& ma, int a_rows, const CUtensorMap& mb, const
       BN >= 64 && M > 128 && (N * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   CUtensorMap mo{};
   if (store_by_tma) mo = tma_map_2d(static_cast<const O*>(out), M, N, 64);
-  gemm_sm90<T, O, TRANS_B, BN, COMPACT><<<grid, THREADS, SMEM_BYTES, stream>>>(ma, mb, mo, store_by_tma, bias,
-                                                                              static_cast<O*>(out), M, N, K, a_rows);
+  gemm_sm90<T, O, TRANS_B, BN, COMPACT><<<grid, THREADS, Ring::SMEM_BYTES, stream>>>(
+      ma, mb, mo, store_by_tma, bias, static_cast<O*>(out), M, N, K, a_rows);
   check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
 }
 
-// C[M,N] = A[M,K]·B (+ bias): B is w[N,K] (forward) or, with TRANS_B, w[K,N] read along N (dX).
-// The tensor maps are made here because the B box depends on the tile width.
 template <class T, class O, bool TRANS_B>
 void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
-  // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
-  // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
-  // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
-  // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
   const TileChoice choice = tile_choice(M, N, current_sm_count("linear (cuda)"), !TRANS_B);
-  const int tile_rows = choice.compact ? 64 : BM;
-  const int a_rows = M >= tile_rows ? tile_rows : int((M + 7) / 8 * 8);
-  // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
-  // cache hint; see sm90_tma.cuh).
-  const bool streaming = M <= 128;
-  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
-    const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)
-                                   : tma_map_2d(b, N, K, BN, streaming);
     if constexpr (BN <= 64 || BN == 256) {
-      if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true>(ma, a_rows, mb, bias, out, M, N, K, stream);
+      if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true>(a, b, bias, out, M, N, K, stream);
     }
-    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false>(ma, a_rows, mb, bias, out, M, N, K, stream);
+    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false>(a, b, bias, out, M, N, K, stream);
   };
   switch (choice.width) {
     case 32: return run(std::integral_constant<int, 32>{});
