@@ -13,44 +13,15 @@
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
+#include "tests/cuda_test_util.hpp"
 
 using namespace samebits;
 using harness::HostTensor;
 using harness::Rng;
+using testing_cuda::DeviceBuffer;
+using testing_cuda::cuda_ctx;
 
 namespace {
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(const HostTensor& h) : bytes_(h.bytes()), ptr_(device_alloc(Backend::cuda, bytes_)), t_(h) {
-    copy_to_device(Backend::cuda, ptr_, h.data(), bytes_);
-  }
-  DeviceBuffer(DType d, std::vector<int64_t> shape) : DeviceBuffer(HostTensor(d, std::move(shape))) {}
-  ~DeviceBuffer() { device_free(Backend::cuda, ptr_); }
-  TensorView view() const {
-    TensorView v = t_.view();
-    v.data = ptr_;
-    v.device = Device::cuda;
-    return v;
-  }
-  TensorView rows(int64_t b, int64_t e) const { return view().rows(b, e); }
-  HostTensor host() const {
-    HostTensor h(t_.dtype(), t_.shape());
-    copy_to_host(Backend::cuda, h.data(), ptr_, bytes_);
-    return h;
-  }
-
- private:
-  size_t bytes_;
-  void* ptr_;
-  HostTensor t_;
-};
-
-Context cuda_ctx() {
-  Context c;
-  c.backend = Backend::cuda;
-  return c;
-}
 
 std::vector<int64_t> sweep_ms() {
   std::vector<int64_t> ms;

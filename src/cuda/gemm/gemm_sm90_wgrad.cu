@@ -39,6 +39,7 @@
 #include <type_traits>
 
 #include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/sm90_primitives.cuh"
 #include "cuda/gemm/sm90_tma.cuh"
@@ -389,14 +390,14 @@ void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const i
     if (list.count == 0) return;
     uint64_t* masked = nullptr;
     if (mask) {  // stream-ordered scratch: calls on different streams never share it
-      check(cudaMallocAsync(reinterpret_cast<void**>(&masked), size_t(list.count) * sizeof(uint64_t), stream),
-            "linear_backward_weight (cuda)", "mask scratch");
+      masked = static_cast<uint64_t*>(scratch_alloc(size_t(list.count) * sizeof(uint64_t), stream,
+                                                    "linear_backward_weight (cuda)"));
       mark_masked_rows<<<unsigned((list.count + 127) / 128), 128, 0, stream>>>(list, mask, masked);
       check(cudaGetLastError(), "linear_backward_weight (cuda)", "mask kernel launch");
     }
     check(cudaLaunchKernelEx(&cfg, wgrad_sm90<T>, mdy, mx, mdw, list, static_cast<const uint64_t*>(masked), dw, int(N), int(K)),
           "linear_backward_weight (cuda)", "sm90 kernel launch");
-    if (masked) check(cudaFreeAsync(masked, stream), "linear_backward_weight (cuda)", "mask scratch");
+    scratch_free(masked, stream, "linear_backward_weight (cuda)");
     list.count = 0;
   };
   auto add_segment = [&](int64_t row, int64_t len) {

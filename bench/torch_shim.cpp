@@ -1,0 +1,98 @@
+// A C entry point for the Python benchmarks (bench/bench_logprob.py): they pass torch tensors'
+// device pointers through ctypes and time samebits beside torch in one process. Not the Python
+// package (that is pybind11, issue 9); each function returns 0, or 1 with the error in `err`.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+
+#include "samebits/ops.hpp"
+
+using namespace samebits;
+
+namespace {
+
+TensorView cuda_view(void* p, DType d, std::initializer_list<int64_t> shape) {
+  return p ? TensorView::of(p, d, shape, Device::cuda) : TensorView{};
+}
+
+Context ctx_on(void* stream) {
+  Context c;
+  c.backend = Backend::cuda;
+  c.stream = stream;
+  return c;
+}
+
+template <class F>
+int guarded(char* err, int err_len, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    if (err && err_len > 0) {
+      std::strncpy(err, e.what(), size_t(err_len) - 1);
+      err[err_len - 1] = 0;
+    }
+    return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype codes: DType's enumerator values (samebits/dtype.hpp).
+int sb_logprob_forward(void* logits, int dtype, int64_t T, int64_t V, void* targets, void* mask, int32_t ignore,
+                       void* logp, void* entropy, void* lse, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    LogprobForwardArgs a;
+    a.logits = cuda_view(logits, DType(dtype), {T, V});
+    a.targets = cuda_view(targets, DType::i32, {T});
+    a.loss_mask = cuda_view(mask, DType::u8, {T});
+    a.logp = cuda_view(logp, DType::f32, {T});
+    a.entropy = cuda_view(entropy, DType::f32, {T});
+    a.lse = cuda_view(lse, DType::f32, {T});
+    a.ignore_index = ignore;
+    logprob_forward(ctx_on(stream), a);
+  });
+}
+
+int sb_logprob_backward(void* logits, int dtype, int64_t T, int64_t V, void* targets, void* mask, int32_t ignore,
+                        void* lse, void* dlogp, void* dentropy, void* dlogits, int dlogits_dtype, void* stream, char* err,
+                        int err_len) {
+  return guarded(err, err_len, [&] {
+    LogprobBackwardArgs a;
+    a.logits = cuda_view(logits, DType(dtype), {T, V});
+    a.targets = cuda_view(targets, DType::i32, {T});
+    a.loss_mask = cuda_view(mask, DType::u8, {T});
+    a.lse = cuda_view(lse, DType::f32, {T});
+    a.dlogp = cuda_view(dlogp, DType::f32, {T});
+    a.dentropy = cuda_view(dentropy, DType::f32, {T});
+    a.dlogits = cuda_view(dlogits, DType(dlogits_dtype), {T, V});
+    a.ignore_index = ignore;
+    logprob_backward(ctx_on(stream), a);
+  });
+}
+
+int sb_embedding_forward(void* ids, int64_t T, void* table, int dtype, int64_t V, int64_t H, void* y, void* stream,
+                         char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    embedding_forward(ctx_on(stream), {cuda_view(ids, DType::i32, {T}), cuda_view(table, DType(dtype), {V, H}),
+                                       cuda_view(y, DType(dtype), {T, H})});
+  });
+}
+
+int sb_embedding_backward(void* ids, int64_t T, void* dy, int dtype, void* mask, void* dtable, int64_t V, int64_t H,
+                          void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    embedding_backward(ctx_on(stream), {cuda_view(ids, DType::i32, {T}), cuda_view(dy, DType(dtype), {T, H}),
+                                        cuda_view(mask, DType::u8, {T}), cuda_view(dtable, DType::f32, {V, H})});
+  });
+}
+
+int sb_dtype_code(const char* name) {
+  for (DType d : {DType::bf16, DType::f16, DType::f32})
+    if (std::strcmp(dtype_name(d), name) == 0) return int(d);
+  return -1;
+}
+
+}  // extern "C"

@@ -1,0 +1,300 @@
+// CUDA selected logprob from logits, forward and backward.
+//
+// Why this shape. The op is a read of the logits (and, backward, a write of dlogits of the same
+// size), so it is shaped for HBM: one CTA of eight warps per token row; warp w reads unit w (256
+// columns, 16 bytes a lane) of every 2048-column range, four ranges' loads in flight before any math,
+// reduces its unit by warp shuffles and parks it in shared memory; then one warp builds the ranges
+// and one thread chains them. That is exactly the topology of vocab_stats.cuh, fixed by the vocab
+// size: no row's bits depend on how many rows the call has, where it sits, or on the SM count.
+// Forward writes logp, entropy and lse per token; masked tokens (loss_mask 0 or ignore_index) get
+// logp = entropy = 0 but their lse like every row. Backward takes the forward's lse when given and
+// no entropy gradient is asked for (one read of the row), otherwise rebuilds the statistics first
+// (two reads); masked rows are written as zeros without reading the logits. NaN or Inf logits make
+// that row's results NaN and touch no other row.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <atomic>
+
+#include "cuda/common/convert.cuh"
+#include "cuda/common/index_check.cuh"
+#include "cuda/common/runtime.cuh"
+#include "cuda/logprob/vocab_stats.cuh"
+#include "ops/registry.hpp"
+#include "samebits/ops.hpp"
+#include "samebits/validate.hpp"
+
+namespace samebits::cuda {
+namespace {
+
+using namespace vocab;
+
+constexpr int THREADS = 256, WARPS = THREADS / 32;
+// Shared memory holds a row's unit statistics; past this the vocab does not fit one CTA.
+constexpr size_t MAX_SMEM = 200 * 1024;
+
+// Eight consecutive logits as fp32, −inf past V. `aligned`: every row starts 16-byte aligned (a
+// property of the base pointer and V, never of the row), so whole leaves load as vectors.
+template <class T>
+__device__ __forceinline__ void load_leaf(const T* row, int64_t col0, int64_t V, bool aligned, float (&z)[LEAF]) {
+  if (aligned && col0 + LEAF <= V) {
+    if constexpr (sizeof(T) == 2) {
+      const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(row + col0));
+      const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < LEAF; ++i) z[i] = to_f32(h[i]);
+    } else {
+      const float4 lo = __ldcs(reinterpret_cast<const float4*>(row + col0));
+      const float4 hi = __ldcs(reinterpret_cast<const float4*>(row + col0 + 4));
+      z[0] = lo.x, z[1] = lo.y, z[2] = lo.z, z[3] = lo.w, z[4] = hi.x, z[5] = hi.y, z[6] = hi.z, z[7] = hi.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < LEAF; ++i) z[i] = col0 + i < V ? to_f32(row[col0 + i]) : -INFINITY;
+  }
+}
+
+template <class O>
+__device__ __forceinline__ void store_leaf(O* row, int64_t col0, int64_t V, bool aligned, const float (&d)[LEAF]) {
+  if (aligned && col0 + LEAF <= V) {
+    if constexpr (sizeof(O) == 2) {
+      uint4 raw;
+      O* h = reinterpret_cast<O*>(&raw);
+#pragma unroll
+      for (int i = 0; i < LEAF; ++i) h[i] = O(d[i]);
+      __stcs(reinterpret_cast<uint4*>(row + col0), raw);
+    } else {
+      __stcs(reinterpret_cast<float4*>(row + col0), make_float4(d[0], d[1], d[2], d[3]));
+      __stcs(reinterpret_cast<float4*>(row + col0 + 4), make_float4(d[4], d[5], d[6], d[7]));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < LEAF; ++i)
+      if (col0 + i < V) row[col0 + i] = O(d[i]);
+  }
+}
+
+// Shared memory of a CTA: each warp stages one range of logits (2048 columns) in it, then the
+// range statistics of the row.
+template <class T>
+constexpr size_t stage_bytes() { return size_t(RANGE) * sizeof(T); }
+
+// One range of a row into this warp's stage, laid out by groups: group g's 16-byte chunk c sits at
+// g * GROUP_BYTES + (c ^ (g % 8)) * 16. The global loads are coalesced (lane l reads chunk 32i + l),
+// and both the stores here and a lane's reads of its own group later hit 8 distinct chunk slots per
+// quarter warp: no bank conflicts. Columns past V are −inf.
+template <class T>
+__device__ __forceinline__ void stage_range(const T* row, int64_t col0, int64_t V, bool aligned, uint8_t* stage,
+                                            int lane) {
+  constexpr int CHUNK_ELEMS = 16 / sizeof(T), GROUP_CHUNKS = GROUP / CHUNK_ELEMS, RANGE_CHUNKS = RANGE / CHUNK_ELEMS;
+  constexpr int GROUP_BYTES = GROUP * sizeof(T);
+  if (aligned && col0 + RANGE <= V) {
+    uint4 v[RANGE_CHUNKS / 32];
+    const uint4* src = reinterpret_cast<const uint4*>(row + col0);
+#pragma unroll
+    for (int i = 0; i < RANGE_CHUNKS / 32; ++i) v[i] = __ldcs(src + 32 * i + lane);
+#pragma unroll
+    for (int i = 0; i < RANGE_CHUNKS / 32; ++i) {
+      const int chunk = 32 * i + lane, g = chunk / GROUP_CHUNKS, c = chunk % GROUP_CHUNKS;
+      *reinterpret_cast<uint4*>(stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16) = v[i];
+    }
+  } else {
+    for (int e = lane; e < RANGE; e += 32) {
+      const int g = e / GROUP, w = e % GROUP, c = w / CHUNK_ELEMS;
+      const T val = col0 + e < V ? row[col0 + e] : T(-INFINITY);
+      *reinterpret_cast<T*>(stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16 + (w % CHUNK_ELEMS) * sizeof(T)) = val;
+    }
+  }
+  __syncwarp();
+}
+
+// The statistics of group g of the staged range: its eight leaves, then their tree, in registers.
+template <class T>
+__device__ __forceinline__ Stats group_stats(const uint8_t* stage, int g) {
+  constexpr int CHUNK_ELEMS = 16 / sizeof(T), LEAF_CHUNKS = LEAF / CHUNK_ELEMS, GROUP_BYTES = GROUP * sizeof(T);
+  Stats leaves[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float z[LEAF];
+#pragma unroll
+    for (int q = 0; q < LEAF_CHUNKS; ++q) {
+      const int c = k * LEAF_CHUNKS + q;
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16);
+      const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < CHUNK_ELEMS; ++i) z[q * CHUNK_ELEMS + i] = to_f32(h[i]);
+    }
+    leaves[k] = leaf(z);
+  }
+  return merge_tree8(leaves);
+}
+
+// The statistics of one row, returned to every thread of the CTA: warp w takes ranges w, w + 8, …
+// (lane l its group l), the ranges' statistics meet in shared memory, thread 0 chains them.
+template <class T>
+__device__ Stats row_stats(const T* row, int64_t V, int R, bool aligned, uint8_t* smem) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  uint8_t* stage = smem + warp * stage_bytes<T>();
+  Stats* ranges = reinterpret_cast<Stats*>(smem + WARPS * stage_bytes<T>());
+  for (int r = warp; r < R; r += WARPS) {
+    stage_range(row, int64_t(r) * RANGE, V, aligned, stage, lane);
+    const Stats x = merge_lanes(group_stats<T>(stage, lane), 1, 16);
+    if (lane == 0) ranges[r] = x;
+    __syncwarp();  // every lane has read the stage before the next range overwrites it
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Stats acc = ranges[0];
+    for (int r = 1; r < R; ++r) acc = merge(acc, ranges[r]);
+    ranges[0] = acc;
+  }
+  __syncthreads();
+  return ranges[0];
+}
+
+__device__ __forceinline__ bool token_active(const int32_t* targets, const uint8_t* mask, int32_t ignore,
+                                             int64_t t) {
+  return (mask == nullptr || mask[t] != 0) && targets[t] != ignore;
+}
+
+template <class T>
+__global__ void __launch_bounds__(THREADS) logprob_forward_kernel(const T* logits, int64_t V, int R, bool aligned,
+                                                                  const int32_t* targets, const uint8_t* mask,
+                                                                  int32_t ignore, float* logp, float* entropy,
+                                                                  float* lse) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int64_t t = blockIdx.x;
+  const T* row = logits + t * V;
+  const Stats st = row_stats(row, V, R, aligned, smem);
+  if (threadIdx.x != 0) return;
+  const int32_t target = targets[t];
+  const bool active = token_active(targets, mask, ignore, t);
+  const float l = lse_of(st);
+  float lp = 0.0f, h = 0.0f;
+  if (active) {
+    // An out-of-range target was reported before the launch (outside graph capture); never read it.
+    lp = target >= 0 && target < V ? __fsub_rn(to_f32(row[target]), l) : NAN;
+    h = entropy_of(st);
+  }
+  logp[t] = lp;
+  if (entropy) entropy[t] = h;
+  if (lse) lse[t] = l;
+}
+
+// dlogits[t, j] = g·(onehot_j − p_j) + ge·(−p_j·(log p_j + H)), p_j = e^(z_j − lse).
+template <class T, class O>
+__global__ void __launch_bounds__(THREADS) logprob_backward_kernel(const T* logits, int64_t V, int R, bool aligned,
+                                                                   const int32_t* targets, const uint8_t* mask,
+                                                                   int32_t ignore, const float* lse_in,
+                                                                   const float* dlogp, const float* dentropy,
+                                                                   O* dlogits, bool out_aligned) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int64_t t = blockIdx.x;
+  const T* row = logits + t * V;
+  O* out = dlogits + t * V;
+  const int64_t stride = int64_t(THREADS) * LEAF;
+  if (!token_active(targets, mask, ignore, t)) {
+    const float zero[LEAF] = {};
+    for (int64_t col0 = int64_t(threadIdx.x) * LEAF; col0 < V; col0 += stride)
+      store_leaf(out, col0, V, out_aligned, zero);
+    return;
+  }
+  const int32_t target = targets[t];
+  const float g = dlogp[t], ge = dentropy ? dentropy[t] : 0.0f;
+  float l, H = 0.0f;
+  if (lse_in != nullptr && ge == 0.0f) {
+    l = lse_in[t];
+  } else {  // uniform across the CTA
+    const Stats st = row_stats(row, V, R, aligned, smem);
+    l = lse_of(st);
+    H = entropy_of(st);
+  }
+  for (int64_t col0 = int64_t(threadIdx.x) * LEAF; col0 < V; col0 += stride) {
+    float z[LEAF], d[LEAF];
+    load_leaf(row, col0, V, aligned, z);
+#pragma unroll
+    for (int i = 0; i < LEAF; ++i) {
+      const float lp = __fsub_rn(z[i], l), p = exp_f(lp);
+      float v = __fmul_rn(-g, p);
+      if (col0 + i == target) v = __fadd_rn(v, g);
+      if (ge != 0.0f) v = __fadd_rn(v, __fmul_rn(ge, __fmul_rn(-p, __fadd_rn(lp, H))));
+      d[i] = v;
+    }
+    store_leaf(out, col0, V, out_aligned, d);
+  }
+}
+
+template <class Fn>
+void with_logits_type(DType d, Fn&& fn) {
+  if (d == DType::bf16) fn(__nv_bfloat16{});
+  else if (d == DType::f16) fn(__half{});
+  else fn(float{});
+}
+
+bool rows_aligned(const void* base, int64_t V, size_t elem) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (V * int64_t(elem)) % 16 == 0;
+}
+
+// Ranges of a row and the shared memory of a CTA (stages, then range statistics); opts the kernel in
+// when needed.
+template <class T, class Kernel>
+int ranges_and_smem(const char* op, Kernel kernel, int64_t V, size_t& smem) {
+  const int64_t R = (V + RANGE - 1) / RANGE;
+  smem = WARPS * stage_bytes<T>() + size_t(R) * sizeof(Stats);
+  if (smem > MAX_SMEM)
+    throw Unsupported(op, "logits", "a vocab above " +
+                                        std::to_string((MAX_SMEM - WARPS * stage_bytes<T>()) / sizeof(Stats) * RANGE) +
+                                        " columns is not supported by the CUDA logprob");
+  if (smem > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), op, "shared memory");
+  return int(R);
+}
+
+const float* opt_f32(const TensorView& t) { return t.present() ? t.as<const float>() : nullptr; }
+float* opt_f32_out(const TensorView& t) { return t.present() ? t.as<float>() : nullptr; }
+const uint8_t* opt_mask(const TensorView& t) { return t.present() ? t.as<const uint8_t>() : nullptr; }
+
+void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
+  const char* op = "logprob_forward";
+  const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
+  const cudaStream_t stream = stream_of(ctx.stream);
+  require_ids_in_range(op, "targets", a.targets.as<const int32_t>(), T, V, opt_mask(a.loss_mask), true,
+                       a.ignore_index, stream);
+  with_logits_type(a.logits.dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    size_t smem = 0;
+    const int R = ranges_and_smem<T_>(op, logprob_forward_kernel<T_>, V, smem);
+    logprob_forward_kernel<T_><<<unsigned(T), THREADS, smem, stream>>>(
+        a.logits.as<const T_>(), V, R, rows_aligned(a.logits.data, V, sizeof(T_)), a.targets.as<const int32_t>(),
+        opt_mask(a.loss_mask), a.ignore_index, a.logp.as<float>(), opt_f32_out(a.entropy), opt_f32_out(a.lse));
+    check(cudaGetLastError(), op, "kernel launch");
+  });
+}
+
+void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
+  const char* op = "logprob_backward";
+  const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
+  const cudaStream_t stream = stream_of(ctx.stream);
+  require_ids_in_range(op, "targets", a.targets.as<const int32_t>(), T, V, opt_mask(a.loss_mask), true,
+                       a.ignore_index, stream);
+  with_logits_type(a.logits.dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    with_logits_type(a.dlogits.dtype, [&](auto out_tag) {
+      using O = decltype(out_tag);
+      size_t smem = 0;
+      const int R = ranges_and_smem<T_>(op, logprob_backward_kernel<T_, O>, V, smem);
+      logprob_backward_kernel<T_, O><<<unsigned(T), THREADS, smem, stream>>>(
+          a.logits.as<const T_>(), V, R, rows_aligned(a.logits.data, V, sizeof(T_)), a.targets.as<const int32_t>(),
+          opt_mask(a.loss_mask), a.ignore_index, opt_f32(a.lse), a.dlogp.as<const float>(), opt_f32(a.dentropy),
+          a.dlogits.as<O>(), rows_aligned(a.dlogits.data, V, sizeof(O)));
+      check(cudaGetLastError(), op, "kernel launch");
+    });
+  });
+}
+
+}  // namespace
+
+SAMEBITS_REGISTER_KERNEL(logprob_forward, Backend::cuda, LogprobForwardArgs, logprob_forward);
+SAMEBITS_REGISTER_KERNEL(logprob_backward, Backend::cuda, LogprobBackwardArgs, logprob_backward);
+
+}  // namespace samebits::cuda

@@ -1,0 +1,48 @@
+// Test helpers for the CUDA backend: a device copy of a host tensor, and a CUDA context.
+#pragma once
+#include <utility>
+#include <vector>
+
+#include "samebits/context.hpp"
+#include "samebits/device.hpp"
+#include "samebits/harness.hpp"
+
+namespace samebits::testing_cuda {
+
+using harness::HostTensor;
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(const HostTensor& h) : bytes_(h.bytes()), ptr_(device_alloc(Backend::cuda, bytes_)), t_(h) {
+    copy_to_device(Backend::cuda, ptr_, h.data(), bytes_);
+  }
+  DeviceBuffer(DType d, std::vector<int64_t> shape) : DeviceBuffer(HostTensor(d, std::move(shape))) {}
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { device_free(Backend::cuda, ptr_); }
+  TensorView view() const {
+    TensorView v = t_.view();
+    v.data = ptr_;
+    v.device = Device::cuda;
+    return v;
+  }
+  TensorView rows(int64_t b, int64_t e) const { return view().rows(b, e); }
+  HostTensor host() const {
+    HostTensor h(t_.dtype(), t_.shape());
+    copy_to_host(Backend::cuda, h.data(), ptr_, bytes_);
+    return h;
+  }
+
+ private:
+  size_t bytes_;
+  void* ptr_;
+  HostTensor t_;
+};
+
+inline Context cuda_ctx() {
+  Context c;
+  c.backend = Backend::cuda;
+  return c;
+}
+
+}  // namespace samebits::testing_cuda

@@ -1,0 +1,109 @@
+// CUDA embedding (runs where a GPU is visible; skipped elsewhere): the gather copies rows bit for bit,
+// and the atomic-free gradient scatter gives the CPU backend's bits (ascending tokens into the fp32
+// table) for any batch, duplicate ids, masked rows and micro-batch split; bad ids are errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+#include "samebits/error.hpp"
+#include "samebits/harness.hpp"
+#include "samebits/ops.hpp"
+#include "tests/cuda_test_util.hpp"
+
+using namespace samebits;
+using harness::HostTensor;
+using harness::Rng;
+using testing_cuda::cuda_ctx;
+using testing_cuda::DeviceBuffer;
+
+namespace {
+
+void expect_same_bits(const HostTensor& got, const HostTensor& want, const std::string& what) {
+  ASSERT_EQ(got.bytes(), want.bytes()) << what;
+  ASSERT_EQ(std::memcmp(got.data(), want.data(), got.bytes()), 0) << what;
+}
+
+// dtable after adding the gradient of tokens [b, e) on the GPU, or on the CPU (fixed fp32).
+HostTensor scatter(const HostTensor& ids, const HostTensor& dy, const HostTensor& mask, HostTensor dtable,
+                   const std::vector<std::pair<int64_t, int64_t>>& calls, bool on_gpu) {
+  if (!on_gpu) {
+    for (auto [b, e] : calls)
+      embedding_backward(Context{}, {ids.view().rows(b, e), dy.view().rows(b, e), mask.view().rows(b, e), dtable.view()});
+    return dtable;
+  }
+  const DeviceBuffer di(ids), ddy(dy), dm(mask), dt(dtable);
+  for (auto [b, e] : calls) embedding_backward(cuda_ctx(), {di.rows(b, e), ddy.rows(b, e), dm.rows(b, e), dt.view()});
+  return dt.host();
+}
+
+}  // namespace
+
+class CudaEmbedding : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(CudaEmbedding, GatherCopiesTheRowsBitForBit) {
+  Rng r(1);
+  for (DType dt : {DType::bf16, DType::f32}) {
+    for (int64_t H : {64, 100, 4096}) {
+      const int64_t V = 1000, T = 333;
+      const HostTensor table = r.tensor(dt, {V, H}, -1, 1), ids = r.integers({T}, 0, V - 1);
+      const DeviceBuffer dtab(table), did(ids), y(dt, {T, H});
+      embedding_forward(cuda_ctx(), {did.view(), dtab.view(), y.view()});
+      const HostTensor got = y.host();
+      for (int64_t t = 0; t < T; ++t)
+        ASSERT_EQ(std::memcmp(static_cast<const char*>(got.data()) + t * H * dtype_size(dt),
+                              static_cast<const char*>(table.data()) + int64_t(ids.get(t)) * H * dtype_size(dt),
+                              size_t(H) * dtype_size(dt)), 0)
+            << dtype_name(dt) << " H=" << H << " token " << t;
+    }
+  }
+}
+
+// Duplicates within and across sequences (ids drawn from a few rows), masked rows, token counts
+// that cross the sort's tile (2048) and merge passes, and rows that do not fill 16-byte vectors.
+TEST_F(CudaEmbedding, ScatterEqualsTheCpuBitsAndChainsAcrossMicroBatches) {
+  Rng r(2);
+  struct Shape { int64_t T, V, H, id_range; };
+  for (const Shape s : {Shape{1, 50, 64, 50}, Shape{7, 50, 100, 3}, Shape{2048, 1000, 64, 1000},
+                        Shape{2049, 300, 256, 20}, Shape{5000, 151936, 136, 151936}, Shape{20000, 4096, 72, 64}}) {
+    for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
+      const HostTensor ids = r.integers({s.T}, 0, s.id_range - 1), dy = r.tensor(dt, {s.T, s.H}, -1, 1);
+      HostTensor mask(DType::u8, {s.T});
+      for (int64_t t = 0; t < s.T; ++t) mask.set(t, r.uniform(0, 1) < 0.2 ? 0 : 1);
+      const HostTensor init = r.tensor(DType::f32, {s.V, s.H}, -0.5, 0.5);
+      const std::string what = std::string(dtype_name(dt)) + " T=" + std::to_string(s.T) + " H=" + std::to_string(s.H);
+      const HostTensor cpu = scatter(ids, dy, mask, init, {{0, s.T}}, false);
+      expect_same_bits(scatter(ids, dy, mask, init, {{0, s.T}}, true), cpu, what + " one call");
+      const int64_t cut = s.T / 3;
+      if (cut > 0)
+        expect_same_bits(scatter(ids, dy, mask, init, {{0, cut}, {cut, s.T}}, true), cpu, what + " two micro-batches");
+    }
+  }
+}
+
+TEST_F(CudaEmbedding, OutOfRangeIdIsAnErrorNamingIt) {
+  HostTensor ids(DType::i32, {5}), mask(DType::u8, {5});
+  for (int64_t t = 0; t < 5; ++t) {
+    ids.set(t, double(t));
+    mask.set(t, 1);
+  }
+  ids.set(3, 77);
+  const HostTensor table(DType::bf16, {10, 16}), dy(DType::bf16, {5, 16});
+  const DeviceBuffer did(ids), dtab(table), y(DType::bf16, {5, 16}), ddy(dy), dm(mask), grad(DType::f32, {10, 16});
+  for (int pass = 0; pass < 2; ++pass) {
+    try {
+      if (pass == 0) embedding_forward(cuda_ctx(), {did.view(), dtab.view(), y.view()});
+      else embedding_backward(cuda_ctx(), {did.view(), ddy.view(), dm.view(), grad.view()});
+      FAIL() << "no error, pass " << pass;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("ids"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("value 77 at index 3"), std::string::npos) << msg;
+    }
+  }
+}
