@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "cuda/common/convert.cuh"
 #include "cuda/common/index_check.cuh"
@@ -36,13 +37,13 @@ constexpr size_t MAX_SMEM = 200 * 1024;
 // Eight consecutive logits as fp32, −inf past V. `aligned`: every row starts 16-byte aligned (a
 // property of the base pointer and V, never of the row), so whole leaves load as vectors.
 template <class T>
-__device__ __forceinline__ void load_leaf(const T* row, int64_t col0, int64_t V, bool aligned, float (&z)[LEAF]) {
-  if (aligned && col0 + LEAF <= V) {
+__device__ __forceinline__ void load_block(const T* row, int64_t col0, int64_t V, bool aligned, float (&z)[BLOCK]) {
+  if (aligned && col0 + BLOCK <= V) {
     if constexpr (sizeof(T) == 2) {
       const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(row + col0));
       const T* h = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int i = 0; i < LEAF; ++i) z[i] = to_f32(h[i]);
+      for (int i = 0; i < BLOCK; ++i) z[i] = to_f32(h[i]);
     } else {
       const float4 lo = __ldcs(reinterpret_cast<const float4*>(row + col0));
       const float4 hi = __ldcs(reinterpret_cast<const float4*>(row + col0 + 4));
@@ -50,18 +51,18 @@ __device__ __forceinline__ void load_leaf(const T* row, int64_t col0, int64_t V,
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < LEAF; ++i) z[i] = col0 + i < V ? to_f32(row[col0 + i]) : -INFINITY;
+    for (int i = 0; i < BLOCK; ++i) z[i] = col0 + i < V ? to_f32(row[col0 + i]) : -INFINITY;
   }
 }
 
 template <class O>
-__device__ __forceinline__ void store_leaf(O* row, int64_t col0, int64_t V, bool aligned, const float (&d)[LEAF]) {
-  if (aligned && col0 + LEAF <= V) {
+__device__ __forceinline__ void store_block(O* row, int64_t col0, int64_t V, bool aligned, const float (&d)[BLOCK]) {
+  if (aligned && col0 + BLOCK <= V) {
     if constexpr (sizeof(O) == 2) {
       uint4 raw;
       O* h = reinterpret_cast<O*>(&raw);
 #pragma unroll
-      for (int i = 0; i < LEAF; ++i) h[i] = O(d[i]);
+      for (int i = 0; i < BLOCK; ++i) h[i] = O(d[i]);
       __stcs(reinterpret_cast<uint4*>(row + col0), raw);
     } else {
       __stcs(reinterpret_cast<float4*>(row + col0), make_float4(d[0], d[1], d[2], d[3]));
@@ -69,34 +70,49 @@ __device__ __forceinline__ void store_leaf(O* row, int64_t col0, int64_t V, bool
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < LEAF; ++i)
+    for (int i = 0; i < BLOCK; ++i)
       if (col0 + i < V) row[col0 + i] = O(d[i]);
   }
 }
 
-// Shared memory of a CTA: each warp stages one range of logits (2048 columns) in it, then the
-// range statistics of the row.
+// Shared memory of a CTA: each warp has two stages of one range of logits (2048 columns) — one
+// being loaded while the other is reduced — then come the range statistics of the row.
+constexpr int STAGES = 2;
 template <class T>
 constexpr size_t stage_bytes() { return size_t(RANGE) * sizeof(T); }
 
-// One range of a row into this warp's stage, laid out by groups: group g's 16-byte chunk c sits at
-// g * GROUP_BYTES + (c ^ (g % 8)) * 16. The global loads are coalesced (lane l reads chunk 32i + l),
-// and both the stores here and a lane's reads of its own group later hit 8 distinct chunk slots per
-// quarter warp: no bank conflicts. Columns past V are −inf.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
+               "l"(gmem_src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Starts loading one range of a row into a stage, laid out by groups: group g's 16-byte chunk c sits
+// at g * GROUP_BYTES + (c ^ (g % 8)) * 16. The copies are coalesced (lane l takes chunk 32i + l) and
+// asynchronous (cp.async, L2 only); the stores they make and a lane's later reads of its own group
+// hit 8 distinct chunk slots per quarter warp: no bank conflicts. Columns past V are −inf. Rows that
+// are not 16-byte aligned (V not a multiple of 8 bf16 / 4 fp32) go element by element, synchronously.
 template <class T>
 __device__ __forceinline__ void stage_range(const T* row, int64_t col0, int64_t V, bool aligned, uint8_t* stage,
                                             int lane) {
   constexpr int CHUNK_ELEMS = 16 / sizeof(T), GROUP_CHUNKS = GROUP / CHUNK_ELEMS, RANGE_CHUNKS = RANGE / CHUNK_ELEMS;
   constexpr int GROUP_BYTES = GROUP * sizeof(T);
-  if (aligned && col0 + RANGE <= V) {
-    uint4 v[RANGE_CHUNKS / 32];
+  if (aligned) {  // V is a multiple of CHUNK_ELEMS: a chunk is wholly inside the row or wholly past it
     const uint4* src = reinterpret_cast<const uint4*>(row + col0);
+    const int64_t valid_chunks = (V - col0) / CHUNK_ELEMS;
+    uint4 past_end;
+    T* fill = reinterpret_cast<T*>(&past_end);
 #pragma unroll
-    for (int i = 0; i < RANGE_CHUNKS / 32; ++i) v[i] = __ldcs(src + 32 * i + lane);
+    for (int i = 0; i < CHUNK_ELEMS; ++i) fill[i] = T(-INFINITY);
 #pragma unroll
     for (int i = 0; i < RANGE_CHUNKS / 32; ++i) {
       const int chunk = 32 * i + lane, g = chunk / GROUP_CHUNKS, c = chunk % GROUP_CHUNKS;
-      *reinterpret_cast<uint4*>(stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16) = v[i];
+      uint8_t* dst = stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16;
+      if (chunk < valid_chunks) cp_async_16(dst, src + chunk);
+      else *reinterpret_cast<uint4*>(dst) = past_end;
     }
   } else {
     for (int e = lane; e < RANGE; e += 32) {
@@ -105,28 +121,75 @@ __device__ __forceinline__ void stage_range(const T* row, int64_t col0, int64_t 
       *reinterpret_cast<T*>(stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16 + (w % CHUNK_ELEMS) * sizeof(T)) = val;
     }
   }
-  __syncwarp();
 }
 
-// The statistics of group g of the staged range: its eight leaves, then their tree, in registers.
+// A 16-byte shared-memory read that the compiler may not merge with another: the group is read twice
+// (max, then sums) rather than held in 64 registers, which would halve the CTAs an SM holds.
+__device__ __forceinline__ uint4 lds_128(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+}
+
+// Pairs of 16-bit values (the packed max of group_stats).
+template <class T2>
+__device__ __forceinline__ T2 __halves2bfloat162_or_half2(typename std::conditional<std::is_same<T2, __half2>::value, __half, __nv_bfloat16>::type v) {
+  return T2(v, v);
+}
+__device__ __forceinline__ __half __low2half_or_bf16(__half2 v) { return __low2half(v); }
+__device__ __forceinline__ __half __high2half_or_bf16(__half2 v) { return __high2half(v); }
+__device__ __forceinline__ __nv_bfloat16 __low2half_or_bf16(__nv_bfloat162 v) { return __low2bfloat16(v); }
+__device__ __forceinline__ __nv_bfloat16 __high2half_or_bf16(__nv_bfloat162 v) { return __high2bfloat16(v); }
+
+// The statistics of group g of the staged range, in registers: its max over one read of the chunks,
+// then, over a second read, the eight blocks' sums and their tree.
 template <class T>
 __device__ __forceinline__ Stats group_stats(const uint8_t* stage, int g) {
-  constexpr int CHUNK_ELEMS = 16 / sizeof(T), LEAF_CHUNKS = LEAF / CHUNK_ELEMS, GROUP_BYTES = GROUP * sizeof(T);
-  Stats leaves[8];
+  constexpr int CHUNK_ELEMS = 16 / sizeof(T), BLOCK_CHUNKS = BLOCK / CHUNK_ELEMS, GROUP_BYTES = GROUP * sizeof(T);
+  constexpr int BLOCKS = GROUP / BLOCK;
+  const uint8_t* base = stage + g * GROUP_BYTES;
+  auto block = [&](int k, float (&z)[BLOCK]) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    float z[LEAF];
-#pragma unroll
-    for (int q = 0; q < LEAF_CHUNKS; ++q) {
-      const int c = k * LEAF_CHUNKS + q;
-      const uint4 raw = *reinterpret_cast<const uint4*>(stage + g * GROUP_BYTES + (c ^ (g % 8)) * 16);
+    for (int q = 0; q < BLOCK_CHUNKS; ++q) {
+      const int c = k * BLOCK_CHUNKS + q;
+      const uint4 raw = lds_128(base + (c ^ (g % 8)) * 16);
       const T* h = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int i = 0; i < CHUNK_ELEMS; ++i) z[q * CHUNK_ELEMS + i] = to_f32(h[i]);
     }
-    leaves[k] = leaf(z);
+  };
+  float m = -INFINITY;
+  if constexpr (sizeof(T) == 2) {  // the max of 16-bit values, two at a time, then widened (exact)
+    using T2 = typename std::conditional<std::is_same<T, __half>::value, __half2, __nv_bfloat162>::type;
+    T2 m2 = __halves2bfloat162_or_half2<T2>(T(-INFINITY));
+#pragma unroll
+    for (int c = 0; c < GROUP / CHUNK_ELEMS; ++c) {
+      const uint4 raw = lds_128(base + (c ^ (g % 8)) * 16);
+      const T2* h = reinterpret_cast<const T2*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m2 = __hmax2(m2, h[i]);
+    }
+    m = fmaxf(to_f32(__low2half_or_bf16(m2)), to_f32(__high2half_or_bf16(m2)));
+  } else {
+#pragma unroll
+    for (int k = 0; k < BLOCKS; ++k) {
+      float z[BLOCK];
+      block(k, z);
+#pragma unroll
+      for (int i = 0; i < BLOCK; ++i) m = fmaxf(m, z[i]);
+    }
   }
-  return merge_tree8(leaves);
+  if (m == -INFINITY) return empty_stats();
+  float s[BLOCKS], a[BLOCKS];
+#pragma unroll
+  for (int k = 0; k < BLOCKS; ++k) {
+    float z[BLOCK];
+    block(k, z);
+    block_sums(z, m, s[k], a[k]);
+  }
+  return {m, sum_tree8(s), sum_tree8(a)};
 }
 
 // The statistics of one row, returned to every thread of the CTA: warp w takes ranges w, w + 8, …
@@ -134,14 +197,22 @@ __device__ __forceinline__ Stats group_stats(const uint8_t* stage, int g) {
 template <class T>
 __device__ Stats row_stats(const T* row, int64_t V, int R, bool aligned, uint8_t* smem) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  uint8_t* stage = smem + warp * stage_bytes<T>();
-  Stats* ranges = reinterpret_cast<Stats*>(smem + WARPS * stage_bytes<T>());
-  for (int r = warp; r < R; r += WARPS) {
-    stage_range(row, int64_t(r) * RANGE, V, aligned, stage, lane);
-    const Stats x = merge_lanes(group_stats<T>(stage, lane), 1, 16);
+  uint8_t* stages = smem + warp * STAGES * stage_bytes<T>();
+  Stats* ranges = reinterpret_cast<Stats*>(smem + WARPS * STAGES * stage_bytes<T>());
+  if (warp < R) stage_range(row, int64_t(warp) * RANGE, V, aligned, stages, lane);
+  cp_async_commit();
+  for (int k = 0, r = warp; r < R; ++k, r += WARPS) {
+    // The next range of this warp loads while this one is reduced (an empty group past the end).
+    if (r + WARPS < R)
+      stage_range(row, int64_t(r + WARPS) * RANGE, V, aligned, stages + ((k + 1) % STAGES) * stage_bytes<T>(), lane);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();  // every lane's copies (and element stores) of range r are visible to the warp
+    const Stats x = merge_lanes(group_stats<T>(stages + (k % STAGES) * stage_bytes<T>(), lane), 1, 16);
     if (lane == 0) ranges[r] = x;
-    __syncwarp();  // every lane has read the stage before the next range overwrites it
+    __syncwarp();  // every lane has read the stage before range r + 2 * WARPS overwrites it
   }
+  cp_async_wait<0>();
   __syncthreads();
   if (threadIdx.x == 0) {
     Stats acc = ranges[0];
@@ -192,11 +263,11 @@ __global__ void __launch_bounds__(THREADS) logprob_backward_kernel(const T* logi
   const int64_t t = blockIdx.x;
   const T* row = logits + t * V;
   O* out = dlogits + t * V;
-  const int64_t stride = int64_t(THREADS) * LEAF;
+  const int64_t stride = int64_t(THREADS) * BLOCK;
   if (!token_active(targets, mask, ignore, t)) {
-    const float zero[LEAF] = {};
-    for (int64_t col0 = int64_t(threadIdx.x) * LEAF; col0 < V; col0 += stride)
-      store_leaf(out, col0, V, out_aligned, zero);
+    const float zero[BLOCK] = {};
+    for (int64_t col0 = int64_t(threadIdx.x) * BLOCK; col0 < V; col0 += stride)
+      store_block(out, col0, V, out_aligned, zero);
     return;
   }
   const int32_t target = targets[t];
@@ -209,18 +280,18 @@ __global__ void __launch_bounds__(THREADS) logprob_backward_kernel(const T* logi
     l = lse_of(st);
     H = entropy_of(st);
   }
-  for (int64_t col0 = int64_t(threadIdx.x) * LEAF; col0 < V; col0 += stride) {
-    float z[LEAF], d[LEAF];
-    load_leaf(row, col0, V, aligned, z);
+  for (int64_t col0 = int64_t(threadIdx.x) * BLOCK; col0 < V; col0 += stride) {
+    float z[BLOCK], d[BLOCK];
+    load_block(row, col0, V, aligned, z);
 #pragma unroll
-    for (int i = 0; i < LEAF; ++i) {
+    for (int i = 0; i < BLOCK; ++i) {
       const float lp = __fsub_rn(z[i], l), p = exp_f(lp);
       float v = __fmul_rn(-g, p);
       if (col0 + i == target) v = __fadd_rn(v, g);
       if (ge != 0.0f) v = __fadd_rn(v, __fmul_rn(ge, __fmul_rn(-p, __fadd_rn(lp, H))));
       d[i] = v;
     }
-    store_leaf(out, col0, V, out_aligned, d);
+    store_block(out, col0, V, out_aligned, d);
   }
 }
 
@@ -240,10 +311,10 @@ bool rows_aligned(const void* base, int64_t V, size_t elem) {
 template <class T, class Kernel>
 int ranges_and_smem(const char* op, Kernel kernel, int64_t V, size_t& smem) {
   const int64_t R = (V + RANGE - 1) / RANGE;
-  smem = WARPS * stage_bytes<T>() + size_t(R) * sizeof(Stats);
+  smem = WARPS * STAGES * stage_bytes<T>() + size_t(R) * sizeof(Stats);
   if (smem > MAX_SMEM)
     throw Unsupported(op, "logits", "a vocab above " +
-                                        std::to_string((MAX_SMEM - WARPS * stage_bytes<T>()) / sizeof(Stats) * RANGE) +
+                                        std::to_string((MAX_SMEM - WARPS * STAGES * stage_bytes<T>()) / sizeof(Stats) * RANGE) +
                                         " columns is not supported by the CUDA logprob");
   if (smem > 48 * 1024)
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), op, "shared memory");

@@ -3,27 +3,28 @@
 //
 // A row's statistics are (m, s, a): the max logit, s = Σ e^(z−m), a = Σ e^(z−m)·(m−z), from which
 // lse = m + log s and the entropy H = log s + a/s (a sum of non-negative terms). The topology:
-//   leaf   8 consecutive columns [8c, 8c+8): m = their max, then e_i and a_i summed as the pairwise
-//          tree ((0+1)+(2+3))+((4+5)+(6+7));
-//   group  8 leaves (64 columns), unit 4 groups (256 columns), range 8 units (2048 columns): each a
-//          balanced binary tree of merges (leaves 2k and 2k+1 first);
+//   group  64 consecutive columns [64g, 64g+64): m = their max (exact, order-free); e = e^(z−m) and
+//          t = e·(m−z) per column; each block of 8 columns summed as the pairwise tree
+//          ((0+1)+(2+3))+((4+5)+(6+7)), the 8 block sums by the same tree;
+//   unit   4 groups (256 columns), range 8 units (2048 columns): balanced binary trees of merges;
 //   row    ranges merged one after another in ascending order.
-// Columns past V are −inf (they add exact zeros); a leaf with no finite logit is empty and a merge
+// Columns past V are −inf (they add exact zeros); a group with no finite logit is empty and a merge
 // with an empty side returns the other side unchanged. merge(x, y) is computed without fused
-// multiply-adds, so merge(x, y) == merge(y, x) bit for bit: a butterfly of warp shuffles (xor 1,
-// 2, 4 for a group, then 8, 16 for a unit) gives every lane the same bits as the tree.
-// Why this shape: a thread that holds a whole group reduces it in registers (8 leaves, 7 merges) and
-// only groups meet across lanes; a Hopper GEMM thread holding an m64nN accumulator owns two columns
-// of every 8-column leaf (its quad the leaf, its registers whole groups), so the same tree can run
-// where the logits are made.
+// multiply-adds, so merge(x, y) == merge(y, x) bit for bit: a butterfly of warp shuffles gives every
+// lane the same bits as the tree.
+// Why this shape: rescaling (an exp per merge) happens only between groups, so a thread that holds a
+// whole group pays one exp per logit plus a few merges per 64; and a Hopper GEMM thread holding an
+// m64nN accumulator owns two adjacent columns of every 8-column block (its quad the block, its
+// registers all eight blocks of a group), so the same tree can run where the logits are made.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 
 namespace samebits::cuda::vocab {
 
-constexpr int LEAF = 8, GROUP = 64, UNIT = 256, RANGE = 2048, UNITS_PER_RANGE = RANGE / UNIT;
+constexpr int BLOCK = 8, GROUP = 64, UNIT = 256, RANGE = 2048;
 
 struct Stats {
   float m, s, a;
@@ -52,23 +53,21 @@ __device__ __forceinline__ Stats merge(const Stats& x, const Stats& y) {
   return {big_m, s, a};
 }
 
-// One leaf: z[0..8) (columns past V already −inf).
-__device__ __forceinline__ Stats leaf(const float (&z)[LEAF]) {
-  float m = z[0];
+// The terms of one 8-column block against the group max m: Σ e and Σ t by the pairwise tree.
+__device__ __forceinline__ float sum_tree8(const float (&v)[8]) {
+  return __fadd_rn(__fadd_rn(__fadd_rn(v[0], v[1]), __fadd_rn(v[2], v[3])),
+                   __fadd_rn(__fadd_rn(v[4], v[5]), __fadd_rn(v[6], v[7])));
+}
+__device__ __forceinline__ void block_sums(const float (&z)[BLOCK], float m, float& s, float& a) {
+  float e[BLOCK], t[BLOCK];
 #pragma unroll
-  for (int i = 1; i < LEAF; ++i) m = fmaxf(m, z[i]);
-  if (m == -INFINITY) return empty_stats();
-  float e[LEAF], t[LEAF];
-#pragma unroll
-  for (int i = 0; i < LEAF; ++i) {
-    e[i] = exp_f(__fsub_rn(z[i], m));
-    t[i] = z[i] == -INFINITY ? 0.0f : __fmul_rn(e[i], __fsub_rn(m, z[i]));
+  for (int i = 0; i < BLOCK; ++i) {
+    const float d = __fsub_rn(m, z[i]);  // ≥ 0; +inf for a −inf logit, whose e is 0 and t must be 0
+    e[i] = exp_f(-d);                    // e^(z − m): z − m is −(m − z) exactly
+    t[i] = __fmul_rn(e[i], fminf(d, FLT_MAX));
   }
-  const float s = __fadd_rn(__fadd_rn(__fadd_rn(e[0], e[1]), __fadd_rn(e[2], e[3])),
-                            __fadd_rn(__fadd_rn(e[4], e[5]), __fadd_rn(e[6], e[7])));
-  const float a = __fadd_rn(__fadd_rn(__fadd_rn(t[0], t[1]), __fadd_rn(t[2], t[3])),
-                            __fadd_rn(__fadd_rn(t[4], t[5]), __fadd_rn(t[6], t[7])));
-  return {m, s, a};
+  s = sum_tree8(e);
+  a = sum_tree8(t);
 }
 
 // Butterfly merge across lanes, one tree level per xor mask: with a group in each lane, masks 1 and 2
@@ -82,11 +81,6 @@ __device__ __forceinline__ Stats merge_lanes(Stats x, int first_mask, int last_m
     x = merge(x, y);
   }
   return x;
-}
-
-// Eight siblings (leaves of a group, units of a range) by the balanced tree.
-__device__ __forceinline__ Stats merge_tree8(const Stats (&u)[8]) {
-  return merge(merge(merge(u[0], u[1]), merge(u[2], u[3])), merge(merge(u[4], u[5]), merge(u[6], u[7])));
 }
 
 __device__ __forceinline__ float lse_of(const Stats& x) { return x.m + logf(x.s); }
