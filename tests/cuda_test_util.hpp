@@ -1,5 +1,9 @@
 // Test helpers for the CUDA backend: a device copy of a host tensor, and a CUDA context.
 #pragma once
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -43,6 +47,12 @@ inline Context cuda_ctx() {
   Context c;
   c.backend = Backend::cuda;
   return c;
+}
+
+// Raw-bit equality of two host tensors (sizes first), failing the calling test with `what`.
+inline void expect_same_bits(const HostTensor& got, const HostTensor& want, const std::string& what) {
+  ASSERT_EQ(got.bytes(), want.bytes()) << what;
+  ASSERT_EQ(std::memcmp(got.data(), want.data(), got.bytes()), 0) << what;
 }
 
 }  // namespace samebits::testing_cuda

@@ -16,13 +16,9 @@ using harness::HostTensor;
 using harness::Rng;
 using testing_cuda::cuda_ctx;
 using testing_cuda::DeviceBuffer;
+using testing_cuda::expect_same_bits;
 
 namespace {
-
-void expect_same_bits(const HostTensor& got, const HostTensor& want, const std::string& what) {
-  ASSERT_EQ(got.bytes(), want.bytes()) << what;
-  ASSERT_EQ(std::memcmp(got.data(), want.data(), got.bytes()), 0) << what;
-}
 
 // dtable after adding the gradient of tokens [b, e) on the GPU, or on the CPU (fixed fp32).
 HostTensor scatter(const HostTensor& ids, const HostTensor& dy, const HostTensor& mask, HostTensor dtable,

@@ -18,6 +18,7 @@ using harness::HostTensor;
 using harness::Rng;
 using testing_cuda::cuda_ctx;
 using testing_cuda::DeviceBuffer;
+using testing_cuda::expect_same_bits;
 
 namespace {
 
@@ -69,11 +70,6 @@ Outputs run(const Batch& b, int64_t off, int64_t m, DType grad_dtype, bool with_
   g.ignore_index = IGNORE;
   logprob_backward(cuda_ctx(), g);
   return {logp.host(), entropy.host(), lse.host(), dlogits.host()};
-}
-
-void expect_same_bits(const HostTensor& got, const HostTensor& want, const std::string& what) {
-  ASSERT_EQ(got.bytes(), want.bytes()) << what;
-  ASSERT_EQ(std::memcmp(got.data(), want.data(), got.bytes()), 0) << what;
 }
 
 // The rows of a sub-batch, placed at another offset among other neighbours, against the full batch.

@@ -25,4 +25,18 @@ __device__ __forceinline__ void store_as(void* out, DType dt, int64_t i, float v
   }
 }
 
+// Calls fn with a value of the storage type of a floating dtype (bf16, fp16, else fp32).
+template <class Fn>
+void with_float_storage(DType d, Fn&& fn) {
+  if (d == DType::bf16) fn(__nv_bfloat16{});
+  else if (d == DType::f16) fn(__half{});
+  else fn(float{});
+}
+
+// Every row of a row-major buffer starts 16-byte aligned (so rows load as 16-byte vectors): a
+// property of the base pointer and the row length, never of which row.
+inline bool rows_aligned_16(const void* base, int64_t row_elems, size_t elem) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (row_elems * int64_t(elem)) % 16 == 0;
+}
+
 }  // namespace samebits::cuda

@@ -70,10 +70,6 @@ __device__ __forceinline__ void store_vec(O* p, bool aligned, int64_t n, const f
   }
 }
 
-bool aligned16(const void* p, int64_t row_elems, size_t elem) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (row_elems * int64_t(elem)) % 16 == 0;
-}
-
 // ---------------------------------------------------------------- forward
 constexpr int GATHER_THREADS = 128;
 
@@ -164,13 +160,6 @@ __global__ void __launch_bounds__(SUM_WARPS * 32) sum_rows(const uint64_t* sorte
   store_vec(row, table_aligned, H - c, acc);
 }
 
-template <class Fn>
-void with_float_type(DType d, Fn&& fn) {
-  if (d == DType::bf16) fn(__nv_bfloat16{});
-  else if (d == DType::f16) fn(__half{});
-  else fn(float{});
-}
-
 unsigned blocks_for(int64_t n, int per_block) { return unsigned((n + per_block - 1) / per_block); }
 
 void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
@@ -179,13 +168,13 @@ void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
   require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
-  with_float_type(a.table.dtype, [&](auto tag) {
+  with_float_storage(a.table.dtype, [&](auto tag) {
     using T_ = decltype(tag);
-    with_float_type(a.y.dtype, [&](auto out_tag) {
+    with_float_storage(a.y.dtype, [&](auto out_tag) {
       using O = decltype(out_tag);
       gather_rows<T_, O><<<unsigned(T), GATHER_THREADS, 0, stream>>>(
-          a.ids.as<const int32_t>(), a.table.as<const T_>(), V, H, aligned16(a.table.data, H, sizeof(T_)), a.y.as<O>(),
-          aligned16(a.y.data, H, sizeof(O)));
+          a.ids.as<const int32_t>(), a.table.as<const T_>(), V, H, rows_aligned_16(a.table.data, H, sizeof(T_)), a.y.as<O>(),
+          rows_aligned_16(a.y.data, H, sizeof(O)));
       check(cudaGetLastError(), op, "kernel launch");
     });
   });
@@ -206,11 +195,11 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
     merge_runs<<<blocks_for(T, 256), 256, 0, stream>>>(cur, other, T, width);
     std::swap(cur, other);
   }
-  with_float_type(a.dy.dtype, [&](auto tag) {
+  with_float_storage(a.dy.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     const dim3 grid(blocks_for(T, SUM_WARPS), blocks_for(H, SUM_COLS));
-    sum_rows<T_><<<grid, SUM_WARPS * 32, 0, stream>>>(cur, T, a.dy.as<const T_>(), H, aligned16(a.dy.data, H, sizeof(T_)),
-                                                     a.dtable.as<float>(), aligned16(a.dtable.data, H, sizeof(float)));
+    sum_rows<T_><<<grid, SUM_WARPS * 32, 0, stream>>>(cur, T, a.dy.as<const T_>(), H, rows_aligned_16(a.dy.data, H, sizeof(T_)),
+                                                     a.dtable.as<float>(), rows_aligned_16(a.dtable.data, H, sizeof(float)));
   });
   const cudaError_t launched = cudaGetLastError();
   scratch_free(keys, stream, op);

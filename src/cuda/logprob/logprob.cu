@@ -295,17 +295,6 @@ __global__ void __launch_bounds__(THREADS) logprob_backward_kernel(const T* logi
   }
 }
 
-template <class Fn>
-void with_logits_type(DType d, Fn&& fn) {
-  if (d == DType::bf16) fn(__nv_bfloat16{});
-  else if (d == DType::f16) fn(__half{});
-  else fn(float{});
-}
-
-bool rows_aligned(const void* base, int64_t V, size_t elem) {
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (V * int64_t(elem)) % 16 == 0;
-}
-
 // Ranges of a row and the shared memory of a CTA (stages, then range statistics); opts the kernel in
 // when needed.
 template <class T, class Kernel>
@@ -338,12 +327,12 @@ void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   check_rows_and_targets(op, a.logits, a.targets, a.loss_mask, a.ignore_index, stream);
-  with_logits_type(a.logits.dtype, [&](auto tag) {
+  with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     size_t smem = 0;
     const int R = ranges_and_smem<T_>(op, logprob_forward_kernel<T_>, V, smem);
     logprob_forward_kernel<T_><<<unsigned(T), THREADS, smem, stream>>>(
-        a.logits.as<const T_>(), V, R, rows_aligned(a.logits.data, V, sizeof(T_)), a.targets.as<const int32_t>(),
+        a.logits.as<const T_>(), V, R, rows_aligned_16(a.logits.data, V, sizeof(T_)), a.targets.as<const int32_t>(),
         opt_mask(a.loss_mask), a.ignore_index, a.logp.as<float>(), opt_f32_out(a.entropy), opt_f32_out(a.lse));
     check(cudaGetLastError(), op, "kernel launch");
   });
@@ -354,16 +343,16 @@ void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   check_rows_and_targets(op, a.logits, a.targets, a.loss_mask, a.ignore_index, stream);
-  with_logits_type(a.logits.dtype, [&](auto tag) {
+  with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
-    with_logits_type(a.dlogits.dtype, [&](auto out_tag) {
+    with_float_storage(a.dlogits.dtype, [&](auto out_tag) {
       using O = decltype(out_tag);
       size_t smem = 0;
       const int R = ranges_and_smem<T_>(op, logprob_backward_kernel<T_, O>, V, smem);
       logprob_backward_kernel<T_, O><<<unsigned(T), THREADS, smem, stream>>>(
-          a.logits.as<const T_>(), V, R, rows_aligned(a.logits.data, V, sizeof(T_)), a.targets.as<const int32_t>(),
+          a.logits.as<const T_>(), V, R, rows_aligned_16(a.logits.data, V, sizeof(T_)), a.targets.as<const int32_t>(),
           opt_mask(a.loss_mask), a.ignore_index, opt_f32(a.lse), a.dlogp.as<const float>(), opt_f32(a.dentropy),
-          a.dlogits.as<O>(), rows_aligned(a.dlogits.data, V, sizeof(O)));
+          a.dlogits.as<O>(), rows_aligned_16(a.dlogits.data, V, sizeof(O)));
       check(cudaGetLastError(), op, "kernel launch");
     });
   });
