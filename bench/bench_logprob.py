@@ -26,6 +26,9 @@ def load_shim(build):
         "sb_logprob_backward": [P, I, L, L, P, P, ctypes.c_int32, P, P, P, P, I, P, ctypes.c_char_p, I],
         "sb_embedding_forward": [P, L, P, I, L, L, P, P, ctypes.c_char_p, I],
         "sb_embedding_backward": [P, L, P, I, P, P, L, L, P, ctypes.c_char_p, I],
+        "sb_linear_forward": [P, I, L, L, P, L, P, I, P, ctypes.c_char_p, I],
+        "sb_lm_head_forward": [P, I, L, L, P, L, P, P, ctypes.c_int32, P, P, P, P, ctypes.c_char_p, I],
+        "sb_lm_head_backward": [P, I, L, L, P, L, P, P, ctypes.c_int32, P, P, P, P, P, P, ctypes.c_char_p, I],
     }
     for name, args in sig.items():
         getattr(lib, name).argtypes = args
@@ -73,6 +76,23 @@ class Samebits:
         V, H = dtable.shape
         self._call(self.lib.sb_embedding_backward, self.ptr(ids), ids.numel(), self.ptr(dy), self.code[dy.dtype],
                    self.ptr(mask), self.ptr(dtable), V, H, self.stream())
+
+    def linear_forward(self, x, w, y):
+        (M, K), N = x.shape, w.shape[0]
+        self._call(self.lib.sb_linear_forward, self.ptr(x), self.code[x.dtype], M, K, self.ptr(w), N, self.ptr(y),
+                   self.code[y.dtype], self.stream())
+
+    def lm_head_forward(self, hidden, weight, targets, mask, logp, entropy=None, lse=None):
+        (T, K), V = hidden.shape, weight.shape[0]
+        self._call(self.lib.sb_lm_head_forward, self.ptr(hidden), self.code[hidden.dtype], T, K, self.ptr(weight), V,
+                   self.ptr(targets), self.ptr(mask), IGNORE, self.ptr(logp), self.ptr(entropy), self.ptr(lse),
+                   self.stream())
+
+    def lm_head_backward(self, hidden, weight, targets, mask, lse, dlogp, dentropy, dhidden, dweight):
+        (T, K), V = hidden.shape, weight.shape[0]
+        self._call(self.lib.sb_lm_head_backward, self.ptr(hidden), self.code[hidden.dtype], T, K, self.ptr(weight), V,
+                   self.ptr(targets), self.ptr(mask), IGNORE, self.ptr(lse), self.ptr(dlogp), self.ptr(dentropy),
+                   self.ptr(dhidden), self.ptr(dweight), self.stream())
 
 
 def alternate(fns, reps, warm=3):

@@ -89,6 +89,51 @@ int sb_embedding_backward(void* ids, int64_t T, void* dy, int dtype, void* mask,
   });
 }
 
+// y[M,N] = x[M,K]·w[N,K]ᵀ in y_dtype (the bare LM-head GEMM the fused op is compared with).
+int sb_linear_forward(void* x, int dtype, int64_t M, int64_t K, void* w, int64_t N, void* y, int y_dtype, void* stream,
+                      char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    linear_forward(ctx_on(stream), {cuda_view(x, DType(dtype), {M, K}), cuda_view(w, DType(dtype), {N, K}), {},
+                                    cuda_view(y, DType(y_dtype), {M, N})});
+  });
+}
+
+int sb_lm_head_forward(void* hidden, int dtype, int64_t T, int64_t K, void* weight, int64_t V, void* targets,
+                       void* mask, int32_t ignore, void* logp, void* entropy, void* lse, void* stream, char* err,
+                       int err_len) {
+  return guarded(err, err_len, [&] {
+    LmHeadLogprobForwardArgs a;
+    a.hidden = cuda_view(hidden, DType(dtype), {T, K});
+    a.weight = cuda_view(weight, DType(dtype), {V, K});
+    a.targets = cuda_view(targets, DType::i32, {T});
+    a.loss_mask = cuda_view(mask, DType::u8, {T});
+    a.logp = cuda_view(logp, DType::f32, {T});
+    a.entropy = cuda_view(entropy, DType::f32, {T});
+    a.lse = cuda_view(lse, DType::f32, {T});
+    a.ignore_index = ignore;
+    lm_head_logprob_forward(ctx_on(stream), a);
+  });
+}
+
+int sb_lm_head_backward(void* hidden, int dtype, int64_t T, int64_t K, void* weight, int64_t V, void* targets,
+                        void* mask, int32_t ignore, void* lse, void* dlogp, void* dentropy, void* dhidden,
+                        void* dweight, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    LmHeadLogprobBackwardArgs a;
+    a.hidden = cuda_view(hidden, DType(dtype), {T, K});
+    a.weight = cuda_view(weight, DType(dtype), {V, K});
+    a.targets = cuda_view(targets, DType::i32, {T});
+    a.loss_mask = cuda_view(mask, DType::u8, {T});
+    a.lse = cuda_view(lse, DType::f32, {T});
+    a.dlogp = cuda_view(dlogp, DType::f32, {T});
+    a.dentropy = cuda_view(dentropy, DType::f32, {T});
+    a.dhidden = cuda_view(dhidden, DType(dtype), {T, K});
+    a.dweight = cuda_view(dweight, DType::f32, {V, K});
+    a.ignore_index = ignore;
+    lm_head_logprob_backward(ctx_on(stream), a);
+  });
+}
+
 int sb_dtype_code(const char* name) {
   for (DType d : {DType::bf16, DType::f16, DType::f32})
     if (std::strcmp(dtype_name(d), name) == 0) return int(d);

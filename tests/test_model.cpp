@@ -352,3 +352,40 @@ TEST(Model, ChainGatePassesOnLlamaAndFp16Models) {
     fs::remove_all(dir);
   }
 }
+
+TEST(Model, TiedGradientIsTheUntiedAccumulatorsSummedOnce) {
+  // The same weights as a tied model and as an untied one whose LM head is a copy of the embedding:
+  // the same logprobs bit for bit, and the tied matrix's gradient is exactly the untied run's
+  // embedding accumulator + its LM-head accumulator (one fp32 add per element, the documented order).
+  ModelConfig c = Model::builtin(true).config();
+  c.vocab_size = 300;
+  const Model tied = Model::random(c, 5);
+  c.tie_word_embeddings = false;
+  const Model untied = Model::random(c, 6);
+  for (auto& [name, w] : tied.weights()) std::memcpy(untied.weight(name).data, w.data, size_t(w.bytes()));
+  const TensorView& embed = tied.weight("model.embed_tokens.weight");
+  std::memcpy(untied.weight("lm_head.weight").data, embed.data, size_t(embed.bytes()));
+  const ChainBatch b = ChainBatch::packed({{5, 17, 200, 3, 9}, {1, 2, 299}});
+  std::vector<double> dlogp(size_t(b.rows()));
+  harness::Rng r(9);
+  for (auto& d : dlogp) d = r.uniform(-1, 1);
+  const Chain ct(tied, Context{}), cu(untied, Context{});
+  const ChainForward ft = ct.forward(b), fu = cu.forward(b);
+  ASSERT_EQ(ft.logp.size(), fu.logp.size());
+  EXPECT_EQ(std::memcmp(ft.logp.data(), fu.logp.data(), ft.logp.size() * sizeof(double)), 0) << "logp";
+  ModelGrads gt(tied, DType::f32), gu(untied, DType::f32);
+  ct.backward(b, ft, dlogp, gt);
+  cu.backward(b, fu, dlogp, gu);
+  const harness::HostTensor g = gt.gradient("model.embed_tokens.weight");
+  const harness::HostTensor& e = gu.accumulator("model.embed_tokens.weight");
+  const harness::HostTensor& h = gu.accumulator("lm_head.weight");
+  harness::HostTensor sum(DType::f32, e.shape());
+  for (int64_t i = 0; i < e.numel(); ++i) sum.set(i, double(float(e.get(i)) + float(h.get(i))));
+  ASSERT_EQ(g.bytes(), sum.bytes());
+  EXPECT_EQ(std::memcmp(g.data(), sum.data(), g.bytes()), 0) << "tied gradient vs untied embedding + LM head";
+  for (auto& name : gu.names()) {
+    if (name == "model.embed_tokens.weight" || name == "lm_head.weight") continue;
+    const harness::HostTensor a = gt.gradient(name), bb = gu.gradient(name);
+    EXPECT_EQ(std::memcmp(a.data(), bb.data(), a.bytes()), 0) << name;
+  }
+}

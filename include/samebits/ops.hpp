@@ -179,9 +179,13 @@ struct LmHeadLogprobForwardArgs {
   int32_t ignore_index = -100;
 };
 // dhidden[T,H] = dlogits · weight; dweight[V,H] += dlogitsᵀ · hidden (fp32 accumulator), with
-// dlogits recomputed block by block in fp32.
+// dlogits recomputed block by block in fp32 (lse from the forward when given; without it, or with
+// dentropy, the statistics are recomputed first). segments: as linear_backward_weight's, so that
+// micro-batches split at sequence boundaries chain dweight bit for bit.
+// Tied embeddings: the LM head's dweight is its own accumulator; the tied matrix's gradient is
+// embedding's accumulator + the LM head's, one fp32 add per element (ModelGrads::gradient).
 struct LmHeadLogprobBackwardArgs {
-  TensorView hidden, weight, targets, loss_mask, lse, dlogp, dentropy, dhidden, dweight;
+  TensorView hidden, weight, targets, loss_mask, lse, dlogp, dentropy, dhidden, dweight, segments;
   int32_t ignore_index = -100;
 };
 void lm_head_logprob_forward(const Context&, const LmHeadLogprobForwardArgs&);

@@ -24,6 +24,24 @@ inline void check_row_mask(const Validator& v, const TensorView& mask, int64_t r
   v.dim("row_mask", mask, 0, rows, "one entry per row");
 }
 
+// An optional host segment table int32 [S, 2] {row, len}: non-empty, ascending, disjoint, inside
+// the rows.
+inline void check_segments(const Validator& v, const TensorView& segments, int64_t rows) {
+  if (!segments.present()) return;
+  if (segments.device != Device::cpu) v.fail("segments", "the segment table lives on the host (cpu)");
+  if (segments.ndim != 2 || segments.shape[1] != 2)
+    v.fail("segments", "expected int32 [S, 2] {row, len}, got shape " + segments.shape_string());
+  v.dtype("segments", segments, DType::i32);
+  const auto* s = segments.as<const int32_t>();
+  int64_t end = 0;
+  for (int64_t i = 0; i < segments.shape[0]; ++i) {
+    if (s[2 * i + 1] <= 0) v.fail("segments", "segment " + std::to_string(i) + " is empty (zero-length sequence)");
+    if (s[2 * i] < end || int64_t(s[2 * i]) + s[2 * i + 1] > rows)
+      v.fail("segments", "segment " + std::to_string(i) + " overlaps the previous one, is out of order, or runs past the rows");
+    end = int64_t(s[2 * i]) + s[2 * i + 1];
+  }
+}
+
 // A floating input of the given rank, non-empty and finite.
 inline void check_float_input(const Validator& v, const char* name, const TensorView& t, int ndim) {
   v.required(name, t, ndim);

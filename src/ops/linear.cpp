@@ -56,20 +56,7 @@ void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& 
     v.accumulator("dbias", a.dbias);
     v.dim("dbias", a.dbias, 0, a.dy.shape[1], "N, dy's columns");
   }
-  if (a.segments.present()) {
-    if (a.segments.device != Device::cpu) v.fail("segments", "the segment table lives on the host (cpu)");
-    if (a.segments.ndim != 2 || a.segments.shape[1] != 2)
-      v.fail("segments", "expected int32 [S, 2] {row, len}, got shape " + a.segments.shape_string());
-    v.dtype("segments", a.segments, DType::i32);
-    const auto* s = a.segments.as<const int32_t>();
-    int64_t end = 0;
-    for (int64_t i = 0; i < a.segments.shape[0]; ++i) {
-      if (s[2 * i + 1] <= 0) v.fail("segments", "segment " + std::to_string(i) + " is empty (zero-length sequence)");
-      if (s[2 * i] < end || int64_t(s[2 * i]) + s[2 * i + 1] > a.dy.shape[0])
-        v.fail("segments", "segment " + std::to_string(i) + " overlaps the previous one, is out of order, or runs past the rows");
-      end = int64_t(s[2 * i]) + s[2 * i + 1];
-    }
-  }
+  check_segments(v, a.segments, a.dy.shape[0]);
   run_kernel<OpId::linear_backward_weight>("linear_backward_weight", ctx, a);
 }
 

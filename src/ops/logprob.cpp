@@ -93,6 +93,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   v.required("dweight", a.dweight, 2);
   v.accumulator("dweight", a.dweight);
   v.same_shape("dweight", a.dweight, "weight", a.weight);
+  check_segments(v, a.segments, rows);
   run_kernel<OpId::lm_head_logprob_backward>("lm_head_logprob_backward", ctx, a);
 }
 

@@ -7,4 +7,9 @@ int& gemm_tile_width_override() {
   return width;
 }
 
+int& lm_head_vocab_chunk_override() {
+  static int width = 0;
+  return width;
+}
+
 }  // namespace samebits::detail

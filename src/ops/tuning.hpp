@@ -7,4 +7,8 @@ namespace samebits::detail {
 // 0: the GEMM picks its tile width itself; 64, 128, 192 or 256: forced (tests/test_cuda_gemm.cpp).
 int& gemm_tile_width_override();
 
+// 0: the fused LM head's backward picks its vocab chunk itself; else the chunk width in columns (a
+// multiple of 256; tests/test_cuda_lm_head.cpp).
+int& lm_head_vocab_chunk_override();
+
 }  // namespace samebits::detail

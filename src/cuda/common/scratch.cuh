@@ -12,4 +12,26 @@ namespace samebits::cuda {
 void* scratch_alloc(size_t bytes, cudaStream_t stream, const char* op);
 void scratch_free(void* p, cudaStream_t stream, const char* op);
 
+// A stream-ordered scratch buffer that is released (on its stream) when it goes out of scope.
+class ScratchBuffer {
+ public:
+  ScratchBuffer(size_t bytes, cudaStream_t stream, const char* op)
+      : p_(bytes ? scratch_alloc(bytes, stream, op) : nullptr), stream_(stream), op_(op) {}
+  ~ScratchBuffer() {
+    try {
+      scratch_free(p_, stream_, op_);
+    } catch (...) {  // a destructor must not throw; the pool keeps the memory
+    }
+  }
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p_); }
+
+ private:
+  void* p_;
+  cudaStream_t stream_;
+  const char* op_;
+};
+
 }  // namespace samebits::cuda

@@ -34,6 +34,13 @@ template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
                           cudaStream_t stream);
 
+// dx = acc_in + dy·w with the accumulators starting from the fp32 acc_in[M,K] (which may be dx itself
+// when out_dtype is fp32): a reduction over N cut into consecutive pieces, each a multiple of 64
+// long, and chained through fp32 gives the bits of one uncut call (the fused LM head's backward).
+template <class T>
+void gemm_sm90_input_grad_continue(const T* dy, const T* w, const float* acc_in, void* dx, DType out_dtype, int64_t M,
+                                   int64_t N, int64_t K, cudaStream_t stream);
+
 // The Hopper weight gradient (gemm_sm90_wgrad.cu): token groups anchored to segments; N, K % 8 == 0.
 template <class T>
 void gemm_sm90_weight_grad(const T* dy, const T* x, const uint8_t* mask, const int32_t* segments, int64_t n_segments,

@@ -35,26 +35,15 @@
 
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
-#include "cuda/gemm/sm90_primitives.cuh"
-#include "cuda/gemm/sm90_tma.cuh"
+#include "cuda/gemm/sm90_gemm_kernel.cuh"
+#include "cuda/gemm/sm90_store_epilogue.cuh"
 #include "ops/tuning.hpp"
 
 namespace samebits::cuda {
 namespace {
 
 using namespace sm90;
-
-constexpr int BM = 128, BK = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-constexpr int RING_BUDGET = 200 * 1024;  // bytes of shared memory for the stage ring
-constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
-// The epilogue stages 128-byte column slices of a consumer's 64 rows in its own shared-memory area
-// (outside the ring, which already holds the next tile's operands in the persistent loop): as a
-// 128B-swizzled 64-row box that the copy engine stores (one or two boxes a consumer, as many as fit
-// beside the ring), or, where TMA cannot store the output (a row pitch that is not a multiple of 16
-// bytes, or an unaligned output), as padded rows that the threads copy out.
-constexpr int SLICE_BYTES = 128, BOX_BYTES = 64 * SLICE_BYTES;
-constexpr int PADDED_STAGING_BYTES = CONSUMERS * 64 * (SLICE_BYTES + STAGE_ROW_PAD);
-constexpr int SMEM_LIMIT = 227 * 1024;
+using sm90gemm::StoreEpilogue;
 
 // The tile width: 256 output columns; on outputs narrower than 16384 columns, 128 when M <= 512 and
 // 64 when M <= 256, so decode-sized batches of narrow layers (QKV, O, down, the LM head's dX) get
@@ -112,276 +101,37 @@ inline TileChoice tile_choice(int64_t M, int64_t out_cols, int sms, bool forward
   return {width, compact};
 }
 
-// A CTA's tile is 128 rows, 64 per consumer warpgroup. A COMPACT tile is one consumer's 64 rows:
-// for decode-sized M a ring slot then holds 64 rows of x instead of 128, so the same ring holds more
-// stages of the weight, which is what such a call streams (12 instead of 8 stages for BN = 64, 5
-// instead of 4 for BN = 256), and 64 < M <= 128 gets twice the tiles. The second consumer warpgroup
-// has no rows and leaves at once. Every stored row runs the same wgmma sequence as in a full tile.
-template <int BN, bool COMPACT>
-struct Tile {
-  static constexpr int A_ROWS = COMPACT ? 64 : BM, RELEASERS = COMPACT ? 1 : CONSUMERS;
-  static constexpr int A_TILE = A_ROWS * BK, B_TILE = BN * BK;  // elements
-  static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
-  static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
-  static constexpr int BARRIER_BYTES = 2 * STAGES * 8, ALIGN_SLACK = 1024;
-  // Store boxes a consumer: two where they fit beside the ring (the second is written while the
-  // copy engine still reads the first), else one.
-  static constexpr int STORE_BOXES =
-      RING_BYTES + CONSUMERS * 2 * BOX_BYTES + BARRIER_BYTES + ALIGN_SLACK <= SMEM_LIMIT ? 2 : 1;
-  static constexpr int STAGING_BYTES = CONSUMERS * STORE_BOXES * BOX_BYTES > PADDED_STAGING_BYTES
-                                           ? CONSUMERS * STORE_BOXES * BOX_BYTES
-                                           : PADDED_STAGING_BYTES;
-  static constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + STAGING_BYTES + BARRIER_BYTES + ALIGN_SLACK;
-  static_assert(SMEM_BYTES <= SMEM_LIMIT, "shared memory of one Hopper CTA");
-};
-
-template <class O>
-__device__ __forceinline__ O convert(float v) {  // one rounding to the output type
-  if constexpr (std::is_same<O, __nv_bfloat16>::value) return __float2bfloat16_rn(v);
-  else if constexpr (std::is_same<O, __half>::value) return __float2half_rn(v);
-  else return v;
-}
-
-// Rounds one consumer's 64 x BN accumulators and writes them out, one 128-byte column slice at a
-// time: the slice is staged in shared memory (rows padded), then copied out as whole 16-byte pieces
-// of rows. Bias is added in fp32 before the single rounding.
-template <class T, class O, int BN>
-__device__ __forceinline__ void epilogue(const float (&d)[BN / 2], uint8_t* stage, const T* bias, O* out, int64_t row_base,
-                                         int64_t n0, int64_t M, int64_t N, int t, int c) {
-  constexpr int ROW_BYTES = SLICE_BYTES + STAGE_ROW_PAD, SLICE_COLS = SLICE_BYTES / int(sizeof(O));
-  constexpr int PER_CHUNK = 16 / int(sizeof(O));
-  constexpr int J_PER_SLICE = SLICE_COLS / 8;  // 8-column groups of the accumulator layout per slice
-  const int warp = t / 32, lane = t % 32;
-  // One fully unrolled loop over the accumulator's column groups (a slice loop around it would index
-  // `d` at run time and move it to local memory); a slice is written out after its last group.
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int slice = j / J_PER_SLICE;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = warp * 16 + lane / 4 + h * 8, col = 8 * j + 2 * (lane % 4) + e;
-        float v = d[j * 4 + h * 2 + e];
-        if (bias && n0 + col < N) v += float(bias[n0 + col]);
-        reinterpret_cast<O*>(stage + r * ROW_BYTES)[col - slice * SLICE_COLS] = convert<O>(v);
-      }
-    if ((j + 1) % J_PER_SLICE != 0 && j + 1 != BN / 8) continue;
-    // The tile's last slice may be narrower (32- and 48-wide tiles).
-    const int slice_cols = BN - slice * SLICE_COLS < SLICE_COLS ? BN - slice * SLICE_COLS : SLICE_COLS;
-    const int CHUNKS = slice_cols / PER_CHUNK;
-    named_barrier_sync(2 + c, 128);  // this consumer's 128 threads: the slice is staged
-    for (int i = t; i < 64 * CHUNKS; i += 128) {
-      const int r = i / CHUNKS, ch = i % CHUNKS;
-      const int64_t m = row_base + r, col = n0 + int64_t(slice) * SLICE_COLS + int64_t(ch) * PER_CHUNK;
-      if (m >= M || col >= N) continue;
-      const O* src = reinterpret_cast<const O*>(stage + r * ROW_BYTES) + ch * PER_CHUNK;
-      O* dst = out + m * N + col;
-      if (col + PER_CHUNK <= N && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int e = 0; e < PER_CHUNK && col + e < N; ++e) dst[e] = src[e];
-      }
-    }
-    named_barrier_sync(2 + c, 128);  // copied out: the staging area may take the next slice
-  }
-}
-
-// The same values through the copy engine: each 128-byte column slice of the consumer's 64 rows is
-// written (bias added in fp32, one rounding) into a 128B-swizzled box in shared memory, which one
-// thread hands to a TMA store; the consumer goes on to its next tile while the copy engine writes the
-// rows out (rows and columns outside y are clipped by the copy engine). `boxes_used` counts this
-// consumer's boxes across tiles, so box i % BOXES is reused only once its store has read it.
-template <class T, class O, int BN, int BOXES>
-__device__ __forceinline__ void epilogue_tma(const float (&d)[BN / 2], uint8_t* boxes, const T* bias,
-                                             const CUtensorMap* map_out, int64_t row_base, int64_t n0, int64_t N,
-                                             int t, int c, uint32_t& boxes_used) {
-  constexpr int SLICE_COLS = SLICE_BYTES / int(sizeof(O)), J_PER_SLICE = SLICE_COLS / 8;
-  const int warp = t / 32, lane = t % 32;
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int slice = j / J_PER_SLICE;
-    uint8_t* box = boxes + (boxes_used % BOXES) * BOX_BYTES;
-    if (j % J_PER_SLICE == 0) {  // a new slice: its box must have been read by the copy engine
-      if (t == 0) tma_store_wait_read<BOXES - 1>();
-      named_barrier_sync(2 + c, 128);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + lane / 4 + h * 8, col = 8 * j + 2 * (lane % 4);  // two adjacent columns
-      float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
-      if (bias) {
-        if (n0 + col < N) v0 += float(bias[n0 + col]);
-        if (n0 + col + 1 < N) v1 += float(bias[n0 + col + 1]);
-      }
-      const int byte = (col - slice * SLICE_COLS) * int(sizeof(O));
-      uint8_t* p = box + r * SLICE_BYTES + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
-      if constexpr (sizeof(O) == 4) {
-        *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-      } else {
-        O pair[2] = {convert<O>(v0), convert<O>(v1)};
-        *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<const uint32_t*>(pair);
-      }
-    }
-    if ((j + 1) % J_PER_SLICE != 0) continue;
-    fence_async_shared();
-    named_barrier_sync(2 + c, 128);  // the box is written
-    if (t == 0) tma_store_2d(map_out, box, int32_t(n0 + int64_t(slice) * SLICE_COLS), int32_t(row_base));
-    ++boxes_used;
-  }
-}
-
-template <class T, class O, bool TRANS_B, int BN, bool COMPACT>
-__global__ void __launch_bounds__(THREADS, 1)
-    gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-              const __grid_constant__ CUtensorMap map_out, bool store_by_tma, const T* bias, O* out, int64_t M,
-              int64_t N, int64_t K, int a_rows) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  T* sa = reinterpret_cast<T*>(base);
-  using Ring = Tile<BN, COMPACT>;
-  constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
-  T* sb = sa + STAGES * A_TILE;
-  uint8_t* staging = base + Ring::RING_BYTES;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
-  uint64_t* empty = full + STAGES;
-  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  // Persistent: CTA b takes tiles b, b + gridDim.x, ... of a fixed tile order; the ring runs on
-  // across tiles, so the next tile's operands load while this tile's epilogue writes. Which CTA
-  // computes a tile never changes its arithmetic.
-  // Grouped raster: M tiles fastest within groups of GROUP_M (2048 rows), groups in order. The CTAs
-  // in flight share W tiles, which L2 serves across M, and a wave's rows of x stay within one group:
-  // M tiles fastest over all of M re-streams the whole of x from HBM for every couple of W columns
-  // once x outgrows L2 (measured: 56% of HBM bandwidth and a 62% L2 hit rate at M = 8192).
-  constexpr int64_t GROUP_M = 16;
-  constexpr int TM = Ring::A_ROWS;  // rows of C a tile covers
-  const int64_t m_tiles = (M + TM - 1) / TM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
-  auto origin = [&](int64_t tile, int64_t& m0, int64_t& n0) {
-    const int64_t group = tile / (GROUP_M * n_tiles), first_m = group * GROUP_M;
-    const int64_t group_rows = m_tiles - first_m < GROUP_M ? m_tiles - first_m : GROUP_M;
-    const int64_t in_group = tile % (GROUP_M * n_tiles);
-    m0 = (first_m + in_group % group_rows) * TM;
-    n0 = (in_group / group_rows) * BN;
-  };
-  const int kt_count = int((K + BK - 1) / BK);
-  init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
-
-  if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (t == 0) {
-      uint32_t g = 0;  // k-tiles issued by this CTA, across its tiles
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int64_t m0, n0;
-        origin(tile, m0, n0);
-        for (int kt = 0; kt < kt_count; ++kt, ++g) {
-          const int s = int(g % STAGES);
-          if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
-          mbar_expect_tx(&full[s], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
-          tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
-          if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
-            for (int i = 0; i < (BN + 63) / 64; ++i)
-              tma_load_2d(sb + s * B_TILE + i * 64 * BK, &map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
-          } else {
-            tma_load_2d(sb + s * B_TILE, &map_b, kt * BK, int32_t(n0), &full[s]);
-          }
-        }
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  // consumers: warpgroup c owns rows c*64 .. c*64 + 63 of each tile
-  const int c = wg - 1;
-  if (COMPACT && c == 1) return;
-  uint8_t* stage = staging + size_t(c) * 64 * (SLICE_BYTES + STAGE_ROW_PAD);
-  constexpr int BOXES = Ring::STORE_BOXES;
-  uint8_t* boxes = staging + size_t(c) * BOXES * BOX_BYTES;
-  uint32_t g = 0, boxes_used = 0;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int64_t m0, n0;
-    origin(tile, m0, n0);
-    float d[NREG];
-#pragma unroll
-    for (int i = 0; i < NREG; ++i) d[i] = 0.0f;
-    for (int kt = 0; kt < kt_count; ++kt, ++g) {
-      const int s = int(g % STAGES);
-      mbar_wait(&full[s], (g / STAGES) & 1);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t da = smem_desc(sa + s * A_TILE + c * 64 * BK) + uint64_t(kk * 2);  // +32 bytes per k16
-        const uint64_t db = !TRANS_B  ? smem_desc(sb + s * B_TILE) + uint64_t(kk * 2)
-                            : BN == 32 ? smem_desc_mn_64b(sb + s * B_TILE) + uint64_t(kk * (1024 >> 4))  // +16 rows
-                                       : smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4));
-        Wgmma<T, false, TRANS_B, BN>::mma(d, da, db, 1);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      // Keep this k-tile's MMAs in flight; the previous tile's are done, so its stage can be refilled.
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (kt > 0 && t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
-    if constexpr (BN >= 64) {  // a TMA store box is 128 bytes wide: wider than a 32-wide tile of 16-bit outputs
-      if (store_by_tma) {
-        epilogue_tma<T, O, BN, BOXES>(d, boxes, bias, &map_out, m0 + c * 64, n0, N, t, c, boxes_used);
-        continue;
-      }
-    }
-    epilogue<T, O, BN>(d, stage, bias, out, m0 + c * 64, n0, M, N, t, c);
-  }
-  if (store_by_tma && t == 0) tma_store_wait_all();  // the copy engine is done with this CTA's boxes
-#endif
-}
-
-
-// C[M,N] = A[M,K]·B (+ bias) with BN-wide tiles of Tile<BN, COMPACT>::A_ROWS rows: B is w[N,K]
-// (forward) or, with TRANS_B, w[K,N] read along N (dX). The tensor maps are made here because the
-// boxes depend on the tile.
-template <class T, class O, bool TRANS_B, int BN, bool COMPACT>
-void launch_tile(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K,
-                 cudaStream_t stream) {
-  using Ring = Tile<BN, COMPACT>;
-  // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
-  // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
-  // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
-  // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
-  const int a_rows = M >= Ring::A_ROWS ? Ring::A_ROWS : int((M + 7) / 8 * 8);
-  // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
-  // cache hint; see sm90_tma.cuh).
-  const bool streaming = M <= 128;
-  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
-  const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)
-                                 : tma_map_2d(b, N, K, BN, streaming);
-  static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(gemm_sm90<T, O, TRANS_B, BN, COMPACT>, Ring::SMEM_BYTES, smem_allowed, "linear (cuda)");
-  // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
-  const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * ((N + BN - 1) / BN);
-  const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count("linear (cuda)")));
-  // The output goes out by TMA stores where its rows allow (16-byte pitch and base) and M > 128; the
-  // values are the same either way (the M sweep crosses the switch). Measured on an H100 against the
-  // threads' own stores: geometric mean over M >= 1024 0.996 against 0.981 (the consumers no longer
-  // wait for their global stores before the next tile), but 5-9% slower at M <= 64 on the narrow
-  // layers (O), whose calls are a few tiles long and end waiting for the copy engine.
-  const bool store_by_tma =
+// y = A·B (+ bias) into `out` with the plain store epilogue; the output goes out by TMA stores where
+// its rows allow (16-byte pitch and base) and M > 128; the values are the same either way (the M
+// sweep crosses the switch). Measured on an H100 against the threads' own stores: geometric mean
+// over M >= 1024 0.996 against 0.981 (the consumers no longer wait for their global stores before
+// the next tile), but 5-9% slower at M <= 64 on the narrow layers (O), whose calls are a few tiles
+// long and end waiting for the copy engine.
+template <class T, class O, bool TRANS_B, int BN, bool COMPACT, bool ACCUMULATE>
+void launch_tile(const T* a, const T* b, const T* bias, void* out, const float* acc_in, int64_t M, int64_t N,
+                 int64_t K, cudaStream_t stream) {
+  using Epi = StoreEpilogue<T, O, ACCUMULATE>;
+  typename Epi::Params p{};
+  p.bias = bias;
+  p.out = static_cast<O*>(out);
+  p.acc_in = acc_in;
+  p.store_by_tma =
       BN >= 64 && M > 128 && (N * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  CUtensorMap mo{};
-  if (store_by_tma) mo = tma_map_2d(static_cast<const O*>(out), M, N, 64);
-  gemm_sm90<T, O, TRANS_B, BN, COMPACT><<<grid, THREADS, Ring::SMEM_BYTES, stream>>>(
-      ma, mb, mo, store_by_tma, bias, static_cast<O*>(out), M, N, K, a_rows);
-  check(cudaGetLastError(), "linear (cuda)", "sm90 kernel launch");
+  if (p.store_by_tma) p.map_out = tma_map_2d(static_cast<const O*>(out), M, N, 64);
+  sm90gemm::launch<T, TRANS_B, BN, COMPACT, Epi>(a, b, p, M, N, K, stream, "linear (cuda)");
 }
 
-template <class T, class O, bool TRANS_B>
-void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+template <class T, class O, bool TRANS_B, bool ACCUMULATE = false>
+void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream,
+            const float* acc_in = nullptr) {
   const TileChoice choice = tile_choice(M, N, current_sm_count("linear (cuda)"), !TRANS_B);
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
     if constexpr (BN <= 64 || BN == 256) {
-      if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true>(a, b, bias, out, M, N, K, stream);
+      if (choice.compact)
+        return launch_tile<T, O, TRANS_B, BN, true, ACCUMULATE>(a, b, bias, out, acc_in, M, N, K, stream);
     }
-    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false>(a, b, bias, out, M, N, K, stream);
+    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false, ACCUMULATE>(a, b, bias, out, acc_in, M, N, K, stream);
   };
   switch (choice.width) {
     case 32: return run(std::integral_constant<int, 32>{});
@@ -429,6 +179,16 @@ void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, in
   }
 }
 
+template <class T>
+void gemm_sm90_input_grad_continue(const T* dy, const T* w, const float* acc_in, void* dx, DType out_dtype, int64_t M,
+                                   int64_t N, int64_t K, cudaStream_t stream) {
+  switch (out_dtype) {
+    case DType::bf16: return launch<T, __nv_bfloat16, true, true>(dy, w, nullptr, dx, M, K, N, stream, acc_in);
+    case DType::f16: return launch<T, __half, true, true>(dy, w, nullptr, dx, M, K, N, stream, acc_in);
+    default: return launch<T, float, true, true>(dy, w, nullptr, dx, M, K, N, stream, acc_in);
+  }
+}
+
 template void gemm_sm90_forward<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*,
                                                DType, int64_t, int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_forward<__half>(const __half*, const __half*, const __half*, void*, DType, int64_t, int64_t,
@@ -437,5 +197,10 @@ template void gemm_sm90_input_grad<__nv_bfloat16>(const __nv_bfloat16*, const __
                                                   int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_input_grad<__half>(const __half*, const __half*, void*, DType, int64_t, int64_t, int64_t,
                                            cudaStream_t);
+
+template void gemm_sm90_input_grad_continue<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const float*,
+                                                           void*, DType, int64_t, int64_t, int64_t, cudaStream_t);
+template void gemm_sm90_input_grad_continue<__half>(const __half*, const __half*, const float*, void*, DType, int64_t,
+                                                    int64_t, int64_t, cudaStream_t);
 
 }  // namespace samebits::cuda

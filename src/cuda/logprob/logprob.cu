@@ -223,11 +223,6 @@ __device__ Stats row_stats(const T* row, int64_t V, int R, bool aligned, uint8_t
   return ranges[0];
 }
 
-__device__ __forceinline__ bool token_active(const int32_t* targets, const uint8_t* mask, int32_t ignore,
-                                             int64_t t) {
-  return (mask == nullptr || mask[t] != 0) && targets[t] != ignore;
-}
-
 template <class T>
 __global__ void __launch_bounds__(THREADS) logprob_forward_kernel(const T* logits, int64_t V, int R, bool aligned,
                                                                   const int32_t* targets, const uint8_t* mask,
@@ -239,17 +234,8 @@ __global__ void __launch_bounds__(THREADS) logprob_forward_kernel(const T* logit
   const Stats st = row_stats(row, V, R, aligned, smem);
   if (threadIdx.x != 0) return;
   const int32_t target = targets[t];
-  const bool active = token_active(targets, mask, ignore, t);
-  const float l = lse_of(st);
-  float lp = 0.0f, h = 0.0f;
-  if (active) {
-    // An out-of-range target was reported before the launch (outside graph capture); never read it.
-    lp = target >= 0 && target < V ? __fsub_rn(to_f32(row[target]), l) : NAN;
-    h = entropy_of(st);
-  }
-  logp[t] = lp;
-  if (entropy) entropy[t] = h;
-  if (lse) lse[t] = l;
+  const bool active = token_active(targets, mask, ignore, t), in_range = target >= 0 && target < V;
+  write_token(st, active, in_range, active && in_range ? to_f32(row[target]) : 0.0f, t, logp, entropy, lse);
 }
 
 // dlogits[t, j] = g·(onehot_j − p_j) + ge·(−p_j·(log p_j + H)), p_j = e^(z_j − lse).

@@ -86,4 +86,24 @@ __device__ __forceinline__ Stats merge_lanes(Stats x, int first_mask, int last_m
 __device__ __forceinline__ float lse_of(const Stats& x) { return x.m + logf(x.s); }
 __device__ __forceinline__ float entropy_of(const Stats& x) { return logf(x.s) + x.a / x.s; }
 
+// A token's outputs from its row statistics and its target's logit: lse for every row; masked
+// tokens get logp = entropy = 0; an unmasked target outside [0, V) (reported before the launch,
+// outside graph capture) is never read and gives NaN.
+__device__ __forceinline__ void write_token(const Stats& st, bool active, bool target_in_range, float target_logit,
+                                            int64_t t, float* logp, float* entropy, float* lse) {
+  const float l = lse_of(st);
+  float lp = 0.0f, h = 0.0f;
+  if (active) {
+    lp = target_in_range ? __fsub_rn(target_logit, l) : NAN;
+    h = entropy_of(st);
+  }
+  logp[t] = lp;
+  if (entropy) entropy[t] = h;
+  if (lse) lse[t] = l;
+}
+
+__device__ __forceinline__ bool token_active(const int32_t* targets, const uint8_t* mask, int32_t ignore, int64_t t) {
+  return (mask == nullptr || mask[t] != 0) && targets[t] != ignore;
+}
+
 }  // namespace samebits::cuda::vocab

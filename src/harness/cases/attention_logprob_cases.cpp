@@ -189,6 +189,8 @@ class LmHeadLogprobCase : public OpCase {
     b.dentropy = io.view(io.in("dentropy"));
     b.dhidden = io.view(io.output("dhidden", io.out_dtype(dt_), {h_}));
     b.dweight = io.grad("weight");
+    const HostTensor segments = segment_table(io.batch);
+    b.segments = V(segments);  // read on the host during the call
     lm_head_logprob_backward(ctx, b);
   }
 
@@ -208,6 +210,7 @@ void add_attention_logprob_cases(CaseList& out) {
   out.push_back(std::make_shared<LogprobCase>(DType::bf16, 128256, 3));
   out.push_back(std::make_shared<LmHeadLogprobCase>(DType::bf16, 64, 5000));
   out.push_back(std::make_shared<LmHeadLogprobCase>(DType::f32, 32, 2500));
+  out.push_back(std::make_shared<LmHeadLogprobCase>(DType::f16, 32, 1031));  // odd vocab
 }
 
 }  // namespace samebits::harness

@@ -10,6 +10,17 @@ namespace samebits::harness {
 // Host-only views (tables that stay on the host whatever the backend, e.g. attention's seqs).
 inline TensorView V(const HostTensor& t) { return t.view(); }
 
+// The batch's sequence pieces as a host segment table int32 [S, 2] {row, len}: tensor-core backends
+// start a weight gradient's token groups at each piece's first row.
+inline HostTensor segment_table(const Batch& b) {
+  HostTensor segments(DType::i32, {int64_t(b.pieces.size()), 2});
+  for (size_t i = 0; i < b.pieces.size(); ++i) {
+    segments.set(int64_t(2 * i), double(b.pieces[i].row));
+    segments.set(int64_t(2 * i + 1), double(b.pieces[i].len));
+  }
+  return segments;
+}
+
 // A per-token upstream gradient tensor: its dtype follows the op's dtype for activations.
 inline HostTensor upstream(Rng& r, DType dt, std::vector<int64_t> shape) { return r.tensor(dt, std::move(shape), -1, 1); }
 

@@ -44,12 +44,7 @@ class LinearCase : public OpCase {
     bw.x = f.x;
     bw.row_mask = io.view(io.batch.row_mask);
     bw.dweight = io.grad("weight");
-    // Each sequence piece is a segment: tensor-core backends group tokens from its first row.
-    HostTensor segments(DType::i32, {int64_t(io.batch.pieces.size()), 2});
-    for (size_t i = 0; i < io.batch.pieces.size(); ++i) {
-      segments.set(int64_t(2 * i), double(io.batch.pieces[i].row));
-      segments.set(int64_t(2 * i + 1), double(io.batch.pieces[i].len));
-    }
+    const HostTensor segments = segment_table(io.batch);
     bw.segments = V(segments);  // read on the host during the call
     bw.dbias = io.grad("bias");
     linear_backward_weight(ctx, bw);

@@ -1,0 +1,194 @@
+// The Hopper (sm_90a) GEMM kernel C = A·B, shared by the GEMM family (gemm_sm90.cu: y = x·wᵀ and
+// dX = dY·w) and the fused LM head (logprob/lm_head.cu), which differ only in what happens to a
+// finished tile. The why of its shape (tiles, ring, raster, warp roles) is in gemm_sm90.cu.
+//
+// The epilogue is a policy class Epi, called by each consumer warpgroup for each of its tiles:
+//   Params                    trivially copyable, passed by value as a __grid_constant__ kernel
+//                             parameter (it may hold CUtensorMaps);
+//   State                     per-consumer state carried across the CTA's tiles;
+//   begin_tile<BN>(...)       sets the fp32 accumulators before the first MMA (zeros, or an fp32
+//                             C that the MMAs continue: the same register state as if the K loop
+//                             had never stopped);
+//   end_tile<BN, BOXES>(...)  consumes the accumulators: d[j*4 + h*2 + e] holds row
+//                             row_base + warp*16 + lane/4 + 8h, column n0 + 8j + 2*(lane%4) + e;
+//                             `staging` is the CTA's epilogue area (Tile::STAGING_BYTES);
+//   finish(...)               once per consumer thread after its last tile.
+// Every element's K sequence is the mainloop's, whatever the epilogue: the logits a fused
+// epilogue sees are bitwise the values the plain GEMM stores in fp32.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+
+#include "cuda/common/runtime.cuh"
+#include "cuda/gemm/sm90_primitives.cuh"
+#include "cuda/gemm/sm90_tma.cuh"
+
+namespace samebits::cuda::sm90gemm {
+
+using namespace sm90;
+
+constexpr int BM = 128, BK = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int RING_BUDGET = 200 * 1024;  // bytes of shared memory for the stage ring
+constexpr int STAGE_ROW_PAD = 16;  // bytes: staggers staging rows across banks
+// The epilogue stages 128-byte column slices of a consumer's 64 rows in its own shared-memory area
+// (outside the ring, which already holds the next tile's operands in the persistent loop): as a
+// 128B-swizzled 64-row box that the copy engine stores (one or two boxes a consumer, as many as fit
+// beside the ring), or, where TMA cannot store the output (a row pitch that is not a multiple of 16
+// bytes, or an unaligned output), as padded rows that the threads copy out.
+constexpr int SLICE_BYTES = 128, BOX_BYTES = 64 * SLICE_BYTES;
+constexpr int PADDED_STAGING_BYTES = CONSUMERS * 64 * (SLICE_BYTES + STAGE_ROW_PAD);
+constexpr int SMEM_LIMIT = 227 * 1024;
+
+
+// A CTA's tile is 128 rows, 64 per consumer warpgroup. A COMPACT tile is one consumer's 64 rows:
+// for decode-sized M a ring slot then holds 64 rows of x instead of 128, so the same ring holds more
+// stages of the weight, which is what such a call streams (12 instead of 8 stages for BN = 64, 5
+// instead of 4 for BN = 256), and 64 < M <= 128 gets twice the tiles. The second consumer warpgroup
+// has no rows and leaves at once. Every stored row runs the same wgmma sequence as in a full tile.
+template <int BN, bool COMPACT>
+struct Tile {
+  static constexpr int A_ROWS = COMPACT ? 64 : BM, RELEASERS = COMPACT ? 1 : CONSUMERS;
+  static constexpr int A_TILE = A_ROWS * BK, B_TILE = BN * BK;  // elements
+  static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
+  static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
+  static constexpr int BARRIER_BYTES = 2 * STAGES * 8, ALIGN_SLACK = 1024;
+  // Store boxes a consumer: two where they fit beside the ring (the second is written while the
+  // copy engine still reads the first), else one.
+  static constexpr int STORE_BOXES =
+      RING_BYTES + CONSUMERS * 2 * BOX_BYTES + BARRIER_BYTES + ALIGN_SLACK <= SMEM_LIMIT ? 2 : 1;
+  static constexpr int STAGING_BYTES = CONSUMERS * STORE_BOXES * BOX_BYTES > PADDED_STAGING_BYTES
+                                           ? CONSUMERS * STORE_BOXES * BOX_BYTES
+                                           : PADDED_STAGING_BYTES;
+  static constexpr size_t SMEM_BYTES = size_t(RING_BYTES) + STAGING_BYTES + BARRIER_BYTES + ALIGN_SLACK;
+  static_assert(SMEM_BYTES <= SMEM_LIMIT, "shared memory of one Hopper CTA");
+};
+
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+              const __grid_constant__ typename Epi::Params ep, int64_t M, int64_t N, int64_t K, int a_rows) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  T* sa = reinterpret_cast<T*>(base);
+  using Ring = Tile<BN, COMPACT>;
+  constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
+  T* sb = sa + STAGES * A_TILE;
+  uint8_t* staging = base + Ring::RING_BYTES;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
+  uint64_t* empty = full + STAGES;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  // Persistent: CTA b takes tiles b, b + gridDim.x, ... of a fixed tile order; the ring runs on
+  // across tiles, so the next tile's operands load while this tile's epilogue writes. Which CTA
+  // computes a tile never changes its arithmetic.
+  // Grouped raster: M tiles fastest within groups of GROUP_M (2048 rows), groups in order. The CTAs
+  // in flight share W tiles, which L2 serves across M, and a wave's rows of x stay within one group:
+  // M tiles fastest over all of M re-streams the whole of x from HBM for every couple of W columns
+  // once x outgrows L2 (measured: 56% of HBM bandwidth and a 62% L2 hit rate at M = 8192).
+  constexpr int64_t GROUP_M = 16;
+  constexpr int TM = Ring::A_ROWS;  // rows of C a tile covers
+  const int64_t m_tiles = (M + TM - 1) / TM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
+  auto origin = [&](int64_t tile, int64_t& m0, int64_t& n0) {
+    const int64_t group = tile / (GROUP_M * n_tiles), first_m = group * GROUP_M;
+    const int64_t group_rows = m_tiles - first_m < GROUP_M ? m_tiles - first_m : GROUP_M;
+    const int64_t in_group = tile % (GROUP_M * n_tiles);
+    m0 = (first_m + in_group % group_rows) * TM;
+    n0 = (in_group / group_rows) * BN;
+  };
+  const int kt_count = int((K + BK - 1) / BK);
+  init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (t == 0) {
+      uint32_t g = 0;  // k-tiles issued by this CTA, across its tiles
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int64_t m0, n0;
+        origin(tile, m0, n0);
+        for (int kt = 0; kt < kt_count; ++kt, ++g) {
+          const int s = int(g % STAGES);
+          if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
+          mbar_expect_tx(&full[s], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
+          tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
+          if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
+            for (int i = 0; i < (BN + 63) / 64; ++i)
+              tma_load_2d(sb + s * B_TILE + i * 64 * BK, &map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
+          } else {
+            tma_load_2d(sb + s * B_TILE, &map_b, kt * BK, int32_t(n0), &full[s]);
+          }
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  // consumers: warpgroup c owns rows c*64 .. c*64 + 63 of each tile
+  const int c = wg - 1;
+  if (COMPACT && c == 1) return;
+  typename Epi::State state{};
+  uint32_t g = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int64_t m0, n0;
+    origin(tile, m0, n0);
+    float d[NREG];
+    Epi::template begin_tile<BN>(ep, d, m0 + c * 64, n0, M, N, t);
+    for (int kt = 0; kt < kt_count; ++kt, ++g) {
+      const int s = int(g % STAGES);
+      mbar_wait(&full[s], (g / STAGES) & 1);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        const uint64_t da = smem_desc(sa + s * A_TILE + c * 64 * BK) + uint64_t(kk * 2);  // +32 bytes per k16
+        const uint64_t db = !TRANS_B  ? smem_desc(sb + s * B_TILE) + uint64_t(kk * 2)
+                            : BN == 32 ? smem_desc_mn_64b(sb + s * B_TILE) + uint64_t(kk * (1024 >> 4))  // +16 rows
+                                       : smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4));
+        Wgmma<T, false, TRANS_B, BN>::mma(d, da, db, 1);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      // Keep this k-tile's MMAs in flight; the previous tile's are done, so its stage can be refilled.
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      if (kt > 0 && t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if (t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
+    Epi::template end_tile<BN, Ring::STORE_BOXES>(ep, d, staging, m0 + c * 64, n0, M, N, t, c, state);
+  }
+  Epi::finish(ep, t, state);
+#endif
+}
+
+
+// Launches C[M,N] = A[M,K]·B with BN-wide tiles of Tile<BN, COMPACT>::A_ROWS rows: B is w[N,K]
+// (forward) or, with TRANS_B, w[K,N] read along N (dX). The tensor maps of A and B are made here
+// because their boxes depend on the tile; the epilogue's parameters come ready-made.
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi>
+void launch(const T* a, const T* b, const typename Epi::Params& ep, int64_t M, int64_t N, int64_t K,
+            cudaStream_t stream, const char* op) {
+  using Ring = Tile<BN, COMPACT>;
+  // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
+  // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
+  // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
+  // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
+  const int a_rows = M >= Ring::A_ROWS ? Ring::A_ROWS : int((M + 7) / 8 * 8);
+  // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
+  // cache hint; see sm90_tma.cuh).
+  const bool streaming = M <= 128;
+  const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
+  const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)
+                                 : tma_map_2d(b, N, K, BN, streaming);
+  static std::atomic<int> smem_allowed[64] = {};
+  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi>, Ring::SMEM_BYTES, smem_allowed, op);
+  // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
+  const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * ((N + BN - 1) / BN);
+  const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count(op)));
+  gemm_sm90<T, TRANS_B, BN, COMPACT, Epi><<<grid, THREADS, Ring::SMEM_BYTES, stream>>>(ma, mb, ep, M, N, K, a_rows);
+  check(cudaGetLastError(), op, "sm90 kernel launch");
+}
+
+}  // namespace samebits::cuda::sm90gemm

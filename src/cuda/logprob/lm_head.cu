@@ -1,0 +1,485 @@
+// CUDA fused LM head -> selected logprob, forward and backward, without a [tokens x vocab] buffer.
+//
+// Why this shape. The LM head is the largest GEMM of the model and its logits the largest tensor;
+// the logprob only needs a row's (max, Σe, Σe·(m−z)) and one logit. So the forward is the Hopper
+// GEMM kernel itself (sm90_gemm_kernel.cuh, the same mainloop, so every logit is bitwise the fp32
+// value linear_forward stores) with a different epilogue: a 256-column tile of a row is exactly one
+// vocab unit of vocab_stats.cuh, so the thread quads that hold a row's 8-column blocks build its four
+// 64-column groups and the unit by the very tree the standalone kernel uses, and write one unit
+// statistic per (row, tile) plus the target's logit (by the one thread that holds it). A small
+// kernel then merges each row's units into 2048-column ranges and chains the ranges in ascending
+// order. Result: bitwise equal to linear_forward (fp32 y) + logprob_forward, with O(tokens·V/256)
+// extra memory (12 bytes a unit) instead of the logits.
+//
+// The backward walks the vocab in chunks (a width that never changes the bits: the chunk is a
+// multiple of 256 columns and both reductions chain exactly across it). For each chunk: the same
+// GEMM recomputes the chunk's logits and its epilogue writes dlogits = g·(onehot − p) (+ the entropy
+// term) in the weight's dtype; dhidden += dlogits_c · W_c continues an fp32 accumulator across
+// chunks (the dX kernel starts its registers from it, so the chunked K loop is the unchunked one);
+// dW_c += dlogits_cᵀ · hidden is the micro-batch-invariant weight-gradient kernel on the chunk's
+// rows of dW. No atomics anywhere; extra memory is one dlogits chunk (≤ 256 MiB) and, when dhidden
+// is 16-bit, an fp32 [tokens x hidden] accumulator.
+//
+// Other GPUs (no sm_90a), K or V not a multiple of 8, and fp32 inputs: the same ops composed over
+// chunks of tokens (linear_forward to fp32 logits, logprob_forward / logprob_backward, the linear
+// backward kernels), which is by construction the standalone chain's bits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/common/index_check.cuh"
+#include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
+#include "cuda/gemm/gemm.cuh"
+#include "cuda/gemm/sm90_gemm_kernel.cuh"
+#include "cuda/gemm/sm90_store_epilogue.cuh"
+#include "cuda/logprob/vocab_stats.cuh"
+#include "ops/registry.hpp"
+#include "ops/tuning.hpp"
+#include "samebits/ops.hpp"
+#include "samebits/validate.hpp"
+
+namespace samebits::cuda {
+namespace {
+
+using namespace vocab;
+
+constexpr unsigned FULL = 0xffffffffu;
+
+// The sum over a thread quad (lanes 4i … 4i+3 of a warp) of a group's eight 8-column blocks, by
+// vocab_stats.cuh's tree: quad lane q holds pair[k] = the sum of columns 2q, 2q+1 of block k. A block
+// is ((p0+p1)+(p2+p3)) over the lanes' pairs, the group ((b0+b1)+(b2+b3))+((b4+b5)+(b6+b7)). Each
+// shuffle level hands half of a lane's blocks to its partner (a reduce-scatter), so eight shuffles
+// do what sixteen would; fp32 addition is commutative, so both lanes of a pair get the same bits.
+__device__ __forceinline__ float quad_group_sum(const float (&pair)[8], int q) {
+  const bool odd = q & 1, upper = q & 2;
+  float half[4];  // (p0+p1) or (p2+p3) of blocks 0-3 (even lanes) or 4-7 (odd lanes)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float send = odd ? pair[i] : pair[i + 4], keep = odd ? pair[i + 4] : pair[i];
+    half[i] = __fadd_rn(keep, __shfl_xor_sync(FULL, send, 1));
+  }
+  float block[2];  // whole blocks 4·odd + 2·upper + i
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float send = upper ? half[i] : half[i + 2], keep = upper ? half[i + 2] : half[i];
+    block[i] = __fadd_rn(keep, __shfl_xor_sync(FULL, send, 2));
+  }
+  const float two = __fadd_rn(block[0], block[1]);                  // (b0+b1), (b2+b3), (b4+b5), (b6+b7)
+  const float four = __fadd_rn(two, __shfl_xor_sync(FULL, two, 2));  // lanes 0, 2: blocks 0-3; 1, 3: 4-7
+  return __fadd_rn(four, __shfl_xor_sync(FULL, four, 1));
+}
+
+// The forward's epilogue: one vocab unit statistic per row of the 256-column tile, and the target
+// logit. Logits past V count as −inf, as in the standalone kernel.
+struct VocabStatsEpilogue {
+  struct Params {
+    const int32_t* targets;
+    Stats* units;          // [units][M]: unit u of row r at u·M + r
+    float* target_logit;   // [M]
+  };
+  struct State {};
+  template <int BN>
+  __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
+                                                    int64_t, int) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+  }
+  template <int BN, int BOXES>
+  __device__ __forceinline__ static void end_tile(const Params& p, float (&d)[BN / 2], uint8_t*, int64_t row_base,
+                                                  int64_t n0, int64_t M, int64_t N, int t, int, State&) {
+    static_assert(BN == UNIT, "a tile row is one vocab unit");
+    const int warp = t / 32, lane = t % 32, q = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
+      const int64_t target = row < M ? p.targets[row] : -1;
+      Stats pending, half[2];
+#pragma unroll
+      for (int k = 0; k < UNIT / GROUP; ++k) {
+        float z[16], m = -INFINITY;
+#pragma unroll
+        for (int b = 0; b < 8; ++b)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t col = n0 + GROUP * k + 8 * b + 2 * q + e;
+            float v = d[(8 * k + b) * 4 + h * 2 + e];
+            if (col >= N) v = -INFINITY;
+            if (col == target) p.target_logit[row] = v;
+            z[2 * b + e] = v;
+            m = fmaxf(m, v);
+          }
+        m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
+        float s_pair[8], a_pair[8];
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          float e2[2], t2[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {  // as block_sums: d = m − z ≥ 0, e = e^(−d), t = e·min(d, FLT_MAX)
+            const float dist = __fsub_rn(m, z[2 * b + e]);
+            e2[e] = exp_f(-dist);
+            t2[e] = __fmul_rn(e2[e], fminf(dist, FLT_MAX));
+          }
+          s_pair[b] = __fadd_rn(e2[0], e2[1]);
+          a_pair[b] = __fadd_rn(t2[0], t2[1]);
+        }
+        const float s = quad_group_sum(s_pair, q), a = quad_group_sum(a_pair, q);  // every lane shuffles
+        const Stats g = m == -INFINITY ? empty_stats() : Stats{m, s, a};
+        // The unit's tree merge(merge(g0, g1), merge(g2, g3)), each pair merged as soon as it exists.
+        if (k % 2 == 0) pending = g;
+        else half[k / 2] = merge(pending, g);
+      }
+      const Stats unit = merge(half[0], half[1]);
+      if (q == 0 && row < M) p.units[(n0 / UNIT) * M + row] = unit;
+    }
+  }
+  __device__ __forceinline__ static void finish(const Params&, int, State&) {}
+};
+
+// A row's units into ranges of eight (balanced tree), ranges chained in ascending order: the
+// standalone kernel's lane butterfly and chain, one thread per row.
+__global__ void combine_units(const Stats* units, const float* target_logit, int64_t M, int64_t V, int n_units,
+                              const int32_t* targets, const uint8_t* mask, int32_t ignore, float* logp,
+                              float* entropy, float* lse) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= M) return;
+  auto unit = [&](int u) { return u < n_units ? units[int64_t(u) * M + row] : empty_stats(); };
+  Stats acc = empty_stats();
+  for (int u = 0; u < n_units; u += RANGE / UNIT) {
+    const Stats lo = merge(merge(unit(u), unit(u + 1)), merge(unit(u + 2), unit(u + 3)));
+    const Stats hi = merge(merge(unit(u + 4), unit(u + 5)), merge(unit(u + 6), unit(u + 7)));
+    acc = merge(acc, merge(lo, hi));  // merge(empty, r) is r: the chain starts at range 0
+  }
+  const int32_t target = targets[row];
+  const bool active = token_active(targets, mask, ignore, row), in_range = target >= 0 && target < V;
+  write_token(acc, active, in_range, active && in_range ? target_logit[row] : 0.0f, row, logp, entropy, lse);
+}
+
+// active[t] = 1 for a token whose logprob counts (loss_mask 1 and target != ignore_index).
+__global__ void active_tokens(const int32_t* targets, const uint8_t* mask, int32_t ignore, int64_t M, uint8_t* active) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < M) active[t] = token_active(targets, mask, ignore, t) ? 1 : 0;
+}
+
+// The backward's epilogue: the chunk's dlogits in the weight's dtype, then the plain store path.
+// dlogits[t, j] = g·(onehot_j − p_j) + ge·(−p_j·(log p_j + H)), p_j = e^(z_j − lse), as the
+// standalone backward computes it; inactive rows are zeros. ENTROPY: an entropy gradient is given.
+template <class T>
+struct DlogitsParams {
+  typename sm90gemm::StoreEpilogue<T, T, false>::Params store;  // the dlogits chunk [M, chunk width]
+  const int32_t* targets;
+  const uint8_t* active;
+  const float *lse, *dlogp, *dentropy, *entropy;  // dentropy, entropy: ENTROPY only
+  int64_t col0;                                    // the chunk's first vocab column
+};
+template <class T, bool ENTROPY>
+struct DlogitsEpilogue {
+  using Store = sm90gemm::StoreEpilogue<T, T, false>;
+  using Params = DlogitsParams<T>;
+  using State = typename Store::State;
+  template <int BN>
+  __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
+                                                    int64_t, int) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+  }
+  // One row's terms, loaded once per tile; the value of an accumulator is computed as it is stored,
+  // so the accumulators are consumed in place (no second array of 128 values).
+  struct Row {
+    bool active;
+    int64_t target;
+    float l, g, ge, H;
+  };
+  struct Value {
+    Row row[2];
+    int64_t col0;  // the tile's first vocab column
+    __device__ __forceinline__ float operator()(float z, int h, int col) const {
+      const Row& r = row[h];
+      const float lp = __fsub_rn(z, r.l), pr = exp_f(lp);
+      float out = __fmul_rn(-r.g, pr);
+      const float with_g = __fadd_rn(out, r.g);
+      out = col0 + col == r.target ? with_g : out;
+      if constexpr (ENTROPY) {  // a select, not a branch
+        const float with_h = __fadd_rn(out, __fmul_rn(r.ge, __fmul_rn(-pr, __fadd_rn(lp, r.H))));
+        out = r.ge != 0.0f ? with_h : out;
+      }
+      return r.active ? out : 0.0f;
+    }
+  };
+  template <int BN, int BOXES>
+  __device__ __forceinline__ static void end_tile(const Params& p, float (&d)[BN / 2], uint8_t* staging,
+                                                  int64_t row_base, int64_t n0, int64_t M, int64_t N, int t, int c,
+                                                  State& s) {
+    const int warp = t / 32, lane = t % 32;
+    Value value;
+    value.col0 = p.col0 + n0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
+      Row& r = value.row[h];
+      r.active = row < M && p.active[row] != 0;
+      r.target = r.active ? p.targets[row] : -1;
+      r.l = r.active ? p.lse[row] : 0.0f;
+      r.g = r.active ? p.dlogp[row] : 0.0f;
+      r.ge = ENTROPY && r.active ? p.dentropy[row] : 0.0f;
+      r.H = r.ge != 0.0f ? p.entropy[row] : 0.0f;
+    }
+    Store::template store<BN, BOXES>(p.store, d, value, staging, row_base, n0, M, N, t, c, s);
+  }
+  __device__ __forceinline__ static void finish(const Params& p, int t, State& s) { Store::finish(p.store, t, s); }
+};
+
+// ---------------------------------------------------------------- host side
+
+template <class Fn>
+void with_16bit(DType d, Fn&& fn) {
+  if (d == DType::bf16) fn(__nv_bfloat16{});
+  else fn(__half{});
+}
+
+// The GEMM over the whole (or a chunk of the) vocab with epilogue Epi: 256-column tiles always (one
+// vocab unit), 64-row compact tiles for M <= 64 (the plain GEMM's choice; rows get the same bits).
+template <class T, class Epi>
+void launch_vocab_gemm(const T* hidden, const T* weight, const typename Epi::Params& p, int64_t M, int64_t N, int64_t K,
+                       cudaStream_t stream, const char* op) {
+  if (M <= 64) sm90gemm::launch<T, false, UNIT, true, Epi>(hidden, weight, p, M, N, K, stream, op);
+  else sm90gemm::launch<T, false, UNIT, false, Epi>(hidden, weight, p, M, N, K, stream, op);
+}
+
+bool fused_path(const TensorView& hidden, const TensorView& weight, bool backward) {
+  const int64_t K = hidden.shape[1], V = weight.shape[0];
+  return sm90_path_available() && hidden.dtype != DType::f32 && K % 8 == 0 && (!backward || V % 8 == 0) &&
+         reinterpret_cast<uintptr_t>(hidden.data) % 16 == 0 && reinterpret_cast<uintptr_t>(weight.data) % 16 == 0;
+}
+
+TensorView rows_or_none(const TensorView& t, int64_t begin, int64_t end) {
+  return t.present() ? t.rows(begin, end) : TensorView{};
+}
+
+// Tokens a composed (fallback) step takes: its fp32 logits stay within 256 MiB.
+int64_t composed_rows(int64_t T, int64_t V) { return std::max<int64_t>(1, std::min<int64_t>(T, (int64_t(1) << 28) / (V * 4))); }
+
+void check_targets(const char* op, const TensorView& targets, const TensorView& mask, int64_t T, int64_t V,
+                   int32_t ignore, cudaStream_t stream) {
+  if (T > INT32_MAX) throw Unsupported(op, "hidden", "more than 2^31 - 1 tokens in one call is not supported");
+  require_ids_in_range(op, "targets", targets.as<const int32_t>(), T, V,
+                       mask.present() ? mask.as<const uint8_t>() : nullptr, true, ignore, stream);
+}
+
+// Statistics and outputs of the forward (lse, entropy may be null).
+void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* logp, float* entropy, float* lse) {
+  const char* op = "lm_head_logprob_forward";
+  const int64_t T = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
+  const cudaStream_t stream = stream_of(ctx.stream);
+  const uint8_t* mask = a.loss_mask.present() ? a.loss_mask.as<const uint8_t>() : nullptr;
+  if (fused_path(a.hidden, a.weight, false)) {
+    with_16bit(a.hidden.dtype, [&](auto tag) {
+      using T_ = decltype(tag);
+      const int n_units = int((V + UNIT - 1) / UNIT);
+      ScratchBuffer units(size_t(n_units) * size_t(T) * sizeof(Stats), stream, op);
+      ScratchBuffer target_logit(size_t(T) * sizeof(float), stream, op);
+      const VocabStatsEpilogue::Params p{a.targets.as<const int32_t>(), units.as<Stats>(), target_logit.as<float>()};
+      launch_vocab_gemm<T_, VocabStatsEpilogue>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K, stream, op);
+      combine_units<<<unsigned((T + 127) / 128), 128, 0, stream>>>(units.as<const Stats>(), target_logit.as<const float>(),
+                                                                   T, V, n_units, a.targets.as<const int32_t>(), mask,
+                                                                   a.ignore_index, logp, entropy, lse);
+      check(cudaGetLastError(), op, "combine launch");
+    });
+    return;
+  }
+  // Composed: linear_forward to fp32 logits, then logprob_forward, a few tokens at a time.
+  const int64_t rows = composed_rows(T, V);
+  ScratchBuffer logits(size_t(rows) * size_t(V) * sizeof(float), stream, op);
+  auto out = [&](float* p, int64_t r0, int64_t n) {
+    return p ? TensorView::of(p + r0, DType::f32, {n}, Device::cuda) : TensorView{};
+  };
+  for (int64_t r0 = 0; r0 < T; r0 += rows) {
+    const int64_t n = std::min(rows, T - r0);
+    const TensorView z = TensorView::of(logits.as<float>(), DType::f32, {n, V}, Device::cuda);
+    linear_forward(ctx, {a.hidden.rows(r0, r0 + n), a.weight, {}, z});
+    LogprobForwardArgs f;
+    f.logits = z;
+    f.targets = a.targets.rows(r0, r0 + n);
+    f.loss_mask = rows_or_none(a.loss_mask, r0, r0 + n);
+    f.logp = out(logp, r0, n);
+    f.entropy = out(entropy, r0, n);
+    f.lse = out(lse, r0, n);
+    f.ignore_index = a.ignore_index;
+    logprob_forward(ctx, f);
+  }
+}
+
+void require_16bit(const char* op, const TensorView& hidden) {
+  if (hidden.dtype == DType::f32)
+    throw Unsupported(op, "hidden", "the CUDA LM head takes bf16 or fp16 hidden states and weight");
+}
+
+void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
+  const cudaStream_t stream = stream_of(ctx.stream);
+  require_16bit("lm_head_logprob_forward", a.hidden);
+  check_targets("lm_head_logprob_forward", a.targets, a.loss_mask, a.hidden.shape[0], a.weight.shape[0],
+                a.ignore_index, stream);
+  forward_into(ctx, a, a.logp.as<float>(), a.entropy.present() ? a.entropy.as<float>() : nullptr,
+               a.lse.present() ? a.lse.as<float>() : nullptr);
+}
+
+// The vocab chunk of the fused backward: as wide as keeps its dlogits within 256 MiB, a multiple of
+// 256 columns, at least 2048. Any width gives the same bits (tests force several).
+int64_t vocab_chunk(int64_t T, int64_t V, size_t elem) {
+  if (const int forced = detail::lm_head_vocab_chunk_override()) return forced;
+  const int64_t fit = (int64_t(1) << 28) / (T * int64_t(elem)) / UNIT * UNIT;
+  return std::min((V + UNIT - 1) / UNIT * UNIT, std::max<int64_t>(2048, fit));
+}
+
+// The rows as consecutive segments covering [0, T): the caller's segments, and each gap between
+// them (or before, or after) as a segment of its own, so the weight gradient's token groups start
+// at every sequence and no row is left out (every active token counts, as on the CPU).
+std::vector<int32_t> covering_segments(const TensorView& segments, int64_t T) {
+  std::vector<int32_t> out;
+  int64_t end = 0;
+  auto add = [&](int64_t row, int64_t len) {
+    if (len <= 0) return;
+    out.push_back(int32_t(row));
+    out.push_back(int32_t(len));
+  };
+  if (segments.present()) {
+    const auto* s = segments.as<const int32_t>();
+    for (int64_t i = 0; i < segments.shape[0]; ++i) {
+      add(end, s[2 * i] - end);
+      add(s[2 * i], s[2 * i + 1]);
+      end = int64_t(s[2 * i]) + s[2 * i + 1];
+    }
+  }
+  add(end, T - end);
+  return out;
+}
+
+void mark_active(const LmHeadLogprobBackwardArgs& a, uint8_t* active, cudaStream_t stream) {
+  const int64_t T = a.hidden.shape[0];
+  active_tokens<<<unsigned((T + 255) / 256), 256, 0, stream>>>(
+      a.targets.as<const int32_t>(), a.loss_mask.present() ? a.loss_mask.as<const uint8_t>() : nullptr,
+      a.ignore_index, T, active);
+  check(cudaGetLastError(), "lm_head_logprob_backward", "mask launch");
+}
+
+template <class T>
+void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy, cudaStream_t stream) {
+  const char* op = "lm_head_logprob_backward";
+  const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
+  const T* hidden = a.hidden.as<const T>();
+  const T* weight = a.weight.as<const T>();
+  ScratchBuffer active(size_t(M), stream, op);
+  mark_active(a, active.as<uint8_t>(), stream);
+  const int64_t chunk = vocab_chunk(M, V, sizeof(T)), chunks = (V + chunk - 1) / chunk;
+  ScratchBuffer dlogits(size_t(M) * size_t(std::min(chunk, V)) * sizeof(T), stream, op);
+  // dhidden's fp32 accumulator across chunks: dhidden itself when it is fp32.
+  const bool direct = chunks == 1 || a.dhidden.dtype == DType::f32;
+  ScratchBuffer acc_buf(direct ? 0 : size_t(M) * size_t(K) * sizeof(float), stream, op);
+  float* acc = a.dhidden.dtype == DType::f32 ? a.dhidden.as<float>() : acc_buf.as<float>();
+  const std::vector<int32_t> segs = covering_segments(a.segments, M);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t col0 = c * chunk, width = std::min(chunk, V - col0);
+    const T* w_chunk = weight + col0 * K;
+    DlogitsParams<T> p{};
+    p.store.out = dlogits.as<T>();
+    p.store.store_by_tma = M > 128 && (width * int64_t(sizeof(T))) % 16 == 0;
+    if (p.store.store_by_tma) p.store.map_out = sm90::tma_map_2d(dlogits.as<const T>(), M, width, 64);
+    p.targets = a.targets.as<const int32_t>();
+    p.active = active.as<const uint8_t>();
+    p.lse = lse;
+    p.dlogp = a.dlogp.as<const float>();
+    p.dentropy = a.dentropy.present() ? a.dentropy.as<const float>() : nullptr;
+    p.entropy = entropy;
+    p.col0 = col0;
+    if (p.dentropy) launch_vocab_gemm<T, DlogitsEpilogue<T, true>>(hidden, w_chunk, p, M, width, K, stream, op);
+    else launch_vocab_gemm<T, DlogitsEpilogue<T, false>>(hidden, w_chunk, p, M, width, K, stream, op);
+    const bool last = c + 1 == chunks;
+    if (chunks == 1) {
+      gemm_sm90_input_grad<T>(dlogits.as<const T>(), w_chunk, a.dhidden.data, a.dhidden.dtype, M, width, K, stream);
+    } else if (c == 0) {
+      gemm_sm90_input_grad<T>(dlogits.as<const T>(), w_chunk, acc, DType::f32, M, width, K, stream);
+    } else {
+      gemm_sm90_input_grad_continue<T>(dlogits.as<const T>(), w_chunk, acc, last ? a.dhidden.data : acc,
+                                       last ? a.dhidden.dtype : DType::f32, M, width, K, stream);
+    }
+    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, active.as<const uint8_t>(), segs.data(),
+                             int64_t(segs.size() / 2), a.dweight.as<float>() + col0 * K, M, width, K, stream);
+  }
+}
+
+// Composed: per chunk of tokens, fp32 logits, logprob_backward to dlogits in the input's dtype, and
+// the linear backward kernels (whose weight gradient is then the token-by-token one: no grouping).
+void composed_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a, const float* lse) {
+  const char* op = "lm_head_logprob_backward";
+  const int64_t T = a.hidden.shape[0], V = a.weight.shape[0];
+  const cudaStream_t stream = stream_of(ctx.stream);
+  const int64_t rows = composed_rows(T, V);
+  ScratchBuffer logits(size_t(rows) * size_t(V) * sizeof(float), stream, op);
+  ScratchBuffer dlogits(size_t(rows) * size_t(V) * dtype_size(a.hidden.dtype), stream, op);
+  ScratchBuffer active(size_t(T), stream, op);  // masked rows leave dweight alone (their x may be anything)
+  mark_active(a, active.as<uint8_t>(), stream);
+  for (int64_t r0 = 0; r0 < T; r0 += rows) {
+    const int64_t n = std::min(rows, T - r0);
+    const TensorView z = TensorView::of(logits.as<float>(), DType::f32, {n, V}, Device::cuda);
+    const TensorView dz = TensorView::of(dlogits.as<void>(), a.hidden.dtype, {n, V}, Device::cuda);
+    linear_forward(ctx, {a.hidden.rows(r0, r0 + n), a.weight, {}, z});
+    LogprobBackwardArgs b;
+    b.logits = z;
+    b.targets = a.targets.rows(r0, r0 + n);
+    b.loss_mask = rows_or_none(a.loss_mask, r0, r0 + n);
+    b.lse = TensorView::of(const_cast<float*>(lse) + r0, DType::f32, {n}, Device::cuda);
+    b.dlogp = a.dlogp.rows(r0, r0 + n);
+    b.dentropy = rows_or_none(a.dentropy, r0, r0 + n);
+    b.dlogits = dz;
+    b.ignore_index = a.ignore_index;
+    logprob_backward(ctx, b);
+    linear_backward_input(ctx, {dz, a.weight, a.dhidden.rows(r0, r0 + n)});
+    LinearBackwardWeightArgs w;
+    w.dy = dz;
+    w.x = a.hidden.rows(r0, r0 + n);
+    w.row_mask = TensorView::of(active.as<uint8_t>() + r0, DType::u8, {n}, Device::cuda);
+    w.dweight = a.dweight;
+    linear_backward_weight(ctx, w);
+  }
+}
+
+void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a) {
+  const char* op = "lm_head_logprob_backward";
+  const int64_t T = a.hidden.shape[0], V = a.weight.shape[0];
+  const cudaStream_t stream = stream_of(ctx.stream);
+  require_16bit(op, a.hidden);
+  if (a.dhidden.dtype != DType::f32 && a.dhidden.dtype != a.hidden.dtype)
+    throw Unsupported(op, "dhidden", "the CUDA LM head writes dhidden in hidden's dtype or fp32");
+  check_targets(op, a.targets, a.loss_mask, T, V, a.ignore_index, stream);
+  // The statistics: the forward's lse, or (no lse, or an entropy gradient, which needs H) a forward
+  // pass into scratch first.
+  const float* lse = a.lse.present() ? a.lse.as<const float>() : nullptr;
+  const float* entropy = nullptr;
+  ScratchBuffer stats(lse && !a.dentropy.present() ? 0 : size_t(3 * T) * sizeof(float), stream, op);
+  if (!lse || a.dentropy.present()) {
+    LmHeadLogprobForwardArgs f;
+    f.hidden = a.hidden;
+    f.weight = a.weight;
+    f.targets = a.targets;
+    f.loss_mask = a.loss_mask;
+    f.ignore_index = a.ignore_index;
+    forward_into(ctx, f, stats.as<float>(), stats.as<float>() + T, stats.as<float>() + 2 * T);
+    entropy = stats.as<float>() + T;
+    lse = stats.as<float>() + 2 * T;
+  }
+  if (fused_path(a.hidden, a.weight, true)) {
+    with_16bit(a.hidden.dtype, [&](auto tag) { fused_backward<decltype(tag)>(a, lse, entropy, stream); });
+    return;
+  }
+  composed_backward(ctx, a, lse);
+}
+
+}  // namespace
+
+SAMEBITS_REGISTER_KERNEL(lm_head_logprob_forward, Backend::cuda, LmHeadLogprobForwardArgs, lm_head_logprob_forward);
+SAMEBITS_REGISTER_KERNEL(lm_head_logprob_backward, Backend::cuda, LmHeadLogprobBackwardArgs, lm_head_logprob_backward);
+
+}  // namespace samebits::cuda

@@ -1,0 +1,362 @@
+// CUDA fused LM head -> selected logprob (runs where a GPU is visible; skipped elsewhere): the fused
+// forward is bitwise linear_forward (fp32 logits) + logprob_forward; raw-bit invariance of logp,
+// entropy, lse and dhidden across batch sizes, offsets and neighbours; dweight chains across
+// micro-batches; the vocab chunk width of the backward changes no bit; repeats; accuracy against
+// fp64; bad targets; a weight buffer shared with the embedding (tied) gives the untied bits.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ops/tuning.hpp"
+#include "samebits/error.hpp"
+#include "samebits/harness.hpp"
+#include "samebits/ops.hpp"
+#include "tests/cuda_test_util.hpp"
+
+using namespace samebits;
+using harness::HostTensor;
+using harness::Rng;
+using testing_cuda::cuda_ctx;
+using testing_cuda::DeviceBuffer;
+using testing_cuda::expect_same_bits;
+
+namespace {
+
+constexpr int32_t IGNORE = -100;
+
+// Hidden states ~ N(0, 1) and a weight scaled so logits are ~ N(0, 3²); ~10% ignore_index targets,
+// ~15% masked tokens, upstream gradients in [-1, 1].
+struct Batch {
+  HostTensor hidden, weight, targets, mask, dlogp, dentropy;
+  Batch(Rng& r, DType dt, int64_t rows, int64_t V, int64_t K)
+      : hidden(r.tensor(dt, {rows, K}, -1.7, 1.7)), weight(dt, {V, K}), targets(DType::i32, {rows}),
+        mask(DType::u8, {rows}), dlogp(r.tensor(DType::f32, {rows}, -1, 1)),
+        dentropy(r.tensor(DType::f32, {rows}, -1, 1)) {
+    const double scale = 3.0 / std::sqrt(double(K));
+    for (int64_t i = 0; i < V * K; ++i) weight.set(i, scale * r.normal());
+    for (int64_t t = 0; t < rows; ++t) {
+      targets.set(t, r.uniform(0, 1) < 0.1 ? double(IGNORE) : double(r.integer(0, V - 1)));
+      mask.set(t, r.uniform(0, 1) < 0.15 ? 0.0 : 1.0);
+    }
+  }
+  // A batch whose rows [off, off + m) are rows [src, src + m) of `from`, among other neighbours.
+  void take_rows(const Batch& from, int64_t src, int64_t off, int64_t m) {
+    hidden.copy_rows_from(from.hidden, src, off, m);
+    targets.copy_rows_from(from.targets, src, off, m);
+    mask.copy_rows_from(from.mask, src, off, m);
+    dlogp.copy_rows_from(from.dlogp, src, off, m);
+    dentropy.copy_rows_from(from.dentropy, src, off, m);
+  }
+};
+
+struct Outputs {
+  HostTensor logp, entropy, lse, dhidden, dweight;
+};
+
+struct Options {
+  bool entropy_grad = false;
+  bool saved_lse = true;
+  std::vector<int32_t> segments;  // {row, len} pairs, relative to the call's rows; empty: none
+};
+
+// Forward and backward on rows [off, off + m) of device copies of b's tensors; dweight starts from
+// `dweight_in` (fp32 [V, K]) when given, else zeros.
+Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const HostTensor* dweight_in = nullptr) {
+  const int64_t V = b.weight.shape()[0], K = b.weight.shape()[1];
+  const DeviceBuffer hidden(b.hidden), weight(b.weight), targets(b.targets), mask(b.mask), dlogp(b.dlogp),
+      dentropy(b.dentropy);
+  const DeviceBuffer logp(DType::f32, {m}), entropy(DType::f32, {m}), lse(DType::f32, {m});
+  const DeviceBuffer dhidden(b.hidden.dtype(), {m, K});
+  const DeviceBuffer dweight(dweight_in ? *dweight_in : HostTensor(DType::f32, {V, K}));
+  LmHeadLogprobForwardArgs f;
+  f.hidden = hidden.rows(off, off + m);
+  f.weight = weight.view();
+  f.targets = targets.rows(off, off + m);
+  f.loss_mask = mask.rows(off, off + m);
+  f.logp = logp.view();
+  f.entropy = entropy.view();
+  f.lse = lse.view();
+  f.ignore_index = IGNORE;
+  lm_head_logprob_forward(cuda_ctx(), f);
+  LmHeadLogprobBackwardArgs g;
+  g.hidden = f.hidden;
+  g.weight = f.weight;
+  g.targets = f.targets;
+  g.loss_mask = f.loss_mask;
+  if (o.saved_lse) g.lse = f.lse;
+  g.dlogp = dlogp.rows(off, off + m);
+  if (o.entropy_grad) g.dentropy = dentropy.rows(off, off + m);
+  g.dhidden = dhidden.view();
+  g.dweight = dweight.view();
+  HostTensor seg(DType::i32, {int64_t(o.segments.size() / 2), 2});
+  if (!o.segments.empty()) {
+    std::memcpy(seg.data(), o.segments.data(), o.segments.size() * sizeof(int32_t));
+    g.segments = seg.view();
+  }
+  g.ignore_index = IGNORE;
+  lm_head_logprob_backward(cuda_ctx(), g);
+  return {logp.host(), entropy.host(), lse.host(), dhidden.host(), dweight.host()};
+}
+
+class CudaLmHead : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+  }
+  void TearDown() override { detail::lm_head_vocab_chunk_override() = 0; }
+};
+
+}  // namespace
+
+// The fused forward's logits are the GEMM's fp32 values and its reduction the standalone one: the
+// same bits as linear_forward into fp32 followed by logprob_forward.
+TEST_F(CudaLmHead, ForwardIsBitwiseGemmThenLogprob) {
+  struct Case {
+    DType dt;
+    int64_t V, rows;
+  };
+  for (const Case c : {Case{DType::bf16, 151936, 40}, Case{DType::bf16, 128256, 200}, Case{DType::bf16, 32000, 130},
+                       Case{DType::f16, 32000, 64}, Case{DType::bf16, 4099, 70}, Case{DType::bf16, 1031, 3}}) {
+    const int64_t K = 128;
+    Rng r(uint64_t(c.V) + uint64_t(c.rows));
+    const Batch b(r, c.dt, c.rows, c.V, K);
+    const Outputs got = run(b, 0, c.rows);
+    const DeviceBuffer hidden(b.hidden), weight(b.weight), targets(b.targets), mask(b.mask);
+    const DeviceBuffer logits(DType::f32, {c.rows, c.V}), logp(DType::f32, {c.rows}), entropy(DType::f32, {c.rows}),
+        lse(DType::f32, {c.rows});
+    linear_forward(cuda_ctx(), {hidden.view(), weight.view(), {}, logits.view()});
+    LogprobForwardArgs f;
+    f.logits = logits.view();
+    f.targets = targets.view();
+    f.loss_mask = mask.view();
+    f.logp = logp.view();
+    f.entropy = entropy.view();
+    f.lse = lse.view();
+    f.ignore_index = IGNORE;
+    logprob_forward(cuda_ctx(), f);
+    const std::string what = std::string(dtype_name(c.dt)) + " V=" + std::to_string(c.V) + " rows=" +
+                             std::to_string(c.rows);
+    expect_same_bits(got.logp, logp.host(), what + " logp");
+    expect_same_bits(got.entropy, entropy.host(), what + " entropy");
+    expect_same_bits(got.lse, lse.host(), what + " lse");
+  }
+}
+
+// A sub-batch at another offset among other neighbours: the same logp / entropy / lse / dhidden
+// bits as inside the full batch (V = 4099 takes the composed backward: V is not a multiple of 8).
+TEST_F(CudaLmHead, InvariantAcrossBatchesOffsetsAndNeighbours) {
+  for (int64_t V : {151936, 32000, 4099}) {
+    const int64_t rows = 150, K = 64;
+    Rng r(uint64_t(V) * 3);
+    const Batch full(r, DType::bf16, rows, V, K);
+    for (bool ent : {false, true}) {
+      Options o;
+      o.entropy_grad = ent;
+      const Outputs want = run(full, 0, rows, o);
+      for (int64_t m : {int64_t(1), int64_t(7), int64_t(64), int64_t(65), int64_t(130)}) {
+        const int64_t src = (m * 5) % (rows - m + 1), off = (m * 3) % 5;
+        Batch other(r, DType::bf16, m + off + 4, V, K);
+        other.weight = full.weight;
+        other.take_rows(full, src, off, m);
+        const Outputs got = run(other, off, m, o);
+        const std::string what = "V=" + std::to_string(V) + " m=" + std::to_string(m) + (ent ? " (entropy grad)" : "");
+        expect_same_bits(got.logp, want.logp.slice_rows(src, src + m), what + " logp");
+        expect_same_bits(got.entropy, want.entropy.slice_rows(src, src + m), what + " entropy");
+        expect_same_bits(got.lse, want.lse.slice_rows(src, src + m), what + " lse");
+        expect_same_bits(got.dhidden, want.dhidden.slice_rows(src, src + m), what + " dhidden");
+      }
+    }
+  }
+}
+
+// dweight of one call over four sequences equals two micro-batches split at a sequence boundary,
+// the second continuing the first's fp32 accumulator.
+TEST_F(CudaLmHead, WeightGradientChainsAcrossMicroBatches) {
+  for (int64_t V : {32000, 4104}) {
+    const int64_t K = 128;
+    const std::vector<int32_t> lens = {37, 100, 64, 5};
+    Rng r(uint64_t(V) + 77);
+    const Batch b(r, DType::bf16, 206, V, K);
+    Options all;
+    for (int32_t row = 0, i = 0; i < 4; row += lens[size_t(i)], ++i) all.segments.insert(all.segments.end(), {row, lens[size_t(i)]});
+    const Outputs one = run(b, 0, 206, all);
+    Options first, second;
+    first.segments = {0, 37, 37, 100};
+    second.segments = {0, 64, 64, 5};
+    const Outputs a = run(b, 0, 137, first);
+    const Outputs c = run(b, 137, 69, second, &a.dweight);
+    const std::string what = "V=" + std::to_string(V);
+    expect_same_bits(c.dweight, one.dweight, what + " dweight, two micro-batches");
+    expect_same_bits(a.dhidden, one.dhidden.slice_rows(0, 137), what + " dhidden, first micro-batch");
+    expect_same_bits(c.dhidden, one.dhidden.slice_rows(137, 206), what + " dhidden, second micro-batch");
+  }
+}
+
+// The backward's vocab chunk (forced to 2048, 4096 and 8192 columns, and the default) changes no bit:
+// dhidden's reduction continues an fp32 accumulator across chunks, dweight's rows are disjoint.
+TEST_F(CudaLmHead, VocabChunkWidthChangesNoBit) {
+  Rng r(21);
+  const Batch b(r, DType::bf16, 100, 32000, 128);
+  const Outputs want = run(b, 0, 100);
+  for (int chunk : {2048, 4096, 8192}) {
+    detail::lm_head_vocab_chunk_override() = chunk;
+    const Outputs got = run(b, 0, 100);
+    expect_same_bits(got.dhidden, want.dhidden, "dhidden, chunk " + std::to_string(chunk));
+    expect_same_bits(got.dweight, want.dweight, "dweight, chunk " + std::to_string(chunk));
+  }
+}
+
+// Without the saved lse the backward recomputes the statistics: the same bits.
+TEST_F(CudaLmHead, RecomputedStatisticsGiveTheSavedOnesBits) {
+  Rng r(23);
+  const Batch b(r, DType::bf16, 90, 32000, 64);
+  Options saved, recomputed;
+  recomputed.saved_lse = false;
+  const Outputs a = run(b, 0, 90, saved), c = run(b, 0, 90, recomputed);
+  expect_same_bits(c.dhidden, a.dhidden, "dhidden");
+  expect_same_bits(c.dweight, a.dweight, "dweight");
+}
+
+TEST_F(CudaLmHead, TwentyRepeatsAreIdentical) {
+  Rng r(5);
+  const Batch b(r, DType::bf16, 200, 151936, 64);
+  Options o;
+  o.entropy_grad = true;
+  const Outputs first = run(b, 0, 200, o);
+  for (int i = 0; i < 20; ++i) {
+    const Outputs again = run(b, 0, 200, o);
+    expect_same_bits(again.logp, first.logp, "repeat logp");
+    expect_same_bits(again.dhidden, first.dhidden, "repeat dhidden");
+    expect_same_bits(again.dweight, first.dweight, "repeat dweight");
+  }
+}
+
+// Against fp64 from the same bf16 inputs: logp / entropy within the contract's logprob tolerance
+// (1e-5); dhidden and dweight within the bound of their two roundings (dlogits to bf16 before the
+// GEMMs: 2^-9 relative per term; dhidden's output to bf16: 2^-9 of the value) plus fp32 slack.
+TEST_F(CudaLmHead, AccurateAgainstFp64) {
+  const int64_t T = 40, V = 4096, K = 64;
+  Rng r(31);
+  const Batch b(r, DType::bf16, T, V, K);
+  Options o;
+  o.entropy_grad = true;
+  const Outputs got = run(b, 0, T, o);
+  std::vector<double> dz(size_t(T * V), 0.0);
+  double worst_lp = 0, worst_h = 0, worst_dh = 0, worst_dw = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> z(static_cast<size_t>(V));
+    double m = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += b.hidden.get(t * K + k) * b.weight.get(v * K + k);
+      z[size_t(v)] = acc;
+      m = std::max(m, acc);
+    }
+    double s = 0, a = 0;
+    for (double zv : z) {
+      s += std::exp(zv - m);
+      a += std::exp(zv - m) * (m - zv);
+    }
+    const double lse = m + std::log(s), H = std::log(s) + a / s;
+    const int32_t tg = int32_t(b.targets.get(t));
+    const bool active = b.mask.get(t) != 0 && tg != IGNORE;
+    worst_lp = std::max(worst_lp, std::fabs(got.logp.get(t) - (active ? z[size_t(tg)] - lse : 0.0)) / 1e-5);
+    worst_h = std::max(worst_h, std::fabs(got.entropy.get(t) - (active ? H : 0.0)) / 1e-5);
+    if (!active) continue;
+    const double g = b.dlogp.get(t), ge = b.dentropy.get(t);
+    for (int64_t v = 0; v < V; ++v) {
+      const double lp = z[size_t(v)] - lse, p = std::exp(lp);
+      dz[size_t(t * V + v)] = -g * p + (v == tg ? g : 0.0) + ge * (-p * (lp + H));
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      double want = 0, mag = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        want += dz[size_t(t * V + v)] * b.weight.get(v * K + k);
+        mag += std::fabs(dz[size_t(t * V + v)] * b.weight.get(v * K + k));
+      }
+      const double tol = std::ldexp(mag, -9) * 1.01 + std::ldexp(std::fabs(want), -9) + 1e-7;
+      worst_dh = std::max(worst_dh, std::fabs(got.dhidden.get(t * K + k) - want) / tol);
+    }
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t k = 0; k < K; ++k) {
+      double want = 0, mag = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        want += dz[size_t(t * V + v)] * b.hidden.get(t * K + k);
+        mag += std::fabs(dz[size_t(t * V + v)] * b.hidden.get(t * K + k));
+      }
+      const double tol = std::ldexp(mag, -9) * 1.01 + 1e-7;
+      worst_dw = std::max(worst_dw, std::fabs(got.dweight.get(v * K + k) - want) / tol);
+    }
+  std::printf("ACCURACY lm_head V=%lld: worst error / tolerance: logp %.3g, entropy %.3g, dhidden %.3g, dweight %.3g\n",
+              (long long)V, worst_lp, worst_h, worst_dh, worst_dw);
+  EXPECT_LE(worst_lp, 1.0);
+  EXPECT_LE(worst_h, 1.0);
+  EXPECT_LE(worst_dh, 1.0);
+  EXPECT_LE(worst_dw, 1.0);
+}
+
+TEST_F(CudaLmHead, OutOfRangeTargetIsAnErrorBeforeAnythingIsWritten) {
+  Rng r(9);
+  Batch b(r, DType::bf16, 6, 1000, 64);
+  b.mask.set(4, 1);
+  b.targets.set(4, 1000);  // == V
+  const DeviceBuffer hidden(b.hidden), weight(b.weight), targets(b.targets), mask(b.mask),
+      logp(HostTensor::poisoned(DType::f32, {6}));
+  LmHeadLogprobForwardArgs f;
+  f.hidden = hidden.view();
+  f.weight = weight.view();
+  f.targets = targets.view();
+  f.loss_mask = mask.view();
+  f.logp = logp.view();
+  f.ignore_index = IGNORE;
+  try {
+    lm_head_logprob_forward(cuda_ctx(), f);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("value 1000 at index 4"), std::string::npos) << msg;
+  }
+  const HostTensor untouched = logp.host();
+  for (int64_t t = 0; t < 6; ++t) EXPECT_TRUE(std::isnan(untouched.get(t)));
+}
+
+// A tied model's LM head reads the embedding matrix: one buffer serving both ops gives each op's
+// accumulator the bits it has with two equal, separate matrices, so the tied gradient (embedding's
+// accumulator + the LM head's, one add) is the untied runs' sum.
+TEST_F(CudaLmHead, SharedEmbeddingBufferGivesTheUntiedBits) {
+  const int64_t T = 80, V = 32000, K = 128;
+  Rng r(41);
+  const Batch b(r, DType::bf16, T, V, K);
+  HostTensor ids(DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) ids.set(t, double(r.integer(0, V - 1)));
+  const HostTensor dy = r.tensor(DType::bf16, {T, K}, -1, 1);
+  auto grads = [&](bool shared) {
+    const DeviceBuffer table(b.weight), head_copy(b.weight), hidden(b.hidden), targets(b.targets), mask(b.mask),
+        dlogp(b.dlogp), d_ids(ids), d_dy(dy);
+    const DeviceBuffer dtable(DType::f32, {V, K}), dhead(DType::f32, {V, K}), dhidden(DType::bf16, {T, K});
+    EmbeddingBackwardArgs e;
+    e.ids = d_ids.view();
+    e.dy = d_dy.view();
+    e.dtable = dtable.view();
+    embedding_backward(cuda_ctx(), e);
+    LmHeadLogprobBackwardArgs g;
+    g.hidden = hidden.view();
+    g.weight = shared ? table.view() : head_copy.view();
+    g.targets = targets.view();
+    g.loss_mask = mask.view();
+    g.dlogp = dlogp.view();
+    g.dhidden = dhidden.view();
+    g.dweight = dhead.view();
+    g.ignore_index = IGNORE;
+    lm_head_logprob_backward(cuda_ctx(), g);
+    return std::make_pair(dtable.host(), dhead.host());
+  };
+  const auto tied = grads(true), untied = grads(false);
+  expect_same_bits(tied.first, untied.first, "embedding accumulator");
+  expect_same_bits(tied.second, untied.second, "LM head accumulator");
+}
