@@ -235,8 +235,8 @@ TEST_F(CudaLmHead, TwentyRepeatsAreIdentical) {
 }
 
 // Against fp64 from the same bf16 inputs: logp / entropy within the contract's logprob tolerance
-// (1e-5); dhidden and dweight within the bound of their two roundings (dlogits to bf16 before the
-// GEMMs: 2^-9 relative per term; dhidden's output to bf16: 2^-9 of the value) plus fp32 slack.
+// (1e-5); dhidden and dweight within the bound of their roundings (dlogits to bf16 before the GEMMs:
+// at most 2^-8 relative per term; dhidden's output to bf16: 2^-8 of the value) plus fp32 slack.
 TEST_F(CudaLmHead, AccurateAgainstFp64) {
   const int64_t T = 40, V = 4096, K = 64;
   Rng r(31);
@@ -279,7 +279,7 @@ TEST_F(CudaLmHead, AccurateAgainstFp64) {
         want += dz[size_t(t * V + v)] * b.weight.get(v * K + k);
         mag += std::fabs(dz[size_t(t * V + v)] * b.weight.get(v * K + k));
       }
-      const double tol = std::ldexp(mag, -9) * 1.01 + std::ldexp(std::fabs(want), -9) + 1e-7;
+      const double tol = std::ldexp(mag, -8) * 1.01 + std::ldexp(std::fabs(want), -8) + 1e-7;
       worst_dh = std::max(worst_dh, std::fabs(got.dhidden.get(t * K + k) - want) / tol);
     }
   for (int64_t v = 0; v < V; ++v)
@@ -289,7 +289,7 @@ TEST_F(CudaLmHead, AccurateAgainstFp64) {
         want += dz[size_t(t * V + v)] * b.hidden.get(t * K + k);
         mag += std::fabs(dz[size_t(t * V + v)] * b.hidden.get(t * K + k));
       }
-      const double tol = std::ldexp(mag, -9) * 1.01 + 1e-7;
+      const double tol = std::ldexp(mag, -8) * 1.01 + 1e-7;
       worst_dw = std::max(worst_dw, std::fabs(got.dweight.get(v * K + k) - want) / tol);
     }
   std::printf("ACCURACY lm_head V=%lld: worst error / tolerance: logp %.3g, entropy %.3g, dhidden %.3g, dweight %.3g\n",

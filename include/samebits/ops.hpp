@@ -179,7 +179,8 @@ struct LmHeadLogprobForwardArgs {
   int32_t ignore_index = -100;
 };
 // dhidden[T,H] = dlogits · weight; dweight[V,H] += dlogitsᵀ · hidden (fp32 accumulator), with
-// dlogits recomputed block by block in fp32 (lse from the forward when given; without it, or with
+// dlogits recomputed block by block in fp32 (the CUDA backend rounds them to the 16-bit input dtype
+// before its two GEMMs, as a stored dlogits tensor would be; lse from the forward when given; without it, or with
 // dentropy, the statistics are recomputed first). segments: as linear_backward_weight's, so that
 // micro-batches split at sequence boundaries chain dweight bit for bit.
 // Tied embeddings: the LM head's dweight is its own accumulator; the tied matrix's gradient is
