@@ -360,3 +360,40 @@ TEST_F(CudaLmHead, SharedEmbeddingBufferGivesTheUntiedBits) {
   expect_same_bits(tied.first, untied.first, "embedding accumulator");
   expect_same_bits(tied.second, untied.second, "LM head accumulator");
 }
+
+// Without an entropy output the forward skips the entropy sums: logp and lse keep their bits.
+TEST_F(CudaLmHead, ForwardWithoutEntropyKeepsLogpAndLseBits) {
+  Rng r(43);
+  const Batch b(r, DType::bf16, 130, 151936, 64);
+  const Outputs with = run(b, 0, 130);
+  const DeviceBuffer hidden(b.hidden), weight(b.weight), targets(b.targets), mask(b.mask);
+  const DeviceBuffer logp(DType::f32, {130}), lse(DType::f32, {130});
+  LmHeadLogprobForwardArgs f;
+  f.hidden = hidden.view();
+  f.weight = weight.view();
+  f.targets = targets.view();
+  f.loss_mask = mask.view();
+  f.logp = logp.view();
+  f.lse = lse.view();
+  f.ignore_index = IGNORE;
+  lm_head_logprob_forward(cuda_ctx(), f);
+  expect_same_bits(logp.host(), with.logp, "logp");
+  expect_same_bits(lse.host(), with.lse, "lse");
+}
+
+// An inactive row whose hidden state holds NaN leaves dweight finite and the other rows' bits alone.
+TEST_F(CudaLmHead, NonFiniteHiddenInMaskedRowsDoesNotReachTheWeightGradient) {
+  Rng r(47);
+  Batch b(r, DType::bf16, 100, 32000, 64);
+  b.mask.set(10, 1);
+  b.targets.set(10, 5);
+  const Outputs clean = run(b, 0, 100);
+  b.mask.set(10, 0);
+  const Outputs masked = run(b, 0, 100);
+  b.hidden.set(10 * 64 + 3, NAN);
+  b.hidden.set(10 * 64 + 9, INFINITY);
+  const Outputs dirty = run(b, 0, 100);
+  expect_same_bits(dirty.dweight, masked.dweight, "dweight with a NaN hidden row masked out");
+  for (int64_t t = 0; t < 100; ++t)
+    if (t != 10) expect_same_bits(dirty.dhidden.slice_rows(t, t + 1), clean.dhidden.slice_rows(t, t + 1), "dhidden row");
+}

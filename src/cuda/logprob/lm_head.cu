@@ -74,12 +74,16 @@ __device__ __forceinline__ float quad_group_sum(const float (&pair)[8], int q) {
 
 // The forward's epilogue: one vocab unit statistic per row of the 256-column tile, and the target
 // logit. Logits past V count as −inf, as in the standalone kernel.
+struct VocabStatsParams {
+  const int32_t* targets;
+  Stats* units;          // [units][M]: unit u of row r at u·M + r
+  float* target_logit;   // [M]
+};
+// ENTROPY: the entropy is asked for, so Σe·(m−z) is summed too (m and Σe, hence lse and logp, are
+// the same bits either way).
+template <bool ENTROPY>
 struct VocabStatsEpilogue {
-  struct Params {
-    const int32_t* targets;
-    Stats* units;          // [units][M]: unit u of row r at u·M + r
-    float* target_logit;   // [M]
-  };
+  using Params = VocabStatsParams;
   struct State {};
   template <int BN>
   __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
@@ -121,12 +125,13 @@ struct VocabStatsEpilogue {
           for (int e = 0; e < 2; ++e) {  // as block_sums: d = m − z ≥ 0, e = e^(−d), t = e·min(d, FLT_MAX)
             const float dist = __fsub_rn(m, z[2 * b + e]);
             e2[e] = exp_f(-dist);
-            t2[e] = __fmul_rn(e2[e], fminf(dist, FLT_MAX));
+            t2[e] = ENTROPY ? __fmul_rn(e2[e], fminf(dist, FLT_MAX)) : 0.0f;
           }
           s_pair[b] = __fadd_rn(e2[0], e2[1]);
-          a_pair[b] = __fadd_rn(t2[0], t2[1]);
+          a_pair[b] = ENTROPY ? __fadd_rn(t2[0], t2[1]) : 0.0f;
         }
-        const float s = quad_group_sum(s_pair, q), a = quad_group_sum(a_pair, q);  // every lane shuffles
+        // Every lane shuffles; without the entropy a stays 0 (merges then carry zeros).
+        const float s = quad_group_sum(s_pair, q), a = ENTROPY ? quad_group_sum(a_pair, q) : 0.0f;
         const Stats g = m == -INFINITY ? empty_stats() : Stats{m, s, a};
         // The unit's tree merge(merge(g0, g1), merge(g2, g3)), each pair merged as soon as it exists.
         if (k % 2 == 0) pending = g;
@@ -162,6 +167,22 @@ __global__ void combine_units(const Stats* units, const float* target_logit, int
 __global__ void active_tokens(const int32_t* targets, const uint8_t* mask, int32_t ignore, int64_t M, uint8_t* active) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t < M) active[t] = token_active(targets, mask, ignore, t) ? 1 : 0;
+}
+
+// The rows the weight gradient must zero in shared memory (mask 0): inactive tokens whose hidden row
+// holds a NaN or Inf, which a zero dlogit would turn into a NaN product. Every other inactive row
+// has exactly zero dlogits and passes unzeroed (its products are zeros), which keeps the weight
+// gradient off its slower zeroing path; the choice is a property of the token's own values.
+template <class T>
+__global__ void rows_to_keep(const T* hidden, int64_t M, int64_t K, const uint8_t* active, uint8_t* keep) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = int(threadIdx.x % 32);
+  if (row >= M) return;
+  bool finite = true;
+  if (!active[row])
+    for (int64_t k = lane; k < K; k += 32) finite = finite && isfinite(float(hidden[row * K + k]));
+  finite = __all_sync(FULL, finite);
+  if (lane == 0) keep[row] = finite ? 1 : 0;
 }
 
 // The backward's epilogue: the chunk's dlogits in the weight's dtype, then the plain store path.
@@ -281,8 +302,13 @@ void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* 
       const int n_units = int((V + UNIT - 1) / UNIT);
       ScratchBuffer units(size_t(n_units) * size_t(T) * sizeof(Stats), stream, op);
       ScratchBuffer target_logit(size_t(T) * sizeof(float), stream, op);
-      const VocabStatsEpilogue::Params p{a.targets.as<const int32_t>(), units.as<Stats>(), target_logit.as<float>()};
-      launch_vocab_gemm<T_, VocabStatsEpilogue>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K, stream, op);
+      const VocabStatsParams p{a.targets.as<const int32_t>(), units.as<Stats>(), target_logit.as<float>()};
+      if (entropy)
+        launch_vocab_gemm<T_, VocabStatsEpilogue<true>>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K,
+                                                        stream, op);
+      else
+        launch_vocab_gemm<T_, VocabStatsEpilogue<false>>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K,
+                                                         stream, op);
       combine_units<<<unsigned((T + 127) / 128), 128, 0, stream>>>(units.as<const Stats>(), target_logit.as<const float>(),
                                                                    T, V, n_units, a.targets.as<const int32_t>(), mask,
                                                                    a.ignore_index, logp, entropy, lse);
@@ -371,8 +397,10 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
   const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
   const T* hidden = a.hidden.as<const T>();
   const T* weight = a.weight.as<const T>();
-  ScratchBuffer active(size_t(M), stream, op);
+  ScratchBuffer active(size_t(M), stream, op), keep(size_t(M), stream, op);
   mark_active(a, active.as<uint8_t>(), stream);
+  rows_to_keep<T><<<unsigned((M + 7) / 8), 256, 0, stream>>>(hidden, M, K, active.as<const uint8_t>(), keep.as<uint8_t>());
+  check(cudaGetLastError(), op, "keep launch");
   const int64_t chunk = vocab_chunk(M, V, sizeof(T)), chunks = (V + chunk - 1) / chunk;
   ScratchBuffer dlogits(size_t(M) * size_t(std::min(chunk, V)) * sizeof(T), stream, op);
   // dhidden's fp32 accumulator across chunks: dhidden itself when it is fp32.
@@ -405,7 +433,7 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
       gemm_sm90_input_grad_continue<T>(dlogits.as<const T>(), w_chunk, acc, last ? a.dhidden.data : acc,
                                        last ? a.dhidden.dtype : DType::f32, M, width, K, stream);
     }
-    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, active.as<const uint8_t>(), segs.data(),
+    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, keep.as<const uint8_t>(), segs.data(),
                              int64_t(segs.size() / 2), a.dweight.as<float>() + col0 * K, M, width, K, stream);
   }
 }
