@@ -8,7 +8,7 @@
 //   State                     per-consumer state carried across the CTA's tiles;
 //   begin_tile<BN>(...)       sets the fp32 accumulators before the first MMA (zeros, or an fp32
 //                             C that the MMAs continue: the same register state as if the K loop
-//                             had never stopped);
+//                             had never stopped), and may start loads the epilogue needs (State);
 //   end_tile<BN, BOXES>(...)  consumes the accumulators: d[j*4 + h*2 + e] holds row
 //                             row_base + warp*16 + lane/4 + 8h, column n0 + 8j + 2*(lane%4) + e;
 //                             `staging` is the CTA's epilogue area (Tile::STAGING_BYTES);
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     int64_t m0, n0;
     origin(tile, m0, n0);
     float d[NREG];
-    Epi::template begin_tile<BN>(ep, d, m0 + c * 64, n0, M, N, t);
+    Epi::template begin_tile<BN>(ep, d, m0 + c * 64, n0, M, N, t, state);
     for (int kt = 0; kt < kt_count; ++kt, ++g) {
       const int s = int(g % STAGES);
       mbar_wait(&full[s], (g / STAGES) & 1);

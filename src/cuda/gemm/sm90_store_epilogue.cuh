@@ -146,7 +146,7 @@ struct StoreEpilogue {
   };
   template <int BN>
   __device__ __forceinline__ static void begin_tile(const Params& p, float (&d)[BN / 2], int64_t row_base, int64_t n0,
-                                                    int64_t M, int64_t N, int t) {
+                                                    int64_t M, int64_t N, int t, State&) {
     if constexpr (ACCUMULATE) {
       load_accumulators<BN>(p.acc_in, d, row_base, n0, M, N, t);
     } else {

@@ -48,28 +48,38 @@ using namespace vocab;
 
 constexpr unsigned FULL = 0xffffffffu;
 
-// The sum over a thread quad (lanes 4i … 4i+3 of a warp) of a group's eight 8-column blocks, by
-// vocab_stats.cuh's tree: quad lane q holds pair[k] = the sum of columns 2q, 2q+1 of block k. A block
-// is ((p0+p1)+(p2+p3)) over the lanes' pairs, the group ((b0+b1)+(b2+b3))+((b4+b5)+(b6+b7)). Each
-// shuffle level hands half of a lane's blocks to its partner (a reduce-scatter), so eight shuffles
-// do what sixteen would; fp32 addition is commutative, so both lanes of a pair get the same bits.
-__device__ __forceinline__ float quad_group_sum(const float (&pair)[8], int q) {
+// The sums over a thread quad (lanes 4i … 4i+3 of a warp) of G groups' eight 8-column blocks, by
+// vocab_stats.cuh's tree: quad lane q holds pair[g][k] = the sum of columns 2q, 2q+1 of block k of
+// group g. A block is ((p0+p1)+(p2+p3)) over the lanes' pairs, a group ((b0+b1)+(b2+b3))+((b4+b5)+
+// (b6+b7)). Each shuffle level hands half of a lane's blocks to its partner (a reduce-scatter), so
+// eight shuffles do what sixteen would; fp32 addition is commutative, so both lanes of a pair get
+// the same bits. The G groups go level by level together (independent chains).
+template <int G>
+__device__ __forceinline__ void quad_group_sums(const float (&pair)[G][8], int q, float (&out)[G]) {
   const bool odd = q & 1, upper = q & 2;
-  float half[4];  // (p0+p1) or (p2+p3) of blocks 0-3 (even lanes) or 4-7 (odd lanes)
+  float half[G][4];  // (p0+p1) or (p2+p3) of blocks 0-3 (even lanes) or 4-7 (odd lanes)
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float send = odd ? pair[i] : pair[i + 4], keep = odd ? pair[i + 4] : pair[i];
-    half[i] = __fadd_rn(keep, __shfl_xor_sync(FULL, send, 1));
-  }
-  float block[2];  // whole blocks 4·odd + 2·upper + i
+  for (int i = 0; i < 4; ++i)
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float send = upper ? half[i] : half[i + 2], keep = upper ? half[i + 2] : half[i];
-    block[i] = __fadd_rn(keep, __shfl_xor_sync(FULL, send, 2));
+    for (int g = 0; g < G; ++g) {
+      const float send = odd ? pair[g][i] : pair[g][i + 4], keep = odd ? pair[g][i + 4] : pair[g][i];
+      half[g][i] = __fadd_rn(keep, __shfl_xor_sync(FULL, send, 1));
+    }
+  float two[G];  // (b0+b1), (b2+b3), (b4+b5) or (b6+b7): whole blocks 4·odd + 2·upper + {0, 1}
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float block[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float send = upper ? half[g][i] : half[g][i + 2], keep = upper ? half[g][i + 2] : half[g][i];
+      block[i] = __fadd_rn(keep, __shfl_xor_sync(FULL, send, 2));
+    }
+    two[g] = __fadd_rn(block[0], block[1]);
   }
-  const float two = __fadd_rn(block[0], block[1]);                  // (b0+b1), (b2+b3), (b4+b5), (b6+b7)
-  const float four = __fadd_rn(two, __shfl_xor_sync(FULL, two, 2));  // lanes 0, 2: blocks 0-3; 1, 3: 4-7
-  return __fadd_rn(four, __shfl_xor_sync(FULL, four, 1));
+#pragma unroll
+  for (int g = 0; g < G; ++g) two[g] = __fadd_rn(two[g], __shfl_xor_sync(FULL, two[g], 2));  // blocks 0-3 / 4-7
+#pragma unroll
+  for (int g = 0; g < G; ++g) out[g] = __fadd_rn(two[g], __shfl_xor_sync(FULL, two[g], 1));
 }
 
 // The forward's epilogue: one vocab unit statistic per row of the 256-column tile, and the target
@@ -85,59 +95,85 @@ template <bool ENTROPY>
 struct VocabStatsEpilogue {
   using Params = VocabStatsParams;
   struct State {};
+  // The targets of the thread's two rows are asked into L1 now, while the tile's MMAs run (holding
+  // them in registers across the K loop would spill it).
   template <int BN>
-  __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
-                                                    int64_t, int) {
+  __device__ __forceinline__ static void begin_tile(const Params& p, float (&d)[BN / 2], int64_t row_base, int64_t,
+                                                    int64_t M, int64_t, int t, State&) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_base + (t / 32) * 16 + (t % 32) / 4 + h * 8;
+      if (row < M) asm volatile("prefetch.global.L1 [%0];" ::"l"(p.targets + row));
+    }
   }
+  // One row of the tile at a time, two groups side by side at every step (independent chains of
+  // shuffles and exps: the epilogue is latency-bound; four side by side spill registers).
   template <int BN, int BOXES>
   __device__ __forceinline__ static void end_tile(const Params& p, float (&d)[BN / 2], uint8_t*, int64_t row_base,
                                                   int64_t n0, int64_t M, int64_t N, int t, int, State&) {
-    static_assert(BN == UNIT, "a tile row is one vocab unit");
+    static_assert(BN == UNIT && UNIT / GROUP == 4, "a tile row is one vocab unit of four groups");
+    constexpr int G = 2;
     const int warp = t / 32, lane = t % 32, q = lane % 4;
+    int64_t targets[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
-      const int64_t target = row < M ? p.targets[row] : -1;
-      Stats pending, half[2];
+      targets[h] = row < M ? p.targets[row] : -1;
+    }
 #pragma unroll
-      for (int k = 0; k < UNIT / GROUP; ++k) {
-        float z[16], m = -INFINITY;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
+      const int64_t target = targets[h];
+      Stats pair_of_groups[2];  // merge(g0, g1), merge(g2, g3)
 #pragma unroll
-        for (int b = 0; b < 8; ++b)
+      for (int half = 0; half < 2; ++half) {
+        // Logits past V are −inf; the target's logit is written by the one thread that holds it.
+        auto col = [&](int k, int b, int e) { return n0 + GROUP * (2 * half + k) + 8 * b + 2 * q + e; };
+        auto z = [&](int k, int b, int e) {
+          return col(k, b, e) < N ? d[(8 * (2 * half + k) + b) * 4 + h * 2 + e] : -INFINITY;
+        };
+        float m[G];
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int64_t col = n0 + GROUP * k + 8 * b + 2 * q + e;
-            float v = d[(8 * k + b) * 4 + h * 2 + e];
-            if (col >= N) v = -INFINITY;
-            if (col == target) p.target_logit[row] = v;
-            z[2 * b + e] = v;
-            m = fmaxf(m, v);
-          }
-        m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
-        float s_pair[8], a_pair[8];
+        for (int k = 0; k < G; ++k) {
+          m[k] = -INFINITY;
 #pragma unroll
-        for (int b = 0; b < 8; ++b) {
-          float e2[2], t2[2];
+          for (int b = 0; b < 8; ++b)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {  // as block_sums: d = m − z ≥ 0, e = e^(−d), t = e·min(d, FLT_MAX)
-            const float dist = __fsub_rn(m, z[2 * b + e]);
-            e2[e] = exp_f(-dist);
-            t2[e] = ENTROPY ? __fmul_rn(e2[e], fminf(dist, FLT_MAX)) : 0.0f;
-          }
-          s_pair[b] = __fadd_rn(e2[0], e2[1]);
-          a_pair[b] = ENTROPY ? __fadd_rn(t2[0], t2[1]) : 0.0f;
+            for (int e = 0; e < 2; ++e) {
+              if (col(k, b, e) == target) p.target_logit[row] = z(k, b, e);
+              m[k] = fmaxf(m[k], z(k, b, e));
+            }
         }
-        // Every lane shuffles; without the entropy a stays 0 (merges then carry zeros).
-        const float s = quad_group_sum(s_pair, q), a = ENTROPY ? quad_group_sum(a_pair, q) : 0.0f;
-        const Stats g = m == -INFINITY ? empty_stats() : Stats{m, s, a};
-        // The unit's tree merge(merge(g0, g1), merge(g2, g3)), each pair merged as soon as it exists.
-        if (k % 2 == 0) pending = g;
-        else half[k / 2] = merge(pending, g);
+#pragma unroll
+        for (int mask = 1; mask <= 2; mask <<= 1)
+#pragma unroll
+          for (int k = 0; k < G; ++k) m[k] = fmaxf(m[k], __shfl_xor_sync(FULL, m[k], mask));
+        float s_pair[G][8], a_pair[G][8];
+#pragma unroll
+        for (int k = 0; k < G; ++k)
+#pragma unroll
+          for (int b = 0; b < 8; ++b) {
+            float e2[2], t2[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {  // as block_sums: d = m − z ≥ 0, e = e^(−d), t = e·min(d, FLT_MAX)
+              const float dist = __fsub_rn(m[k], z(k, b, e));
+              e2[e] = exp_f(-dist);
+              t2[e] = ENTROPY ? __fmul_rn(e2[e], fminf(dist, FLT_MAX)) : 0.0f;
+            }
+            s_pair[k][b] = __fadd_rn(e2[0], e2[1]);
+            a_pair[k][b] = ENTROPY ? __fadd_rn(t2[0], t2[1]) : 0.0f;
+          }
+        float s[G], a[G] = {};
+        quad_group_sums<G>(s_pair, q, s);
+        if constexpr (ENTROPY) quad_group_sums<G>(a_pair, q, a);
+        Stats g[G];
+#pragma unroll
+        for (int k = 0; k < G; ++k) g[k] = m[k] == -INFINITY ? empty_stats() : Stats{m[k], s[k], a[k]};
+        pair_of_groups[half] = merge(g[0], g[1]);
       }
-      const Stats unit = merge(half[0], half[1]);
+      const Stats unit = merge(pair_of_groups[0], pair_of_groups[1]);
       if (q == 0 && row < M) p.units[(n0 / UNIT) * M + row] = unit;
     }
   }
@@ -203,7 +239,7 @@ struct DlogitsEpilogue {
   using State = typename Store::State;
   template <int BN>
   __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
-                                                    int64_t, int) {
+                                                    int64_t, int, State&) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
   }
