@@ -125,14 +125,17 @@ struct VocabStatsEpilogue {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
-      const int64_t target = targets[h];
+      // The target's column within the tile (−1: not in this tile); 32-bit compares in the loops.
+      const int target = targets[h] >= n0 && targets[h] < n0 + UNIT ? int(targets[h] - n0) : -1;
+      const int valid = N - n0 < UNIT ? int(N - n0) : UNIT;  // columns of the tile inside V
+      float target_logit = 0.0f;
       Stats pair_of_groups[2];  // merge(g0, g1), merge(g2, g3)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         // Logits past V are −inf; the target's logit is written by the one thread that holds it.
-        auto col = [&](int k, int b, int e) { return n0 + GROUP * (2 * half + k) + 8 * b + 2 * q + e; };
+        auto col = [&](int k, int b, int e) { return GROUP * (2 * half + k) + 8 * b + 2 * q + e; };
         auto z = [&](int k, int b, int e) {
-          return col(k, b, e) < N ? d[(8 * (2 * half + k) + b) * 4 + h * 2 + e] : -INFINITY;
+          return col(k, b, e) < valid ? d[(8 * (2 * half + k) + b) * 4 + h * 2 + e] : -INFINITY;
         };
         float m[G];
 #pragma unroll
@@ -142,7 +145,7 @@ struct VocabStatsEpilogue {
           for (int b = 0; b < 8; ++b)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              if (col(k, b, e) == target) p.target_logit[row] = z(k, b, e);
+              target_logit = col(k, b, e) == target ? z(k, b, e) : target_logit;
               m[k] = fmaxf(m[k], z(k, b, e));
             }
         }
@@ -175,6 +178,7 @@ struct VocabStatsEpilogue {
       }
       const Stats unit = merge(pair_of_groups[0], pair_of_groups[1]);
       if (q == 0 && row < M) p.units[(n0 / UNIT) * M + row] = unit;
+      if (target >= 0 && (target % 8) / 2 == q) p.target_logit[row] = target_logit;  // the lane that holds it
     }
   }
   __device__ __forceinline__ static void finish(const Params&, int, State&) {}
