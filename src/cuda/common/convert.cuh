@@ -33,6 +33,13 @@ void with_float_storage(DType d, Fn&& fn) {
   else fn(float{});
 }
 
+// The same for a 16-bit floating dtype (bf16, else fp16): the tensor-core paths' operand types.
+template <class Fn>
+void with_16bit_storage(DType d, Fn&& fn) {
+  if (d == DType::bf16) fn(__nv_bfloat16{});
+  else fn(__half{});
+}
+
 // Every row of a row-major buffer starts 16-byte aligned (so rows load as 16-byte vectors): a
 // property of the base pointer and the row length, never of which row.
 inline bool rows_aligned_16(const void* base, int64_t row_elems, size_t elem) {

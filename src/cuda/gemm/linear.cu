@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/gemm.cuh"
 #include "ops/registry.hpp"
@@ -26,17 +27,11 @@ void require_tma_alignment(const Validator& v, const char* name, const TensorVie
     v.fail(name, "the Hopper GEMM path needs 16-byte aligned data (K is a multiple of 8)");
 }
 
-template <class Fn>
-void with_type(DType d, Fn&& fn) {
-  if (d == DType::bf16) fn(__nv_bfloat16{});
-  else fn(__half{});
-}
-
 void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
   Validator v("linear_forward", ctx);
   require_16bit(v, "x", a.x);
   if (a.bias.present()) v.same_dtype("bias", a.bias, "x", a.x);
-  with_type(a.x.dtype, [&](auto tag) {
+  with_16bit_storage(a.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = a.x.shape[0], K = a.x.shape[1], N = a.weight.shape[0];
     // The architecture picks the path; K % 8 (a property of the weight, never of M) keeps TMA's
@@ -59,7 +54,7 @@ void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a)
   Validator v("linear_backward_input", ctx);
   require_16bit(v, "dy", a.dy);
   v.same_dtype("weight", a.weight, "dy", a.dy);
-  with_type(a.dy.dtype, [&](auto tag) {
+  with_16bit_storage(a.dy.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = a.dy.shape[0], N = a.dy.shape[1], K = a.weight.shape[1];
     if (sm90_path_available() && K % 8 == 0 && N % 8 == 0) {
@@ -80,7 +75,7 @@ void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& 
   Validator v("linear_backward_weight", ctx);
   require_16bit(v, "dy", a.dy);
   v.same_dtype("x", a.x, "dy", a.dy);
-  with_type(a.dy.dtype, [&](auto tag) {
+  with_16bit_storage(a.dy.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = a.dy.shape[0], N = a.dy.shape[1], K = a.x.shape[1];
     if (sm90_path_available() && N % 8 == 0 && K % 8 == 0) {

@@ -29,12 +29,13 @@
 #include <algorithm>
 #include <vector>
 
-#include "cuda/common/index_check.cuh"
+#include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/sm90_gemm_kernel.cuh"
 #include "cuda/gemm/sm90_store_epilogue.cuh"
+#include "cuda/logprob/targets.cuh"
 #include "cuda/logprob/vocab_stats.cuh"
 #include "ops/registry.hpp"
 #include "ops/tuning.hpp"
@@ -295,12 +296,6 @@ struct DlogitsEpilogue {
 
 // ---------------------------------------------------------------- host side
 
-template <class Fn>
-void with_16bit(DType d, Fn&& fn) {
-  if (d == DType::bf16) fn(__nv_bfloat16{});
-  else fn(__half{});
-}
-
 // The GEMM over the whole (or a chunk of the) vocab with epilogue Epi: 256-column tiles always (one
 // vocab unit), 64-row compact tiles for M <= 64 (the plain GEMM's choice; rows get the same bits).
 template <class T, class Epi>
@@ -323,13 +318,6 @@ TensorView rows_or_none(const TensorView& t, int64_t begin, int64_t end) {
 // Tokens a composed (fallback) step takes: its fp32 logits stay within 256 MiB.
 int64_t composed_rows(int64_t T, int64_t V) { return std::max<int64_t>(1, std::min<int64_t>(T, (int64_t(1) << 28) / (V * 4))); }
 
-void check_targets(const char* op, const TensorView& targets, const TensorView& mask, int64_t T, int64_t V,
-                   int32_t ignore, cudaStream_t stream) {
-  if (T > INT32_MAX) throw Unsupported(op, "hidden", "more than 2^31 - 1 tokens in one call is not supported");
-  require_ids_in_range(op, "targets", targets.as<const int32_t>(), T, V,
-                       mask.present() ? mask.as<const uint8_t>() : nullptr, true, ignore, stream);
-}
-
 // Statistics and outputs of the forward (lse, entropy may be null).
 void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* logp, float* entropy, float* lse) {
   const char* op = "lm_head_logprob_forward";
@@ -337,7 +325,7 @@ void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* 
   const cudaStream_t stream = stream_of(ctx.stream);
   const uint8_t* mask = a.loss_mask.present() ? a.loss_mask.as<const uint8_t>() : nullptr;
   if (fused_path(a.hidden, a.weight, false)) {
-    with_16bit(a.hidden.dtype, [&](auto tag) {
+    with_16bit_storage(a.hidden.dtype, [&](auto tag) {
       using T_ = decltype(tag);
       const int n_units = int((V + UNIT - 1) / UNIT);
       ScratchBuffer units(size_t(n_units) * size_t(T) * sizeof(Stats), stream, op);
@@ -386,8 +374,8 @@ void require_16bit(const char* op, const TensorView& hidden) {
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   require_16bit("lm_head_logprob_forward", a.hidden);
-  check_targets("lm_head_logprob_forward", a.targets, a.loss_mask, a.hidden.shape[0], a.weight.shape[0],
-                a.ignore_index, stream);
+  check_rows_and_targets("lm_head_logprob_forward", "hidden", a.hidden.shape[0], a.weight.shape[0], a.targets,
+                         a.loss_mask, a.ignore_index, stream);
   forward_into(ctx, a, a.logp.as<float>(), a.entropy.present() ? a.entropy.as<float>() : nullptr,
                a.lse.present() ? a.lse.as<float>() : nullptr);
 }
@@ -521,7 +509,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   require_16bit(op, a.hidden);
   if (a.dhidden.dtype != DType::f32 && a.dhidden.dtype != a.hidden.dtype)
     throw Unsupported(op, "dhidden", "the CUDA LM head writes dhidden in hidden's dtype or fp32");
-  check_targets(op, a.targets, a.loss_mask, T, V, a.ignore_index, stream);
+  check_rows_and_targets(op, "hidden", T, V, a.targets, a.loss_mask, a.ignore_index, stream);
   // The statistics: the forward's lse, or (no lse, or an entropy gradient, which needs H) a forward
   // pass into scratch first.
   const float* lse = a.lse.present() ? a.lse.as<const float>() : nullptr;
@@ -539,7 +527,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
     lse = stats.as<float>() + 2 * T;
   }
   if (fused_path(a.hidden, a.weight, true)) {
-    with_16bit(a.hidden.dtype, [&](auto tag) { fused_backward<decltype(tag)>(a, lse, entropy, stream); });
+    with_16bit_storage(a.hidden.dtype, [&](auto tag) { fused_backward<decltype(tag)>(a, lse, entropy, stream); });
     return;
   }
   composed_backward(ctx, a, lse);

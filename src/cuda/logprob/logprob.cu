@@ -18,8 +18,8 @@
 #include <type_traits>
 
 #include "cuda/common/convert.cuh"
-#include "cuda/common/index_check.cuh"
 #include "cuda/common/runtime.cuh"
+#include "cuda/logprob/targets.cuh"
 #include "cuda/logprob/vocab_stats.cuh"
 #include "ops/registry.hpp"
 #include "samebits/ops.hpp"
@@ -300,19 +300,11 @@ const float* opt_f32(const TensorView& t) { return t.present() ? t.as<const floa
 float* opt_f32_out(const TensorView& t) { return t.present() ? t.as<float>() : nullptr; }
 const uint8_t* opt_mask(const TensorView& t) { return t.present() ? t.as<const uint8_t>() : nullptr; }
 
-// Before anything is written: one CTA per row fits the grid, and every unmasked target is a column.
-void check_rows_and_targets(const char* op, const TensorView& logits, const TensorView& targets,
-                            const TensorView& mask, int32_t ignore, cudaStream_t stream) {
-  const int64_t T = logits.shape[0], V = logits.shape[1];
-  if (T > INT32_MAX) throw Unsupported(op, "logits", "more than 2^31 - 1 rows in one call is not supported");
-  require_ids_in_range(op, "targets", targets.as<const int32_t>(), T, V, opt_mask(mask), true, ignore, stream);
-}
-
 void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
   const char* op = "logprob_forward";
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
-  check_rows_and_targets(op, a.logits, a.targets, a.loss_mask, a.ignore_index, stream);
+  check_rows_and_targets(op, "logits", T, V, a.targets, a.loss_mask, a.ignore_index, stream);
   with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     size_t smem = 0;
@@ -328,7 +320,7 @@ void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
   const char* op = "logprob_backward";
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
-  check_rows_and_targets(op, a.logits, a.targets, a.loss_mask, a.ignore_index, stream);
+  check_rows_and_targets(op, "logits", T, V, a.targets, a.loss_mask, a.ignore_index, stream);
   with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     with_float_storage(a.dlogits.dtype, [&](auto out_tag) {
