@@ -20,9 +20,10 @@ def main():
     weight = (torch.randn(V, K, device=dev) * (3.0 / K ** 0.5)).to(torch.bfloat16)
     targets = torch.randint(0, V, (T,), device=dev, dtype=torch.int32)
     mask = torch.ones(T, device=dev, dtype=torch.uint8)
-    logp, lse = torch.empty(T, device=dev), torch.empty(T, device=dev)
+    logp, ent, lse = torch.empty(T, device=dev), torch.empty(T, device=dev), torch.empty(T, device=dev)
     logits = torch.empty(T, V, device=dev, dtype=torch.bfloat16)
     calls = {"fused": lambda: sb.lm_head_forward(hidden, weight, targets, mask, logp, None, lse),
+             "fused+H": lambda: sb.lm_head_forward(hidden, weight, targets, mask, logp, ent, lse),
              "gemm": lambda: sb.linear_forward(hidden, weight, logits),
              "cublas": lambda: torch.mm(hidden, weight.t(), out=logits)}
     for rnd in range(2):

@@ -90,9 +90,9 @@ struct VocabStatsParams {
   Stats* units;          // [units][M]: unit u of row r at u·M + r
   float* target_logit;   // [M]
 };
-// ENTROPY: the entropy is asked for, so Σe·(m−z) is summed too (m and Σe, hence lse and logp, are
-// the same bits either way).
-template <bool ENTROPY>
+// Σe·(m−z) is summed whether or not the entropy is asked for (m and Σe, hence lse and logp, never
+// depend on it): a variant without it measured 2% slower on an H100, not faster (its exps and shuffles
+// bunch together; bench/power_lm_head.py, two rounds, and bench/bench_lm_head.py, two runs).
 struct VocabStatsEpilogue {
   using Params = VocabStatsParams;
   struct State {};
@@ -109,46 +109,65 @@ struct VocabStatsEpilogue {
       if (row < M) asm volatile("prefetch.global.L1 [%0];" ::"l"(p.targets + row));
     }
   }
-  // One row of the tile at a time, two groups side by side at every step (independent chains of
-  // shuffles and exps: the epilogue is latency-bound; four side by side spill registers).
+  // The epilogue runs while the tensor cores wait, so it is written for few instructions per logit
+  // (an exp, a max, two adds, and two more for the entropy): columns past V are set to −inf in the
+  // accumulators once, on the vocab's last tile only, and the target's logit is picked out by a
+  // tree of 63 selects, instead of a compare and a select per logit for each.
+  // Then one row of the tile at a time, two groups side by side at every step (independent chains
+  // of shuffles and exps: the epilogue is latency-bound; four side by side spill registers).
   template <int BN, int BOXES>
   __device__ __forceinline__ static void end_tile(const Params& p, float (&d)[BN / 2], uint8_t*, int64_t row_base,
                                                   int64_t n0, int64_t M, int64_t N, int t, int, State&) {
     static_assert(BN == UNIT && UNIT / GROUP == 4, "a tile row is one vocab unit of four groups");
     constexpr int G = 2;
     const int warp = t / 32, lane = t % 32, q = lane % 4;
-    int64_t targets[2];
+    // d[j*4 + h*2 + e]: row h, tile column 8j + 2q + e.
+    if (N - n0 < UNIT) {  // uniform: the vocab's last tile
+      const int valid = int(N - n0);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
-      targets[h] = row < M ? p.targets[row] : -1;
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * j + 2 * q + e >= valid) d[j * 4 + e] = d[j * 4 + 2 + e] = -INFINITY;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
-      // The target's column within the tile (−1: not in this tile); 32-bit compares in the loops.
-      const int target = targets[h] >= n0 && targets[h] < n0 + UNIT ? int(targets[h] - n0) : -1;
-      const int valid = N - n0 < UNIT ? int(N - n0) : UNIT;  // columns of the tile inside V
-      float target_logit = 0.0f;
+      const int64_t target = row < M ? p.targets[row] : -1;
+      // The target's column within the tile, if this thread holds it (the lane of its column pair).
+      const int col = target >= n0 && target < n0 + UNIT ? int(target - n0) : -1;
+      if constexpr (BN == UNIT) {  // a tree of selects on the bits of the column (reading accumulators
+        // in a branch would serialise the wgmmas): the pair's element, then halving the 32 pairs.
+        const int c = col < 0 ? 0 : col;
+        float z[BN / 8];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) z[j] = c & 1 ? d[j * 4 + h * 2 + 1] : d[j * 4 + h * 2];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) z[j] = c & 128 ? z[j + 16] : z[j];  // pairs j, j + w: column bit 8w
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z[j] = c & 64 ? z[j + 8] : z[j];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) z[j] = c & 32 ? z[j + 4] : z[j];
+        z[0] = c & 16 ? z[2] : z[0];
+        z[1] = c & 16 ? z[3] : z[1];
+        z[0] = c & 8 ? z[1] : z[0];
+        if (col >= 0 && (col % 8) / 2 == q) p.target_logit[row] = z[0];
+      }
       Stats pair_of_groups[2];  // merge(g0, g1), merge(g2, g3)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // Logits past V are −inf; the target's logit is written by the one thread that holds it.
-        auto col = [&](int k, int b, int e) { return GROUP * (2 * half + k) + 8 * b + 2 * q + e; };
-        auto z = [&](int k, int b, int e) {
-          return col(k, b, e) < valid ? d[(8 * (2 * half + k) + b) * 4 + h * 2 + e] : -INFINITY;
-        };
+        auto z = [&](int k, int b, int e) -> float { return d[(8 * (2 * half + k) + b) * 4 + h * 2 + e]; };
         float m[G];
 #pragma unroll
-        for (int k = 0; k < G; ++k) {
-          m[k] = -INFINITY;
+        for (int k = 0; k < G; ++k) {  // max is exact: a tree of depth 4 instead of a chain of 16
+          float v[8];
 #pragma unroll
-          for (int b = 0; b < 8; ++b)
+          for (int b = 0; b < 8; ++b) v[b] = fmaxf(z(k, b, 0), z(k, b, 1));
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              target_logit = col(k, b, e) == target ? z(k, b, e) : target_logit;
-              m[k] = fmaxf(m[k], z(k, b, e));
-            }
+          for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+            for (int b = 0; b < w; ++b) v[b] = fmaxf(v[b], v[b + w]);
+          m[k] = v[0];
         }
 #pragma unroll
         for (int mask = 1; mask <= 2; mask <<= 1)
@@ -164,14 +183,14 @@ struct VocabStatsEpilogue {
             for (int e = 0; e < 2; ++e) {  // as block_sums: d = m − z ≥ 0, e = e^(−d), t = e·min(d, FLT_MAX)
               const float dist = __fsub_rn(m[k], z(k, b, e));
               e2[e] = exp_f(-dist);
-              t2[e] = ENTROPY ? __fmul_rn(e2[e], fminf(dist, FLT_MAX)) : 0.0f;
+              t2[e] = __fmul_rn(e2[e], fminf(dist, FLT_MAX));
             }
             s_pair[k][b] = __fadd_rn(e2[0], e2[1]);
-            a_pair[k][b] = ENTROPY ? __fadd_rn(t2[0], t2[1]) : 0.0f;
+            a_pair[k][b] = __fadd_rn(t2[0], t2[1]);
           }
-        float s[G], a[G] = {};
+        float s[G], a[G];
         quad_group_sums<G>(s_pair, q, s);
-        if constexpr (ENTROPY) quad_group_sums<G>(a_pair, q, a);
+        quad_group_sums<G>(a_pair, q, a);
         Stats g[G];
 #pragma unroll
         for (int k = 0; k < G; ++k) g[k] = m[k] == -INFINITY ? empty_stats() : Stats{m[k], s[k], a[k]};
@@ -179,7 +198,6 @@ struct VocabStatsEpilogue {
       }
       const Stats unit = merge(pair_of_groups[0], pair_of_groups[1]);
       if (q == 0 && row < M) p.units[(n0 / UNIT) * M + row] = unit;
-      if (target >= 0 && (target % 8) / 2 == q) p.target_logit[row] = target_logit;  // the lane that holds it
     }
   }
   __device__ __forceinline__ static void finish(const Params&, int, State&) {}
@@ -252,18 +270,17 @@ struct DlogitsEpilogue {
   // so the accumulators are consumed in place (no second array of 128 values).
   struct Row {
     bool active;
-    int64_t target;
+    int target_col;  // the target's column within the tile, −1 if it is not in the tile
     float l, g, ge, H;
   };
   struct Value {
     Row row[2];
-    int64_t col0;  // the tile's first vocab column
     __device__ __forceinline__ float operator()(float z, int h, int col) const {
       const Row& r = row[h];
       const float lp = __fsub_rn(z, r.l), pr = exp_f(lp);
       float out = __fmul_rn(-r.g, pr);
       const float with_g = __fadd_rn(out, r.g);
-      out = col0 + col == r.target ? with_g : out;
+      out = col == r.target_col ? with_g : out;
       if constexpr (ENTROPY) {  // a select, not a branch
         const float with_h = __fadd_rn(out, __fmul_rn(r.ge, __fmul_rn(-pr, __fadd_rn(lp, r.H))));
         out = r.ge != 0.0f ? with_h : out;
@@ -277,13 +294,14 @@ struct DlogitsEpilogue {
                                                   State& s) {
     const int warp = t / 32, lane = t % 32;
     Value value;
-    value.col0 = p.col0 + n0;
+    const int64_t col0 = p.col0 + n0;  // the tile's first vocab column
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
       Row& r = value.row[h];
       r.active = row < M && p.active[row] != 0;
-      r.target = r.active ? p.targets[row] : -1;
+      const int64_t target = r.active ? p.targets[row] : -1;
+      r.target_col = target >= col0 && target < col0 + BN ? int(target - col0) : -1;
       r.l = r.active ? p.lse[row] : 0.0f;
       r.g = r.active ? p.dlogp[row] : 0.0f;
       r.ge = ENTROPY && r.active ? p.dentropy[row] : 0.0f;
@@ -331,12 +349,7 @@ void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* 
       ScratchBuffer units(size_t(n_units) * size_t(T) * sizeof(Stats), stream, op);
       ScratchBuffer target_logit(size_t(T) * sizeof(float), stream, op);
       const VocabStatsParams p{a.targets.as<const int32_t>(), units.as<Stats>(), target_logit.as<float>()};
-      if (entropy)
-        launch_vocab_gemm<T_, VocabStatsEpilogue<true>>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K,
-                                                        stream, op);
-      else
-        launch_vocab_gemm<T_, VocabStatsEpilogue<false>>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K,
-                                                         stream, op);
+      launch_vocab_gemm<T_, VocabStatsEpilogue>(a.hidden.as<const T_>(), a.weight.as<const T_>(), p, T, V, K, stream, op);
       combine_units<<<unsigned((T + 127) / 128), 128, 0, stream>>>(units.as<const Stats>(), target_logit.as<const float>(),
                                                                    T, V, n_units, a.targets.as<const int32_t>(), mask,
                                                                    a.ignore_index, logp, entropy, lse);

@@ -160,10 +160,13 @@ __device__ __forceinline__ Stats group_stats(const uint8_t* stage, int g) {
       for (int i = 0; i < CHUNK_ELEMS; ++i) z[q * CHUNK_ELEMS + i] = to_f32(h[i]);
     }
   };
-  float m = -INFINITY;
+  // The max skips NaNs (fmaxf, __hmax2) and starts from NaN, so it is NaN only for a group that is
+  // all NaN, which then poisons its row (started from −inf, such a group looked empty and was dropped);
+  // −inf only for a group with no finite logit and no NaN (columns past V).
+  float m = NAN;
   if constexpr (sizeof(T) == 2) {  // the max of 16-bit values, two at a time, then widened (exact)
     using T2 = typename std::conditional<std::is_same<T, __half>::value, __half2, __nv_bfloat162>::type;
-    T2 m2 = __halves2bfloat162_or_half2<T2>(T(-INFINITY));
+    T2 m2 = __halves2bfloat162_or_half2<T2>(T(NAN));
 #pragma unroll
     for (int c = 0; c < GROUP / CHUNK_ELEMS; ++c) {
       const uint4 raw = lds_128(base + (c ^ (g % 8)) * 16);

@@ -33,9 +33,16 @@ struct Stats {
 __device__ __forceinline__ Stats empty_stats() { return {-INFINITY, 0.0f, 0.0f}; }
 __device__ __forceinline__ bool is_empty(const Stats& x) { return x.m == -INFINITY; }
 
-// e^x in fp32 (the special-function unit's exp2 of x·log2 e: relative error ~1e-6 over the range
-// that matters; deterministic).
-__device__ __forceinline__ float exp_f(float x) { return __expf(x); }
+// e^x in fp32: the special-function unit's exp2 of x·log2 e (relative error ~1e-6; deterministic),
+// flushing results below 2^-126 (and subnormal inputs) to zero. The flush is one MUFU.EX2 after one
+// multiply; __expf's subnormal handling costs a compare, two multiplies and a select more per
+// element, which the fused LM head's epilogue (one exp per logit, run while the tensor cores wait)
+// cannot afford. A flushed e^(z − m) is below 1e-38 of the row's largest term.
+__device__ __forceinline__ float exp_f(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.4426950408889634f)));
+  return y;
+}
 
 // Symmetric merge: the side with the larger max keeps its terms unscaled (e^0 = 1 is exact), the
 // other is scaled by e^(m_small − m_big), one exp per merge. Separate roundings throughout
