@@ -390,3 +390,23 @@ TEST_F(CudaLmHead, NonFiniteHiddenInMaskedRowsDoesNotReachTheWeightGradient) {
   for (int64_t t = 0; t < 100; ++t)
     if (t != 10) expect_same_bits(dirty.dhidden.slice_rows(t, t + 1), clean.dhidden.slice_rows(t, t + 1), "dhidden row");
 }
+
+// NaN weight rows make every token's logits NaN in those columns: a whole 64-column group of them
+// must poison each row (a max that skipped NaNs from −inf took such a group for an empty one and
+// gave finite logprobs), as must a single NaN column.
+TEST_F(CudaLmHead, NanWeightRowsPoisonEveryToken) {
+  for (const auto& [first, count] : {std::pair<int64_t, int64_t>{128, 64}, {1000, 1}}) {
+    Rng r(53);
+    Batch b(r, DType::bf16, 40, 4096, 64);
+    for (int64_t v = first; v < first + count; ++v)
+      for (int64_t k = 0; k < 64; ++k) b.weight.set(v * 64 + k, NAN);
+    const Outputs o = run(b, 0, 40);
+    for (int64_t t = 0; t < 40; ++t) {
+      EXPECT_TRUE(std::isnan(o.lse.get(t))) << "columns " << first << "+" << count << ", row " << t;
+      const bool active = b.mask.get(t) != 0 && b.targets.get(t) != IGNORE;
+      if (active) {
+        EXPECT_TRUE(std::isnan(o.logp.get(t))) << "columns " << first << "+" << count << ", row " << t;
+      }
+    }
+  }
+}
