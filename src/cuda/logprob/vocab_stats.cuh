@@ -8,8 +8,9 @@
 //          ((0+1)+(2+3))+((4+5)+(6+7)), the 8 block sums by the same tree;
 //   unit   4 groups (256 columns), range 8 units (2048 columns): balanced binary trees of merges;
 //   row    ranges merged one after another in ascending order.
-// Columns past V are −inf (they add exact zeros); a group with no finite logit is empty and a merge
-// with an empty side returns the other side unchanged. merge(x, y) is computed without fused
+// Columns past V are −inf (they add exact zeros); a group with no finite logit and no NaN is empty and
+// a merge with an empty side returns the other side unchanged. A group's max skips NaNs but starts
+// from NaN, so a group of NaNs has a NaN max and makes its row NaN instead of looking empty. merge(x, y) is computed without fused
 // multiply-adds, so merge(x, y) == merge(y, x) bit for bit: a butterfly of warp shuffles gives every
 // lane the same bits as the tree.
 // Why this shape: rescaling (an exp per merge) happens only between groups, so a thread that holds a
