@@ -134,6 +134,80 @@ int sb_lm_head_backward(void* hidden, int dtype, int64_t T, int64_t K, void* wei
   });
 }
 
+// RMSNorm: x, residual (optional), y, residual_out (optional) [T, H] of dtype; weight [H] of w_dtype.
+int sb_rmsnorm_forward(void* x, void* residual, int dtype, int64_t T, int64_t H, void* weight, int w_dtype, void* y,
+                       void* residual_out, void* rstd, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    RmsNormForwardArgs a;
+    a.x = cuda_view(x, DType(dtype), {T, H});
+    a.residual = cuda_view(residual, DType(dtype), {T, H});
+    a.weight = cuda_view(weight, DType(w_dtype), {H});
+    a.y = cuda_view(y, DType(dtype), {T, H});
+    a.residual_out = cuda_view(residual_out, DType(dtype), {T, H});
+    a.rstd = cuda_view(rstd, DType::f32, {T});
+    rmsnorm_forward(ctx_on(stream), a);
+  });
+}
+
+int sb_rmsnorm_backward(void* dy, void* x, int dtype, int64_t T, int64_t H, void* weight, int w_dtype, void* rstd,
+                        void* dx, void* dweight, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    RmsNormBackwardArgs a;
+    a.dy = cuda_view(dy, DType(dtype), {T, H});
+    a.x = cuda_view(x, DType(dtype), {T, H});
+    a.weight = cuda_view(weight, DType(w_dtype), {H});
+    a.rstd = cuda_view(rstd, DType::f32, {T});
+    a.dx = cuda_view(dx, DType(dtype), {T, H});
+    a.dweight = cuda_view(dweight, DType::f32, {H});
+    rmsnorm_backward(ctx_on(stream), a);
+  });
+}
+
+// SwiGLU (backward when dy is given: dgate, dup) and the residual add, n elements of dtype.
+int sb_swiglu(void* gate, void* up, int dtype, int64_t n, void* y, void* dy, void* dgate, void* dup, void* stream,
+              char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    if (dy) {
+      SwiGluBackwardArgs a;
+      a.dy = cuda_view(dy, DType(dtype), {n});
+      a.gate = cuda_view(gate, DType(dtype), {n});
+      a.up = cuda_view(up, DType(dtype), {n});
+      a.dgate = cuda_view(dgate, DType(dtype), {n});
+      a.dup = cuda_view(dup, DType(dtype), {n});
+      swiglu_backward(ctx_on(stream), a);
+    } else {
+      SwiGluForwardArgs a;
+      a.gate = cuda_view(gate, DType(dtype), {n});
+      a.up = cuda_view(up, DType(dtype), {n});
+      a.y = cuda_view(y, DType(dtype), {n});
+      swiglu_forward(ctx_on(stream), a);
+    }
+  });
+}
+
+int sb_residual_add(void* a_, void* b_, int dtype, int64_t n, void* y, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    ResidualAddArgs a;
+    a.a = cuda_view(a_, DType(dtype), {n});
+    a.b = cuda_view(b_, DType(dtype), {n});
+    a.y = cuda_view(y, DType(dtype), {n});
+    residual_add_forward(ctx_on(stream), a);
+  });
+}
+
+// RoPE on x [T, heads, D] (in place when y == x), Qwen3's theta.
+int sb_rope(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* positions, void* y, int inverse, void* stream,
+            char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    RopeArgs a;
+    a.x = cuda_view(x, DType(dtype), {T, heads, D});
+    a.positions = cuda_view(positions, DType::i32, {T});
+    a.y = cuda_view(y, DType(dtype), {T, heads, D});
+    if (inverse) rope_backward(ctx_on(stream), a);
+    else rope_forward(ctx_on(stream), a);
+  });
+}
+
 int sb_dtype_code(const char* name) {
   for (DType d : {DType::bf16, DType::f16, DType::f32})
     if (std::strcmp(dtype_name(d), name) == 0) return int(d);

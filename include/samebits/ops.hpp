@@ -53,9 +53,13 @@ struct RmsNormForwardArgs {
 };
 // x is the normed input (s when fused). dx = ∂y/∂x·dy (+ dresidual_out: the gradient arriving on
 // the residual stream, when fused; dx is then also the gradient of both summands).
-// dweight[H] += Σ_t dy[t]·x̂[t] over unmasked rows, ascending t.
+// dweight[H] += Σ_t dy[t]·x̂[t] over unmasked rows. The CPU adds one row at a time, ascending t. The
+// GPU sums chunks of rows (a size set by H) that start at every segment, then chains them into
+// dweight in row order: segments as linear_backward_weight's (rows outside every segment add
+// nothing to dweight; their dx is computed), so splits into micro-batches at sequence boundaries,
+// packed or padded, give the same bits.
 struct RmsNormBackwardArgs {
-  TensorView dy, dresidual_out, x, weight, rstd, row_mask, dx, dweight;
+  TensorView dy, dresidual_out, x, weight, rstd, row_mask, dx, dweight, segments;
   double eps = 1e-6;
 };
 void rmsnorm_forward(const Context&, const RmsNormForwardArgs&);
@@ -66,9 +70,10 @@ struct QkNormForwardArgs {
   TensorView x, weight, y, rstd;  // rstd: [T, heads] fp32, optional
   double eps = 1e-6;
 };
-// dweight[head_dim] += Σ over unmasked tokens t ascending, then heads ascending.
+// dweight[head_dim] += Σ over unmasked tokens (CPU: tokens ascending, each token's heads ascending;
+// GPU: chunks of tokens from every segment, as rmsnorm_backward). segments: as rmsnorm_backward's.
 struct QkNormBackwardArgs {
-  TensorView dy, x, weight, rstd, row_mask, dx, dweight;
+  TensorView dy, x, weight, rstd, row_mask, dx, dweight, segments;
   double eps = 1e-6;
 };
 void qk_norm_forward(const Context&, const QkNormForwardArgs&);

@@ -6,40 +6,17 @@
 
 #include "cpu/common.hpp"
 #include "ops/registry.hpp"
+#include "ops/rope_freq.hpp"
 #include "samebits/ops.hpp"
 
 namespace samebits::cpu {
 namespace {
 
-constexpr double kPi = 3.14159265358979323846;
-
-std::vector<float> inv_freq_table(const RopeConfig& c, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-  std::vector<float> f(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    double inv = 1.0 / std::pow(c.theta, double(2 * i) / double(head_dim));
-    if (c.llama3_scaling) {  // Llama-3 frequency-dependent scaling
-      const double low_wavelen = double(c.original_max_position) / c.low_freq_factor;
-      const double high_wavelen = double(c.original_max_position) / c.high_freq_factor;
-      const double wavelen = 2.0 * kPi / inv;
-      if (wavelen > low_wavelen) {
-        inv = inv / c.factor;
-      } else if (wavelen >= high_wavelen) {
-        const double smooth = (double(c.original_max_position) / wavelen - c.low_freq_factor) /
-                              (c.high_freq_factor - c.low_freq_factor);
-        inv = (1.0 - smooth) * inv / c.factor + smooth * inv;
-      }
-    }
-    f[i] = float(inv);
-  }
-  return f;
-}
-
 template <class Acc>
 void rope(const Context& ctx, const RopeArgs& a, bool inverse) {
   (void)ctx;
   const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2], half = D / 2;
-  const auto inv_freq = inv_freq_table(a.config, D);
+  const auto inv_freq = detail::rope_inv_freq(a.config, D);
   const auto* pos = a.positions.as<const int32_t>();
   const Acc sign = inverse ? Acc(-1) : Acc(1);
 #pragma omp parallel for schedule(static)

@@ -21,7 +21,7 @@ static void check_rstd(const Validator& v, const TensorView& rstd, const TensorV
 static void check_norm_backward(const Validator& v, const TensorView& dy, const TensorView& x,
                                 const TensorView& weight, const TensorView& rstd,
                                 const TensorView& row_mask, const TensorView& dx,
-                                const TensorView& dweight, double eps, int rank) {
+                                const TensorView& dweight, const TensorView& segments, double eps, int rank) {
   const char* what = rank == 2 ? "hidden size" : "head_dim";
   check_eps(v, eps);
   check_float_input(v, "dy", dy, rank);
@@ -38,6 +38,7 @@ static void check_norm_backward(const Validator& v, const TensorView& dy, const 
   v.required("dweight", dweight, 1);
   v.accumulator("dweight", dweight);
   v.dim("dweight", dweight, 0, x.shape[rank - 1], what);
+  check_segments(v, segments, x.shape[0]);
 }
 
 void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
@@ -67,7 +68,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
 
 void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   auto v = begin_op<OpId::rmsnorm_backward>("rmsnorm_backward", ctx, a);
-  check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.eps, 2);
+  check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.segments, a.eps, 2);
   if (a.dresidual_out.present()) {
     check_float_input(v, "dresidual_out", a.dresidual_out, 2);
     v.same_shape("dresidual_out", a.dresidual_out, "dy", a.dy);
@@ -90,7 +91,7 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   auto v = begin_op<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
-  check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.eps, 3);
+  check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.segments, a.eps, 3);
   run_kernel<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
 }
 

@@ -83,6 +83,11 @@ __device__ __forceinline__ void quad_group_sums(const float (&pair)[G][8], int q
   for (int g = 0; g < G; ++g) out[g] = __fadd_rn(two[g], __shfl_xor_sync(FULL, two[g], 1));
 }
 
+}  // namespace
+
+// Named (not anonymous): the epilogue is used only by the device kernel, which the host pass does not
+// compile, and an unused function of internal linkage is a warning there.
+namespace lm_head {
 // The forward's epilogue: one vocab unit statistic per row of the 256-column tile, and the target
 // logit. Logits past V count as −inf, as in the standalone kernel.
 struct VocabStatsParams {
@@ -202,6 +207,12 @@ struct VocabStatsEpilogue {
   }
   __device__ __forceinline__ static void finish(const Params&, int, State&) {}
 };
+}  // namespace lm_head
+
+namespace {
+
+using lm_head::VocabStatsEpilogue;
+using lm_head::VocabStatsParams;
 
 // A row's units into ranges of eight (balanced tree), ranges chained in ascending order: the
 // standalone kernel's lane butterfly and chain, one thread per row.

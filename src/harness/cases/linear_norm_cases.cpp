@@ -107,6 +107,8 @@ class RmsNormCase : public OpCase {
     b.row_mask = io.view(io.batch.row_mask);
     b.dx = io.view(io.output("dx", io.out_dtype(dt_), {h_}));
     b.dweight = io.grad("weight");
+    const HostTensor segments = segment_table(io.batch);
+    b.segments = V(segments);  // read on the host during the call
     rmsnorm_backward(ctx, b);
   }
 
@@ -147,6 +149,8 @@ class QkNormCase : public OpCase {
     b.row_mask = io.view(io.batch.row_mask);
     b.dx = io.view(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
     b.dweight = io.grad("weight");
+    const HostTensor segments = segment_table(io.batch);
+    b.segments = V(segments);  // read on the host during the call
     qk_norm_backward(ctx, b);
   }
 

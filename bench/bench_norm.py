@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""samebits' CUDA RMSNorm, SwiGLU, residual add and RoPE against torch, in one process on one card.
+
+    python3 bench/bench_norm.py BUILD_DIR [--md OUT.md]
+
+Effective bandwidth counts each tensor the op must read or write once (bf16 activations, a bf16
+weight, fp32 rstd and dweight). Every sample times samebits and torch alternately with CUDA events
+after warm-up (bench_logprob.alternate); medians. Inputs are random and rotate over three buffers
+of 64 MiB or more, past the 50 MiB L2. The dweight chain's share of the backward comes from the
+kernel times of one call (torch.profiler / CUPTI).
+"""
+import argparse
+import ctypes
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from bench_logprob import alternate, load_shim
+
+EPS = 1e-6
+
+
+class Shim:
+    def __init__(self, build):
+        self.lib = load_shim(build)
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        sig = {"sb_rmsnorm_forward": [P, P, I, L, L, P, I, P, P, P, P, ctypes.c_char_p, I],
+               "sb_rmsnorm_backward": [P, P, I, L, L, P, I, P, P, P, P, ctypes.c_char_p, I],
+               "sb_swiglu": [P, P, I, L, P, P, P, P, P, ctypes.c_char_p, I],
+               "sb_residual_add": [P, P, I, L, P, P, ctypes.c_char_p, I],
+               "sb_rope": [P, I, L, L, L, P, P, I, P, ctypes.c_char_p, I]}
+        for name, args in sig.items():
+            getattr(self.lib, name).argtypes = args
+            getattr(self.lib, name).restype = I
+        self.err = ctypes.create_string_buffer(2048)
+        self.bf16 = self.lib.sb_dtype_code(b"bf16")
+
+    def call(self, name, *args):
+        if getattr(self.lib, name)(*args, torch.cuda.current_stream().cuda_stream, self.err, len(self.err)) != 0:
+            raise RuntimeError(self.err.value.decode())
+
+
+def p(t):
+    return None if t is None else t.data_ptr()
+
+
+def row(name, ours, theirs, nbytes, target=None):
+    bw = nbytes / (ours * 1e-3) / 1e12
+    tbw = nbytes / (theirs * 1e-3) / 1e12
+    verdict = "" if target is None else (f" (target ≥ {target}: **{'met' if bw >= target else 'not met'}**)")
+    return (f"| {name} | {ours * 1e3:.1f} µs | {bw:.2f} TB/s{verdict} | {theirs * 1e3:.1f} µs, {tbw:.2f} TB/s | "
+            f"**{theirs / ours:.2f}×** |")
+
+
+def bench_rmsnorm(sb, T, H, reps, out):
+    dev, bf = "cuda", torch.bfloat16
+    xs = [torch.randn(T, H, device=dev, dtype=bf) for _ in range(3)]
+    dys = [torch.randn(T, H, device=dev, dtype=bf) for _ in range(3)]
+    w = (torch.rand(H, device=dev) + 0.5).to(bf)
+    y, dx = torch.empty(T, H, device=dev, dtype=bf), torch.empty(T, H, device=dev, dtype=bf)
+    rstd, dw = torch.empty(T, device=dev), torch.zeros(H, device=dev)
+
+    def ours_fwd(i):
+        sb.call("sb_rmsnorm_forward", p(xs[i % 3]), None, sb.bf16, T, H, p(w), sb.bf16, p(y), None, p(rstd))
+
+    def torch_fwd(i):
+        F.rms_norm(xs[i % 3], (H,), w, EPS)
+
+    f_ours, f_torch = alternate([ours_fwd, torch_fwd], reps)
+    out.append(row(f"RMSNorm forward {T} × {H}", f_ours, f_torch, 2 * T * H * 2 + H * 2 + T * 4, 2.6))
+
+    sb.call("sb_rmsnorm_forward", p(xs[0]), None, sb.bf16, T, H, p(w), sb.bf16, p(y), None, p(rstd))
+    leaves = [x.detach().requires_grad_() for x in xs]
+    wl = w.detach().requires_grad_()
+
+    def ours_bwd(i):
+        sb.call("sb_rmsnorm_backward", p(dys[i % 3]), p(xs[i % 3]), sb.bf16, T, H, p(w), sb.bf16, p(rstd), p(dx), p(dw))
+
+    def torch_bwd(i):
+        yy = F.rms_norm(leaves[i % 3], (H,), wl, EPS)
+        torch.autograd.grad(yy, (leaves[i % 3], wl), dys[i % 3])
+
+    b_ours, b_torch = alternate([ours_bwd, torch_bwd], reps)
+    out.append(row(f"RMSNorm backward (dx + dweight) {T} × {H}", b_ours, b_torch, 3 * T * H * 2 + T * 4 + H * (2 + 8),
+                   2.2) + " torch: forward + backward (autograd recomputes nothing it saved)")
+    # The dweight chain's share: kernel times of one backward.
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours_bwd(0)
+        torch.cuda.synchronize()
+    main = chain = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if "chain_partials" in e.key:
+            chain += t
+        elif "rmsnorm_backward_kernel" in e.key:
+            main += t
+    if main > 0:
+        out.append(f"| ↳ dweight chain (ranges of 16 chunks, then the ranges in order) | {chain:.1f} µs | "
+                   f"{100 * chain / (main + chain):.1f}% of the backward's kernel time (target ≤ 5%: "
+                   f"**{'met' if chain <= 0.05 * (main + chain) else 'not met'}**); the chunk partials are written "
+                   f"by the main kernel ({main:.1f} µs) | | |")
+
+
+def bench_elementwise(sb, reps, out):
+    dev, bf = "cuda", torch.bfloat16
+    T, I, H = 8192, 12288, 4096
+    gs = [torch.randn(T, I, device=dev, dtype=bf) for _ in range(3)]
+    us = [torch.randn(T, I, device=dev, dtype=bf) for _ in range(3)]
+    y = torch.empty(T, I, device=dev, dtype=bf)
+    n = T * I
+
+    def ours(i):
+        sb.call("sb_swiglu", p(gs[i % 3]), p(us[i % 3]), sb.bf16, n, p(y), None, None, None)
+
+    def theirs(i):
+        F.silu(gs[i % 3]) * us[i % 3]
+
+    a, b = alternate([ours, theirs], reps)
+    out.append(row(f"SiLU·mul forward {T} × {I}", a, b, 3 * n * 2, 2.6))
+    dg, du = torch.empty_like(y), torch.empty_like(y)
+    dys = [torch.randn(T, I, device=dev, dtype=bf) for _ in range(3)]
+
+    def ours_b(i):
+        sb.call("sb_swiglu", p(gs[i % 3]), p(us[i % 3]), sb.bf16, n, None, p(dys[i % 3]), p(dg), p(du))
+
+    def theirs_b(i):
+        g, u = gs[i % 3], us[i % 3]
+        s = torch.sigmoid(g)
+        dys[i % 3] * g * s, dys[i % 3] * u * (s * (1 + g * (1 - s)))
+
+    a, b = alternate([ours_b, theirs_b], reps)
+    out.append(row(f"SiLU·mul backward {T} × {I}", a, b, 5 * n * 2) + " torch: eager formula")
+    xa = [torch.randn(T, H, device=dev, dtype=bf) for _ in range(3)]
+    xb = [torch.randn(T, H, device=dev, dtype=bf) for _ in range(3)]
+    ya = torch.empty(T, H, device=dev, dtype=bf)
+
+    def ours_add(i):
+        sb.call("sb_residual_add", p(xa[i % 3]), p(xb[i % 3]), sb.bf16, T * H, p(ya))
+
+    def theirs_add(i):
+        torch.add(xa[i % 3], xb[i % 3], out=ya)
+
+    a, b = alternate([ours_add, theirs_add], reps)
+    out.append(row(f"residual add {T} × {H}", a, b, 3 * T * H * 2, 2.6))
+
+
+def bench_rope(sb, reps, out):
+    dev, bf = "cuda", torch.bfloat16
+    T, heads, D = 8192, 32, 128
+    qs = [torch.randn(T, heads, D, device=dev, dtype=bf) for _ in range(3)]
+    y = torch.empty_like(qs[0])
+    pos = torch.arange(T, device=dev, dtype=torch.int32) % 2048
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+    ang = pos.float()[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(bf)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(bf)[:, None, :]
+
+    def ours(i):
+        sb.call("sb_rope", p(qs[i % 3]), sb.bf16, T, heads, D, p(pos), p(y), 0)
+
+    def theirs(i):  # Hugging Face's apply_rotary_pos_emb with cos / sin made beforehand
+        q = qs[i % 3]
+        rot = torch.cat((-q[..., D // 2:], q[..., : D // 2]), -1)
+        q * cos + rot * sin
+
+    a, b = alternate([ours, theirs], reps)
+    out.append(row(f"RoPE forward q {T} × {heads} × {D} (cos / sin made in the kernel)", a, b, 2 * T * heads * D * 2) +
+               " torch: HF rotate_half with cos / sin precomputed (not timed)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--md")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    sb = Shim(args.build)
+    name = torch.cuda.get_device_name()
+    out = [f"# Norm, RoPE and elementwise kernels: samebits vs torch on {name}", "",
+           "Generated by `python3 bench/bench_norm.py BUILD_DIR --md ...` "
+           f"(torch {torch.__version__}); do not edit by hand. Medians of CUDA-event times, samebits and torch "
+           "timed alternately in one process, inputs rotating over three buffers past L2. Effective bandwidth counts "
+           "each tensor read or written once. Targets from issue 6.", "",
+           "| op (bf16) | samebits | effective bandwidth | torch | torch / samebits |", "| --- | --- | --- | --- | --- |"]
+    for T in (8192, 16384):
+        bench_rmsnorm(sb, T, 4096, args.reps, out)
+    bench_elementwise(sb, args.reps, out)
+    bench_rope(sb, args.reps, out)
+    text = "\n".join(out) + "\n"
+    print(text)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+// CUDA RMSNorm (optionally fused with the preceding residual add) and QK-norm, forward and backward.
+//
+// Why this shape. A row's sum (Σx² for rstd, Σ g·x̂ for the backward) is reduced by a topology that
+// depends on the row length alone: thread j of a CTA of ceil(H/8) threads (a multiple of 32, at most
+// 512; beyond that a thread takes vectors j and j + 512, up to H = 8192) sums its 8-element vectors in ascending
+// order with FMAs, a warp butterfly (xor 16 … 1, which leaves the same bits in every lane) sums the
+// warp, and every thread adds the warp sums in ascending warp order from shared memory. A CTA takes
+// two rows at a time (one round of shared memory for both) in a grid-stride loop; which CTA takes a
+// row never matters. The forward and the backward share the reduction, so a backward that
+// recomputes rstd gets the forward's bits.
+//
+// dweight is a sum over tokens, done without atomics and without anything depending on the SM count:
+// (1) the rows are cut into chunks of C rows (C = 2^17 / H rounded to a power of two, 8 … 128: a
+// function of the hidden size) starting at every segment (sequence) of the call, so any split of a
+// batch into micro-batches at sequence boundaries, packed or padded, cuts the same chunks; a CTA
+// takes a chunk, computes dx for its rows and sums dy·x̂ of its active rows in ascending order per
+// column into a partial (fp32, [chunks, H]); (2) ranges of up to 16 consecutive chunks of a segment
+// are summed in order, and (3) the ranges are added into the fp32 dweight one after another in row
+// order (chain_partials). Rows outside every segment, and masked rows, add nothing. The partials cost
+// one fp32 row per C rows (4/C of the backward's bytes at bf16: 3% at H = 4096).
+//
+// QK-norm normalises rows of head_dim (64, 128, …) elements: a row is a slot of D/8 lanes of a warp
+// (a power of two: 8 for D = 64, 16 for 128), the butterfly runs over the slot. Its dweight uses the
+// same chunks, counted in tokens (a chunk is all heads of C tokens): slot s of a CTA sums the chunk's
+// rows s, s + slots, … in order, then the slots' sums are added in slot order.
+#include <algorithm>
+#include <vector>
+
+#include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
+#include "cuda/common/vec8.cuh"
+#include "ops/registry.hpp"
+#include "samebits/error.hpp"
+#include "samebits/ops.hpp"
+
+namespace samebits::cuda {
+namespace {
+
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int ROWS = 2;               // rows a CTA normalises per step
+constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
+constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
+constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
+
+// ------------------------------------------------------------------ the chunk tables
+struct ChunkTable {
+  int32_t row[MAX_CHUNKS];   // first row (token) of the chunk
+  uint8_t len[MAX_CHUNKS];   // rows (tokens) in it, 1 … 128
+  uint8_t sums[MAX_CHUNKS];  // 0: outside every segment (dx only, no partial)
+  int count;
+};
+struct RangeTable {
+  int16_t first[MAX_RANGES];  // first chunk of the range (an index into the launch's chunks)
+  uint8_t count[MAX_RANGES];
+  int n;
+};
+
+// Rows per chunk: a function of the row length only.
+int chunk_rows(int64_t row_elems) {
+  int64_t c = (int64_t(1) << 17) / std::max<int64_t>(row_elems, 1);
+  int p = 8;
+  while (p * 2 <= c && p < 128) p *= 2;
+  return p;
+}
+
+// Calls launch(chunks, ranges) for consecutive batches of the call's chunks, in row order: the
+// caller's segments (or all rows as one) and the gaps between them (dx only), each cut into chunks
+// of `rows` rows and ranges of RANGE_CHUNKS chunks from its start; a batch ends at a range boundary.
+template <class Launch>
+void for_chunk_batches(const TensorView& segments, int64_t T, int rows, Launch&& launch) {
+  ChunkTable chunks{};
+  RangeTable ranges{};
+  auto flush = [&] {
+    if (chunks.count > 0) launch(chunks, ranges);
+    chunks.count = 0;
+    ranges.n = 0;
+  };
+  auto add_segment = [&](int64_t row, int64_t len, bool sums) {
+    for (int64_t r = 0; r < len; r += int64_t(rows) * RANGE_CHUNKS) {
+      const int64_t range_rows = std::min<int64_t>(int64_t(rows) * RANGE_CHUNKS, len - r);
+      const int n_chunks = int((range_rows + rows - 1) / rows);
+      if (chunks.count + n_chunks > MAX_CHUNKS || ranges.n == MAX_RANGES) flush();
+      if (sums) {
+        ranges.first[ranges.n] = int16_t(chunks.count);
+        ranges.count[ranges.n] = uint8_t(n_chunks);
+        ++ranges.n;
+      }
+      for (int c = 0; c < n_chunks; ++c) {
+        chunks.row[chunks.count] = int32_t(row + r + int64_t(c) * rows);
+        chunks.len[chunks.count] = uint8_t(std::min<int64_t>(rows, range_rows - int64_t(c) * rows));
+        chunks.sums[chunks.count] = sums ? 1 : 0;
+        ++chunks.count;
+      }
+    }
+  };
+  int64_t end = 0;
+  if (segments.present()) {
+    const auto* s = segments.as<const int32_t>();
+    for (int64_t i = 0; i < segments.shape[0]; ++i) {
+      add_segment(end, s[2 * i] - end, false);
+      add_segment(s[2 * i], s[2 * i + 1], true);
+      end = int64_t(s[2 * i]) + s[2 * i + 1];
+    }
+    add_segment(end, T - end, false);
+  } else {
+    add_segment(0, T, true);
+  }
+  flush();
+}
+
+// (2) + (3): dweight[col] += range sums in order; a range is its chunks' partials summed in order.
+// A CTA takes 32 columns; warp w sums ranges w, w + 8, …; warp 0 then chains them.
+__global__ void __launch_bounds__(256) chain_partials(const float* __restrict__ partials, const __grid_constant__ RangeTable
+                                                      ranges, int64_t width, float* __restrict__ dweight) {
+  __shared__ float range_sum[MAX_RANGES][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t col = int64_t(blockIdx.x) * 32 + lane;
+  if (col < width)
+    for (int r = warp; r < ranges.n; r += 8) {
+      const int64_t first = ranges.first[r];
+      float s = partials[first * width + col];
+      for (int c = 1; c < ranges.count[r]; ++c) s = __fadd_rn(s, partials[(first + c) * width + col]);
+      range_sum[r][lane] = s;
+    }
+  __syncthreads();
+  if (warp == 0 && col < width) {
+    float acc = dweight[col];
+    for (int r = 0; r < ranges.n; ++r) acc = __fadd_rn(acc, range_sum[r][lane]);
+    dweight[col] = acc;
+  }
+}
+
+void launch_chain(const float* partials, const RangeTable& ranges, int64_t width, float* dweight, cudaStream_t stream,
+                  const char* op) {
+  if (ranges.n == 0) return;
+  chain_partials<<<unsigned((width + 31) / 32), 256, 0, stream>>>(partials, ranges, width, dweight);
+  check(cudaGetLastError(), op, "chain kernel launch");
+}
+
+// ------------------------------------------------------------------ RMSNorm: the row reduction
+struct Layout {  // a row of H elements over the CTA's threads
+  int64_t H;
+  int threads;     // blockDim.x
+  __device__ int64_t col(int k) const { return 8 * (int64_t(threadIdx.x) + int64_t(k) * threads); }
+  __device__ int valid(int k) const { return int(std::max<int64_t>(0, std::min<int64_t>(8, H - col(k)))); }
+};
+
+// v[r] := the row sums, the same bits in every thread. `red` holds two rounds (parity) so that one
+// __syncthreads per call suffices: a round's slots are rewritten only after the next call's barrier.
+__device__ __forceinline__ void block_sums(float (&v)[ROWS], float (*red)[ROWS][32], int& parity) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) v[r] = __fadd_rn(v[r], __shfl_xor_sync(FULL, v[r], m));
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) red[parity][r][warp] = v[r];
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float s = red[parity][r][0];
+    for (int w = 1; w < warps; ++w) s = __fadd_rn(s, red[parity][r][w]);
+    v[r] = s;
+  }
+  parity ^= 1;
+}
+
+__device__ __forceinline__ float rstd_of(float sum_sq, int64_t H, float eps) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, float(H)), eps)));
+}
+
+struct FwdParams {
+  In8 x, residual, weight;
+  Out8 y, residual_out;
+  float* rstd;
+  int64_t T, H;
+  float eps;
+};
+
+template <int VPT>
+__global__ void __launch_bounds__(MAX_THREADS) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
+  __shared__ float red[2][ROWS][32];
+  const Layout L{p.H, int(blockDim.x)};
+  int parity = 0;
+  float w[VPT][8];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) load8(p.weight, L.col(k), L.valid(k), w[k]);
+  for (int64_t row0 = int64_t(blockIdx.x) * ROWS; row0 < p.T; row0 += int64_t(gridDim.x) * ROWS) {
+    float x[ROWS][VPT][8], ss[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = row0 + r;
+      ss[r] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int n = row < p.T ? L.valid(k) : 0;
+        load8(p.x, row * p.H + L.col(k), n, x[r][k]);
+        if (p.residual.p) {  // s = x + residual, rounded to residual_out's dtype, which the norm reads
+          float res[8];
+          load8(p.residual, row * p.H + L.col(k), n, res);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[r][k][e] = round_to(p.residual_out.dt, __fadd_rn(x[r][k][e], res[e]));
+          if (n > 0) store8(p.residual_out, row * p.H + L.col(k), n, x[r][k]);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss[r] = __fmaf_rn(x[r][k][e], x[r][k][e], ss[r]);
+      }
+    }
+    block_sums(ss, red, parity);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = row0 + r;
+      if (row >= p.T) continue;
+      const float rstd = rstd_of(ss[r], p.H, p.eps);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[r][k][e], rstd), w[k][e]);
+        if (L.valid(k) > 0) store8(p.y, row * p.H + L.col(k), L.valid(k), y);
+      }
+      if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
+    }
+  }
+}
+
+struct BwdParams {
+  In8 dy, dres, x, weight;
+  Out8 dx;
+  const float* rstd;    // saved by the forward, or null: recomputed by the forward's reduction
+  const uint8_t* mask;  // row_mask or null
+  float* partials;      // [chunks of the launch, H]
+  int64_t H;
+  float eps;
+};
+
+// A CTA per chunk: dx for its rows, and the chunk's dweight partial (dy·x̂ of its active rows, in
+// ascending row order per column).
+template <int VPT>
+__global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __grid_constant__ BwdParams p,
+                                                                       const __grid_constant__ ChunkTable chunks) {
+  __shared__ float red[2][ROWS][32];
+  const Layout L{p.H, int(blockDim.x)};
+  const int64_t first = chunks.row[blockIdx.x];
+  const int len = chunks.len[blockIdx.x];
+  const bool sums = chunks.sums[blockIdx.x] != 0;
+  int parity = 0;
+  float w[VPT][8], dw[VPT][8];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    load8(p.weight, L.col(k), L.valid(k), w[k]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dw[k][e] = 0.0f;
+  }
+  for (int i0 = 0; i0 < len; i0 += ROWS) {
+    float x[ROWS][VPT][8], dy[ROWS][VPT][8], rstd[ROWS], dot[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = first + i0 + r;
+      const bool live = i0 + r < len;
+      rstd[r] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int n = live ? L.valid(k) : 0;
+        load8(p.x, row * p.H + L.col(k), n, x[r][k]);
+        load8(p.dy, row * p.H + L.col(k), n, dy[r][k]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) rstd[r] = __fmaf_rn(x[r][k][e], x[r][k][e], rstd[r]);  // Σx² if recomputed
+      }
+    }
+    if (p.rstd) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) rstd[r] = i0 + r < len ? p.rstd[first + i0 + r] : 0.0f;
+    } else {  // uniform: the forward's reduction and formula
+      block_sums(rstd, red, parity);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) rstd[r] = rstd_of(rstd[r], p.H, p.eps);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      dot[r] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          x[r][k][e] = __fmul_rn(x[r][k][e], rstd[r]);  // x̂
+          dot[r] = __fmaf_rn(__fmul_rn(dy[r][k][e], w[k][e]), x[r][k][e], dot[r]);  // g = dy·w
+        }
+    }
+    block_sums(dot, red, parity);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = first + i0 + r;
+      if (i0 + r >= len) continue;
+      const float mean = __fdiv_rn(dot[r], float(p.H));
+      const bool active = sums && (p.mask == nullptr || p.mask[row] != 0);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int n = L.valid(k);
+        float d[8], res[8];
+        if (p.dres.p) load8(p.dres, row * p.H + L.col(k), n, res);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float g = __fmul_rn(dy[r][k][e], w[k][e]);
+          d[e] = __fmul_rn(rstd[r], __fsub_rn(g, __fmul_rn(x[r][k][e], mean)));
+          if (p.dres.p) d[e] = __fadd_rn(d[e], res[e]);
+          if (active) dw[k][e] = __fmaf_rn(dy[r][k][e], x[r][k][e], dw[k][e]);
+        }
+        if (n > 0) store8(p.dx, row * p.H + L.col(k), n, d);
+      }
+    }
+  }
+  if (sums)
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const Out8 out{p.partials, DType::f32, (p.H % 8) == 0};
+      if (L.valid(k) > 0) store8(out, int64_t(blockIdx.x) * p.H + L.col(k), L.valid(k), dw[k]);
+    }
+}
+
+// Threads a row of H elements takes, and vectors a thread: ceil(H / 8) threads rounded up to a warp,
+// at most 512; VPT 1 or 2 (H ≤ 8192, the registers of two rows of x and dy).
+void row_layout(int64_t H, int& threads, int& vpt, const char* op) {
+  const int64_t vectors = (H + 7) / 8;
+  vpt = vectors <= MAX_THREADS ? 1 : 2;
+  if (vectors > 2 * MAX_THREADS) throw Unsupported(op, "x", "the CUDA RMSNorm supports rows of up to 8192 elements");
+  threads = int(std::min<int64_t>(MAX_THREADS, ((vectors + vpt - 1) / vpt + 31) / 32 * 32));
+}
+
+template <class F>
+void with_vpt(int vpt, F&& f) {
+  if (vpt == 1) f(std::integral_constant<int, 1>{});
+  else f(std::integral_constant<int, 2>{});
+}
+
+In8 in_or_none(const TensorView& t, int64_t row) { return t.present() ? in8(t, row) : In8{}; }
+Out8 out_or_none(const TensorView& t, int64_t row) { return t.present() ? out8(t, row) : Out8{}; }
+
+void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
+  const char* op = "rmsnorm_forward";
+  const int64_t T = a.x.shape[0], H = a.x.shape[1];
+  if (T == 0) return;
+  int threads = 0, vpt = 0;
+  row_layout(H, threads, vpt, op);
+  const FwdParams p{in8(a.x, H), in_or_none(a.residual, H), in8(a.weight, H), out8(a.y, H), out_or_none(a.residual_out, H),
+                    a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
+  const int per_sm = std::max(1, 2048 / threads);
+  const unsigned grid = unsigned(std::min<int64_t>((T + ROWS - 1) / ROWS, int64_t(current_sm_count(op)) * per_sm));
+  with_vpt(vpt, [&](auto v) {
+    rmsnorm_forward_kernel<decltype(v)::value><<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
+  });
+  check(cudaGetLastError(), op, "kernel launch");
+}
+
+void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
+  const char* op = "rmsnorm_backward";
+  const int64_t T = a.x.shape[0], H = a.x.shape[1];
+  if (T == 0) return;
+  const cudaStream_t stream = stream_of(ctx.stream);
+  int threads = 0, vpt = 0;
+  row_layout(H, threads, vpt, op);
+  ScratchBuffer partials(size_t(MAX_CHUNKS) * size_t(H) * sizeof(float), stream, op);
+  BwdParams p{in8(a.dy, H), in_or_none(a.dresidual_out, H), in8(a.x, H), in8(a.weight, H), out8(a.dx, H),
+              a.rstd.present() ? a.rstd.as<const float>() : nullptr,
+              a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr, partials.as<float>(), H, float(a.eps)};
+  for_chunk_batches(a.segments, T, chunk_rows(H), [&](const ChunkTable& chunks, const RangeTable& ranges) {
+    with_vpt(vpt, [&](auto v) {
+      rmsnorm_backward_kernel<decltype(v)::value><<<unsigned(chunks.count), threads, 0, stream>>>(p, chunks);
+    });
+    check(cudaGetLastError(), op, "kernel launch");
+    launch_chain(p.partials, ranges, H, a.dweight.as<float>(), stream, op);
+  });
+}
+
+// ------------------------------------------------------------------ QK-norm
+// A row of D elements is a slot of `lanes` = D/8 lanes (rounded up to a power of two, ≤ 32).
+struct QkParams {
+  In8 x, dy, weight;
+  Out8 y, dx;
+  float* rstd_out;
+  const float* rstd_in;
+  const uint8_t* mask;
+  float* partials;  // backward: [chunks, D]
+  int64_t T, heads, D;
+  int lanes;
+  float eps;
+};
+
+// The sum over a slot of `lanes` lanes (a power of two), the same bits in each of them.
+__device__ __forceinline__ float slot_sum(float v, int lanes) {
+  for (int m = lanes / 2; m >= 1; m /= 2) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, m));
+  return v;
+}
+
+constexpr int QK_THREADS = 256;
+
+__global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p) {
+  const int lane = threadIdx.x % 32, slot_lane = lane % p.lanes;
+  const int slots_per_cta = QK_THREADS / p.lanes;
+  const int64_t rows = p.T * p.heads, col = 8 * int64_t(slot_lane);
+  const int n = int(std::max<int64_t>(0, std::min<int64_t>(8, p.D - col)));
+  float w[8];
+  load8(p.weight, col, n, w);
+  for (int64_t row0 = int64_t(blockIdx.x) * slots_per_cta; row0 < rows; row0 += int64_t(gridDim.x) * slots_per_cta) {
+    const int64_t row = row0 + threadIdx.x / p.lanes;
+    const int m = row < rows ? n : 0;
+    float x[8], ss = 0.0f;
+    load8(p.x, row * p.D + col, m, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+    ss = slot_sum(ss, p.lanes);
+    if (row >= rows) continue;
+    const float rstd = rstd_of(ss, p.D, p.eps);
+    float y[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
+    if (m > 0) store8(p.y, row * p.D + col, m, y);
+    if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+  }
+}
+
+// A CTA per chunk of tokens (all their heads): dx, and the chunk's partial: slot s sums rows s,
+// s + slots, … of the chunk in order, then the slots' sums are added in slot order.
+__global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __grid_constant__ QkParams p,
+                                                                      const __grid_constant__ ChunkTable chunks) {
+  __shared__ float slot_dw[QK_THREADS * 8];  // [slot][lanes · 8 columns]: thread t's 8 at 8t
+  const int lane = threadIdx.x % 32, slot_lane = lane % p.lanes, slot = threadIdx.x / p.lanes;
+  const int slots = QK_THREADS / p.lanes;
+  const int64_t first_row = int64_t(chunks.row[blockIdx.x]) * p.heads, n_rows = int64_t(chunks.len[blockIdx.x]) * p.heads;
+  const bool sums = chunks.sums[blockIdx.x] != 0;
+  const int64_t col = 8 * int64_t(slot_lane);
+  const int n = int(std::max<int64_t>(0, std::min<int64_t>(8, p.D - col)));
+  float w[8], dw[8] = {};
+  load8(p.weight, col, n, w);
+  for (int64_t i0 = 0; i0 < n_rows; i0 += slots) {
+    const int64_t row = first_row + i0 + slot;
+    const bool live = i0 + slot < n_rows;
+    const int m = live ? n : 0;
+    float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
+    load8(p.x, row * p.D + col, m, x);
+    load8(p.dy, row * p.D + col, m, dy);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+    float rstd;
+    if (p.rstd_in) {
+      rstd = live ? p.rstd_in[row] : 0.0f;
+    } else {
+      rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      g[e] = __fmul_rn(dy[e], w[e]);
+      x[e] = __fmul_rn(x[e], rstd);
+      dot = __fmaf_rn(g[e], x[e], dot);
+    }
+    dot = slot_sum(dot, p.lanes);
+    if (!live) continue;
+    const float mean = __fdiv_rn(dot, float(p.D));
+    float d[8];
+    const bool active = sums && (p.mask == nullptr || p.mask[row / p.heads] != 0);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      d[e] = __fmul_rn(rstd, __fsub_rn(g[e], __fmul_rn(x[e], mean)));
+      if (active) dw[e] = __fmaf_rn(dy[e], x[e], dw[e]);
+    }
+    if (m > 0) store8(p.dx, row * p.D + col, m, d);
+  }
+  if (!sums) return;  // uniform across the CTA
+#pragma unroll
+  for (int e = 0; e < 8; ++e) slot_dw[threadIdx.x * 8 + e] = dw[e];
+  __syncthreads();
+  for (int c = threadIdx.x; c < p.D; c += QK_THREADS) {
+    float s = slot_dw[c];
+    for (int k = 1; k < slots; ++k) s = __fadd_rn(s, slot_dw[k * p.lanes * 8 + c]);
+    p.partials[int64_t(blockIdx.x) * p.D + c] = s;
+  }
+}
+
+int qk_lanes(int64_t D, const char* op) {
+  if (D > 256) throw Unsupported(op, "x", "the CUDA QK-norm supports head_dim up to 256");
+  int lanes = 1;
+  while (lanes * 8 < D) lanes *= 2;
+  return lanes;
+}
+
+void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
+  const char* op = "qk_norm_forward";
+  const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
+  if (T == 0 || heads == 0) return;
+  QkParams p{};
+  p.x = in8(a.x, D);
+  p.weight = in8(a.weight, D);
+  p.y = out8(a.y, D);
+  p.rstd_out = a.rstd.present() ? a.rstd.as<float>() : nullptr;
+  p.T = T, p.heads = heads, p.D = D, p.lanes = qk_lanes(D, op), p.eps = float(a.eps);
+  const int64_t per_cta = QK_THREADS / p.lanes;
+  const unsigned grid = unsigned(std::min<int64_t>((T * heads + per_cta - 1) / per_cta, int64_t(current_sm_count(op)) * 8));
+  qk_norm_forward_kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p);
+  check(cudaGetLastError(), op, "kernel launch");
+}
+
+void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
+  const char* op = "qk_norm_backward";
+  const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
+  if (T == 0 || heads == 0) return;
+  const cudaStream_t stream = stream_of(ctx.stream);
+  ScratchBuffer partials(size_t(MAX_CHUNKS) * size_t(D) * sizeof(float), stream, op);
+  QkParams p{};
+  p.x = in8(a.x, D);
+  p.dy = in8(a.dy, D);
+  p.weight = in8(a.weight, D);
+  p.dx = out8(a.dx, D);
+  p.rstd_in = a.rstd.present() ? a.rstd.as<const float>() : nullptr;
+  p.mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
+  p.partials = partials.as<float>();
+  p.T = T, p.heads = heads, p.D = D, p.lanes = qk_lanes(D, op), p.eps = float(a.eps);
+  for_chunk_batches(a.segments, T, chunk_rows(heads * D), [&](const ChunkTable& chunks, const RangeTable& ranges) {
+    qk_norm_backward_kernel<<<unsigned(chunks.count), QK_THREADS, 0, stream>>>(p, chunks);
+    check(cudaGetLastError(), op, "kernel launch");
+    launch_chain(p.partials, ranges, D, a.dweight.as<float>(), stream, op);
+  });
+}
+
+}  // namespace
+
+SAMEBITS_REGISTER_KERNEL(rmsnorm_forward, Backend::cuda, RmsNormForwardArgs, rmsnorm_forward);
+SAMEBITS_REGISTER_KERNEL(rmsnorm_backward, Backend::cuda, RmsNormBackwardArgs, rmsnorm_backward);
+SAMEBITS_REGISTER_KERNEL(qk_norm_forward, Backend::cuda, QkNormForwardArgs, qk_norm_forward);
+SAMEBITS_REGISTER_KERNEL(qk_norm_backward, Backend::cuda, QkNormBackwardArgs, qk_norm_backward);
+
+}  // namespace samebits::cuda

@@ -1,0 +1,402 @@
+// CUDA RMSNorm (+ fused residual add), QK-norm, RoPE, SwiGLU and the residual add (runs where a GPU
+// is visible; skipped elsewhere). Raw bits of a row against the batch around it, its offset and the
+// alignment of the buffer (16-byte vector loads against element-by-element ones); the fused add =
+// add then norm; a recomputed rstd = the saved one; dweight over micro-batches split at sequence
+// boundaries, packed or padded = one call; RoPE of a position the same in every slot and in decode;
+// accuracy against fp64 at model sizes (the harness sweeps the small ones: samebits verify).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "samebits/harness.hpp"
+#include "samebits/ops.hpp"
+#include "tests/cuda_test_util.hpp"
+
+using namespace samebits;
+using harness::HostTensor;
+using harness::Rng;
+using testing_cuda::cuda_ctx;
+using testing_cuda::DeviceBuffer;
+using testing_cuda::expect_same_bits;
+
+namespace {
+
+class CudaNormRope : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// A device copy of `h` that starts `shift` elements into its allocation (shift 1: not 16-byte
+// aligned, so every access goes element by element).
+class ShiftedBuffer {
+ public:
+  ShiftedBuffer(const HostTensor& h, int64_t shift) : shift_(shift), shape_(h.shape()), dt_(h.dtype()) {
+    HostTensor padded(h.dtype(), {h.numel() + 16});
+    std::memcpy(static_cast<char*>(padded.data()) + shift * dtype_size(dt_), h.data(), h.bytes());
+    buf_ = std::make_unique<DeviceBuffer>(padded);
+  }
+  TensorView view() const {
+    TensorView v = TensorView::of(static_cast<char*>(buf_->view().data) + shift_ * dtype_size(dt_), dt_, shape_.data(),
+                                  int(shape_.size()), Device::cuda);
+    return v;
+  }
+  HostTensor host() const {
+    const HostTensor all = buf_->host();
+    HostTensor h(dt_, shape_);
+    std::memcpy(h.data(), static_cast<const char*>(all.data()) + shift_ * dtype_size(dt_), h.bytes());
+    return h;
+  }
+
+ private:
+  int64_t shift_;
+  std::vector<int64_t> shape_;
+  DType dt_;
+  std::unique_ptr<DeviceBuffer> buf_;
+};
+
+HostTensor rmsnorm_y(const HostTensor& x, const HostTensor& w, int64_t shift) {
+  const ShiftedBuffer dx(x, shift), dw(w, shift);
+  ShiftedBuffer y(HostTensor(x.dtype(), x.shape()), shift);
+  RmsNormForwardArgs a;
+  a.x = dx.view();
+  a.weight = dw.view();
+  a.y = y.view();
+  rmsnorm_forward(cuda_ctx(), a);
+  return y.host();
+}
+
+}  // namespace
+
+// Each row's y is the same bits whatever batch it is normalised in, at any offset, and whether the
+// buffers are 16-byte aligned (vector loads) or not (element by element); also at odd H (tails).
+TEST_F(CudaNormRope, RmsNormRowBitsIgnoreBatchOffsetAndAlignment) {
+  for (const auto& [dt, H] : {std::pair<DType, int64_t>{DType::bf16, 4096}, {DType::bf16, 8192}, {DType::f16, 4097},
+                              {DType::f32, 96}, {DType::bf16, 5000}}) {
+    Rng r(7 + H);
+    const HostTensor x = r.tensor(dt, {37, H}, -3, 3), w = r.tensor(dt, {H}, 0.5, 1.5);
+    const HostTensor whole = rmsnorm_y(x, w, 0);
+    expect_same_bits(rmsnorm_y(x, w, 1), whole, "unaligned buffers, H=" + std::to_string(H));
+    for (const auto& [off, m] : {std::pair<int64_t, int64_t>{0, 1}, {5, 1}, {36, 1}, {3, 7}, {10, 27}}) {
+      const HostTensor part = rmsnorm_y(x.slice_rows(off, off + m), w, 0);
+      expect_same_bits(part, whole.slice_rows(off, off + m),
+                       "rows " + std::to_string(off) + "+" + std::to_string(m) + ", H=" + std::to_string(H));
+    }
+  }
+}
+
+// The fused residual add is residual_add_forward then rmsnorm_forward, bit for bit (s is rounded to
+// residual_out's dtype and the norm reads the rounded s); also with an fp32 residual stream.
+TEST_F(CudaNormRope, FusedAddNormEqualsAddThenNorm) {
+  for (DType res_dt : {DType::bf16, DType::f32}) {
+    Rng r(11);
+    const int64_t T = 19, H = 4096;
+    const DeviceBuffer x(r.tensor(DType::bf16, {T, H}, -2, 2)), res(r.tensor(res_dt, {T, H}, -2, 2)),
+        w(r.tensor(DType::f32, {H}, 0.5, 1.5));
+    const DeviceBuffer y1(DType::bf16, {T, H}), s1(res_dt, {T, H}), y2(DType::bf16, {T, H}), s2(res_dt, {T, H}),
+        rstd1(DType::f32, {T}), rstd2(DType::f32, {T});
+    RmsNormForwardArgs f;
+    f.x = x.view();
+    f.residual = res.view();
+    f.weight = w.view();
+    f.y = y1.view();
+    f.residual_out = s1.view();
+    f.rstd = rstd1.view();
+    rmsnorm_forward(cuda_ctx(), f);
+    ResidualAddArgs add;
+    add.a = x.view();
+    add.b = res.view();
+    add.y = s2.view();
+    residual_add_forward(cuda_ctx(), add);
+    RmsNormForwardArgs n;
+    n.x = s2.view();
+    n.weight = w.view();
+    n.y = y2.view();
+    n.rstd = rstd2.view();
+    rmsnorm_forward(cuda_ctx(), n);
+    expect_same_bits(s1.host(), s2.host(), "residual_out");
+    expect_same_bits(y1.host(), y2.host(), "y");
+    expect_same_bits(rstd1.host(), rstd2.host(), "rstd");
+  }
+}
+
+namespace {
+
+struct NormGrads {
+  HostTensor dx, dweight;
+};
+
+// rmsnorm_backward over rows [off, off + m) of x / dy with the given segments (relative to the call),
+// dweight accumulating into `dweight`.
+NormGrads norm_backward(const HostTensor& x, const HostTensor& dy, const HostTensor& w, const HostTensor& mask,
+                        int64_t off, int64_t m, const std::vector<int32_t>& segs, const HostTensor& dweight_in,
+                        bool saved_rstd, bool qk, int64_t heads = 1) {
+  const HostTensor xs = x.slice_rows(off, off + m), dys = dy.slice_rows(off, off + m), ms = mask.slice_rows(off, off + m);
+  const DeviceBuffer dx_(xs), dy_(dys), w_(w), mask_(ms), dw(dweight_in), dx(xs.dtype(), xs.shape());
+  const DeviceBuffer rstd(DType::f32, qk ? std::vector<int64_t>{m, heads} : std::vector<int64_t>{m});
+  HostTensor seg(DType::i32, {int64_t(segs.size() / 2), 2});
+  if (!segs.empty()) std::memcpy(seg.data(), segs.data(), segs.size() * sizeof(int32_t));
+  if (qk) {
+    QkNormForwardArgs f;
+    f.x = dx_.view();
+    f.weight = w_.view();
+    const DeviceBuffer y(xs.dtype(), xs.shape());
+    f.y = y.view();
+    f.rstd = rstd.view();
+    qk_norm_forward(cuda_ctx(), f);
+    QkNormBackwardArgs b;
+    b.dy = dy_.view();
+    b.x = dx_.view();
+    b.weight = w_.view();
+    if (saved_rstd) b.rstd = rstd.view();
+    b.row_mask = mask_.view();
+    b.dx = dx.view();
+    b.dweight = dw.view();
+    if (!segs.empty()) b.segments = seg.view();
+    qk_norm_backward(cuda_ctx(), b);
+  } else {
+    RmsNormForwardArgs f;
+    f.x = dx_.view();
+    f.weight = w_.view();
+    const DeviceBuffer y(xs.dtype(), xs.shape());
+    f.y = y.view();
+    f.rstd = rstd.view();
+    rmsnorm_forward(cuda_ctx(), f);
+    RmsNormBackwardArgs b;
+    b.dy = dy_.view();
+    b.x = dx_.view();
+    b.weight = w_.view();
+    if (saved_rstd) b.rstd = rstd.view();
+    b.row_mask = mask_.view();
+    b.dx = dx.view();
+    b.dweight = dw.view();
+    if (!segs.empty()) b.segments = seg.view();
+    rmsnorm_backward(cuda_ctx(), b);
+  }
+  return {dx.host(), dw.host()};
+}
+
+}  // namespace
+
+// dweight over micro-batches split at sequence boundaries (each call with its own segments, all
+// accumulating into one non-zero buffer), and over a padded layout of the same sequences (padding
+// rows outside every segment), equals one packed call bit for bit; dx rows too; a recomputed rstd
+// gives the saved one's bits. RMSNorm at H = 4096 (chunks of 32 rows) and 8192, QK-norm at D = 128.
+TEST_F(CudaNormRope, WeightGradientSplitsAndPaddingKeepBits) {
+  struct Shape {
+    bool qk;
+    int64_t heads, H;
+  };
+  for (const Shape s : {Shape{false, 1, 4096}, Shape{false, 1, 8192}, Shape{true, 8, 128}}) {
+    Rng r(23 + s.H);
+    const std::vector<int64_t> lens = {37, 100, 1, 90, 72};
+    int64_t T = 0;
+    for (auto l : lens) T += l;
+    const std::vector<int64_t> shape = s.qk ? std::vector<int64_t>{T, s.heads, s.H} : std::vector<int64_t>{T, s.H};
+    const HostTensor x = r.tensor(DType::bf16, shape, -2, 2), dy = r.tensor(DType::bf16, shape, -1, 1);
+    const HostTensor w = r.tensor(DType::bf16, {s.H}, 0.5, 1.5), dw0 = r.tensor(DType::f32, {s.H}, -1, 1);
+    HostTensor mask(DType::u8, {T});
+    for (int64_t t = 0; t < T; ++t) mask.set(t, r.uniform(0, 1) < 0.1 ? 0 : 1);
+    std::vector<int32_t> all;
+    int64_t row = 0;
+    for (auto l : lens) {
+      all.push_back(int32_t(row));
+      all.push_back(int32_t(l));
+      row += l;
+    }
+    const std::string what = s.qk ? "qk_norm" : "rmsnorm H=" + std::to_string(s.H);
+    const NormGrads one = norm_backward(x, dy, w, mask, 0, T, all, dw0, true, s.qk, s.heads);
+    const NormGrads recomputed = norm_backward(x, dy, w, mask, 0, T, all, dw0, false, s.qk, s.heads);
+    expect_same_bits(recomputed.dx, one.dx, what + ": dx with a recomputed rstd");
+    expect_same_bits(recomputed.dweight, one.dweight, what + ": dweight with a recomputed rstd");
+    // micro-batches {seq 0, 1}, {seq 2}, {seq 3, 4}
+    HostTensor dw = dw0;
+    std::vector<HostTensor> dx_parts;
+    for (const auto& [first, count] : {std::pair<int, int>{0, 2}, {2, 1}, {3, 2}}) {
+      int64_t off = 0, m = 0;
+      for (int i = 0; i < first; ++i) off += lens[i];
+      std::vector<int32_t> segs;
+      for (int i = first; i < first + count; ++i) {
+        segs.push_back(int32_t(m));
+        segs.push_back(int32_t(lens[i]));
+        m += lens[i];
+      }
+      const NormGrads g = norm_backward(x, dy, w, mask, off, m, segs, dw, true, s.qk, s.heads);
+      dw = g.dweight;
+      expect_same_bits(g.dx, one.dx.slice_rows(off, off + m), what + ": dx of a micro-batch");
+    }
+    expect_same_bits(dw, one.dweight, what + ": dweight over three micro-batches");
+    // padded: 5 padding rows before each sequence, masked
+    const int64_t pad = 5, Tp = T + pad * int64_t(lens.size());
+    std::vector<int64_t> pshape = shape;
+    pshape[0] = Tp;
+    HostTensor xp(DType::bf16, pshape), dyp(DType::bf16, pshape), maskp(DType::u8, {Tp});
+    std::vector<int32_t> psegs;
+    int64_t src = 0, dst = 0;
+    for (auto l : lens) {
+      dst += pad;
+      xp.copy_rows_from(x, src, dst, l);
+      dyp.copy_rows_from(dy, src, dst, l);
+      maskp.copy_rows_from(mask, src, dst, l);
+      psegs.push_back(int32_t(dst));
+      psegs.push_back(int32_t(l));
+      src += l;
+      dst += l;
+    }
+    const NormGrads padded = norm_backward(xp, dyp, w, maskp, 0, Tp, psegs, dw0, true, s.qk, s.heads);
+    expect_same_bits(padded.dweight, one.dweight, what + ": dweight of the padded layout");
+  }
+}
+
+// Against fp64 at a model's size, fp32 in and out: y within 2e-6 relative (a 4096-term fp32 sum of
+// squares, a square root, a division and two products), dx and dweight within 4e-6 of the
+// magnitude of their terms.
+TEST_F(CudaNormRope, RmsNormAccurateAgainstFp64) {
+  Rng r(31);
+  const int64_t T = 64, H = 4096;
+  const HostTensor x = r.tensor(DType::f32, {T, H}, -3, 3), dy = r.tensor(DType::f32, {T, H}, -1, 1),
+                   w = r.tensor(DType::f32, {H}, 0.5, 1.5), dw0(DType::f32, {H});
+  HostTensor mask(DType::u8, {T});
+  for (int64_t t = 0; t < T; ++t) mask.set(t, 1);
+  const NormGrads g = norm_backward(x, dy, w, mask, 0, T, {}, dw0, false, false);
+  const HostTensor y = rmsnorm_y(x, w, 0);
+  double worst_y = 0, worst_dx = 0, worst_dw = 0;
+  std::vector<double> dw_ref(H, 0.0), dw_mag(H, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    double ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += x.get(t * H + i) * x.get(t * H + i);
+    const double rstd = 1.0 / std::sqrt(ss / H + 1e-6);
+    double dot = 0, dot_mag = 0;
+    for (int64_t i = 0; i < H; ++i) {
+      const double gi = dy.get(t * H + i) * w.get(i), xh = x.get(t * H + i) * rstd;
+      dot += gi * xh;
+      dot_mag += std::fabs(gi * xh);
+      dw_ref[i] += dy.get(t * H + i) * xh;
+      dw_mag[i] += std::fabs(dy.get(t * H + i) * xh);
+      const double yr = xh * w.get(i);
+      worst_y = std::max(worst_y, std::fabs(y.get(t * H + i) - yr) / (2e-6 * std::fabs(yr) + 1e-7));
+    }
+    for (int64_t i = 0; i < H; ++i) {
+      const double gi = dy.get(t * H + i) * w.get(i), xh = x.get(t * H + i) * rstd;
+      const double want = rstd * (gi - xh * dot / H);
+      const double tol = 4e-6 * rstd * (std::fabs(gi) + std::fabs(xh) * dot_mag / H) + 1e-7;
+      worst_dx = std::max(worst_dx, std::fabs(g.dx.get(t * H + i) - want) / tol);
+    }
+  }
+  for (int64_t i = 0; i < H; ++i)
+    worst_dw = std::max(worst_dw, std::fabs(g.dweight.get(i) - dw_ref[i]) / (4e-6 * dw_mag[i] + 1e-7));
+  std::printf("ACCURACY rmsnorm fp32 H=4096: worst error / tolerance: y %.3g, dx %.3g, dweight %.3g\n", worst_y,
+              worst_dx, worst_dw);
+  EXPECT_LE(worst_y, 1.0);
+  EXPECT_LE(worst_dx, 1.0);
+  EXPECT_LE(worst_dw, 1.0);
+}
+
+namespace {
+
+HostTensor rope(const HostTensor& x, const std::vector<int32_t>& pos, const RopeConfig& c, bool inverse,
+                int64_t shift = 0) {
+  HostTensor p(DType::i32, {int64_t(pos.size())});
+  for (size_t i = 0; i < pos.size(); ++i) p.set(int64_t(i), pos[i]);
+  const ShiftedBuffer dx(x, shift), y(HostTensor(x.dtype(), x.shape()), shift);
+  const DeviceBuffer dp(p);
+  RopeArgs a;
+  a.x = dx.view();
+  a.positions = dp.view();
+  a.y = y.view();
+  a.config = c;
+  if (inverse) rope_backward(cuda_ctx(), a);
+  else rope_forward(cuda_ctx(), a);
+  return y.host();
+}
+
+}  // namespace
+
+// A token's rotation depends on its position and its own values only: the same bits alone (decode),
+// in any slot of a batch (packed sequences restarting at 0, chunked-prefill offsets), unaligned; the
+// backward undoes the forward to fp32 rounding; Llama-3 scaling and a position near 2^20.
+TEST_F(CudaNormRope, RopePositionGivesTheSameBitsEverywhere) {
+  RopeConfig llama;
+  llama.theta = 500000.0;
+  llama.llama3_scaling = true;
+  for (const auto& [cfg, D, heads] : {std::tuple<RopeConfig, int64_t, int64_t>{RopeConfig{}, 128, 8},
+                                      {llama, 128, 4}, {RopeConfig{}, 64, 3}, {RopeConfig{}, 36, 2}}) {
+    Rng r(41 + D);
+    const int64_t T = 40;
+    const HostTensor x = r.tensor(DType::bf16, {T, heads, D}, -2, 2);
+    std::vector<int32_t> pos(T);
+    for (int64_t t = 0; t < T; ++t) pos[t] = int32_t(t < 20 ? t : t < 30 ? t - 20 : 1000000 + 7 * t);
+    const HostTensor y = rope(x, pos, cfg, false);
+    expect_same_bits(rope(x, pos, cfg, false, 1), y, "unaligned, D=" + std::to_string(D));
+    for (int64_t t : {0, 5, 19, 20, 29, 39}) {
+      const HostTensor alone = rope(x.slice_rows(t, t + 1), {pos[t]}, cfg, false);
+      expect_same_bits(alone, y.slice_rows(t, t + 1), "token " + std::to_string(t) + " alone, D=" + std::to_string(D));
+    }
+    // The same token values at another slot with the same position: same bits.
+    HostTensor x2 = x;
+    x2.copy_rows_from(x, 3, 25, 1);
+    std::vector<int32_t> pos2 = pos;
+    pos2[25] = pos[3];
+    expect_same_bits(rope(x2, pos2, cfg, false).slice_rows(25, 26), y.slice_rows(3, 4), "slot 25 = slot 3");
+    const HostTensor xf = x.converted(DType::f32);
+    const HostTensor back = rope(rope(xf, pos, cfg, false), pos, cfg, true);
+    double worst = 0;
+    for (int64_t i = 0; i < xf.numel(); ++i) worst = std::max(worst, std::fabs(back.get(i) - xf.get(i)));
+    EXPECT_LE(worst, 4e-6) << "backward(forward(x)) - x, D=" << D;
+  }
+}
+
+// Elementwise: the vector path and the element-by-element path (unaligned buffers, a tail) give the
+// same bits; SwiGLU forward / backward against fp64.
+TEST_F(CudaNormRope, ElementwiseVectorAndScalarPathsAgreeAndAreAccurate) {
+  Rng r(53);
+  const int64_t n = 1003;  // a 3-element tail
+  const HostTensor g = r.tensor(DType::bf16, {n}, -6, 6), u = r.tensor(DType::bf16, {n}, -2, 2),
+                   dy = r.tensor(DType::bf16, {n}, -1, 1);
+  auto swiglu = [&](int64_t shift) {
+    const ShiftedBuffer dg(g, shift), du(u, shift), ddy(dy, shift), y(HostTensor(DType::f32, {n}), shift),
+        dgate(HostTensor(DType::f32, {n}), shift), dup(HostTensor(DType::f32, {n}), shift);
+    SwiGluForwardArgs f;
+    f.gate = dg.view();
+    f.up = du.view();
+    f.y = y.view();
+    swiglu_forward(cuda_ctx(), f);
+    SwiGluBackwardArgs b;
+    b.dy = ddy.view();
+    b.gate = dg.view();
+    b.up = du.view();
+    b.dgate = dgate.view();
+    b.dup = dup.view();
+    swiglu_backward(cuda_ctx(), b);
+    return std::vector<HostTensor>{y.host(), dgate.host(), dup.host()};
+  };
+  const auto aligned = swiglu(0), unaligned = swiglu(1);
+  for (int k = 0; k < 3; ++k) expect_same_bits(unaligned[k], aligned[k], "swiglu output " + std::to_string(k));
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = g.get(i), ui = u.get(i), di = dy.get(i), sig = 1.0 / (1.0 + std::exp(-gi));
+    const double want[3] = {gi * sig * ui, di * ui * sig * (1 + gi * (1 - sig)), di * gi * sig};
+    for (int k = 0; k < 3; ++k)
+      worst = std::max(worst, std::fabs(aligned[k].get(i) - want[k]) / (1e-6 * std::fabs(want[k]) + 1e-7));
+  }
+  std::printf("ACCURACY swiglu fp32: worst error / tolerance %.3g\n", worst);
+  EXPECT_LE(worst, 1.0);
+  const ShiftedBuffer a(g, 1), b(u, 1), y(HostTensor(DType::bf16, {n}), 1);
+  ResidualAddArgs add;
+  add.a = a.view();
+  add.b = b.view();
+  add.y = y.view();
+  residual_add_forward(cuda_ctx(), add);
+  const HostTensor got = y.host();
+  for (int64_t i = 0; i < n; ++i) {
+    HostTensor one(DType::bf16, {1});
+    one.set(0, float(float(g.get(i)) + float(u.get(i))));
+    ASSERT_EQ(std::memcmp(static_cast<const char*>(got.data()) + 2 * i, one.data(), 2), 0) << "residual add " << i;
+  }
+}
