@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 
+#include "ops/tuning.hpp"
 #include "samebits/ops.hpp"
 
 using namespace samebits;
@@ -169,17 +170,17 @@ int sb_swiglu(void* gate, void* up, int dtype, int64_t n, void* y, void* dy, voi
   return guarded(err, err_len, [&] {
     if (dy) {
       SwiGluBackwardArgs a;
-      a.dy = cuda_view(dy, DType(dtype), {n});
-      a.gate = cuda_view(gate, DType(dtype), {n});
-      a.up = cuda_view(up, DType(dtype), {n});
-      a.dgate = cuda_view(dgate, DType(dtype), {n});
-      a.dup = cuda_view(dup, DType(dtype), {n});
+      a.dy = cuda_view(dy, DType(dtype), {1, n});
+      a.gate = cuda_view(gate, DType(dtype), {1, n});
+      a.up = cuda_view(up, DType(dtype), {1, n});
+      a.dgate = cuda_view(dgate, DType(dtype), {1, n});
+      a.dup = cuda_view(dup, DType(dtype), {1, n});
       swiglu_backward(ctx_on(stream), a);
     } else {
       SwiGluForwardArgs a;
-      a.gate = cuda_view(gate, DType(dtype), {n});
-      a.up = cuda_view(up, DType(dtype), {n});
-      a.y = cuda_view(y, DType(dtype), {n});
+      a.gate = cuda_view(gate, DType(dtype), {1, n});
+      a.up = cuda_view(up, DType(dtype), {1, n});
+      a.y = cuda_view(y, DType(dtype), {1, n});
       swiglu_forward(ctx_on(stream), a);
     }
   });
@@ -188,9 +189,9 @@ int sb_swiglu(void* gate, void* up, int dtype, int64_t n, void* y, void* dy, voi
 int sb_residual_add(void* a_, void* b_, int dtype, int64_t n, void* y, void* stream, char* err, int err_len) {
   return guarded(err, err_len, [&] {
     ResidualAddArgs a;
-    a.a = cuda_view(a_, DType(dtype), {n});
-    a.b = cuda_view(b_, DType(dtype), {n});
-    a.y = cuda_view(y, DType(dtype), {n});
+    a.a = cuda_view(a_, DType(dtype), {1, n});
+    a.b = cuda_view(b_, DType(dtype), {1, n});
+    a.y = cuda_view(y, DType(dtype), {1, n});
     residual_add_forward(ctx_on(stream), a);
   });
 }
@@ -206,6 +207,15 @@ int sb_rope(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* posit
     if (inverse) rope_backward(ctx_on(stream), a);
     else rope_forward(ctx_on(stream), a);
   });
+}
+
+// A kernel-shape test hook (ops/tuning.hpp) for A/B timing: "norm_rows" (0 default, 1 or 2).
+int sb_set_tuning(const char* name, int value) {
+  if (std::strcmp(name, "norm_rows") == 0) {
+    detail::norm_rows_per_step_override() = value;
+    return 0;
+  }
+  return 1;
 }
 
 int sb_dtype_code(const char* name) {

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ops/tuning.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
 #include "tests/cuda_test_util.hpp"
@@ -183,6 +184,26 @@ NormGrads norm_backward(const HostTensor& x, const HostTensor& dy, const HostTen
 }
 
 }  // namespace
+
+// One or two rows per step (a kernel shape choice) give the same bits, forward and backward.
+TEST_F(CudaNormRope, RowsPerStepChangeNoBit) {
+  Rng r(17);
+  const int64_t T = 77, H = 4096;
+  const HostTensor x = r.tensor(DType::bf16, {T, H}, -2, 2), dy = r.tensor(DType::bf16, {T, H}, -1, 1),
+                   w = r.tensor(DType::bf16, {H}, 0.5, 1.5), dw0 = r.tensor(DType::f32, {H}, -1, 1);
+  HostTensor mask(DType::u8, {T});
+  for (int64_t t = 0; t < T; ++t) mask.set(t, t % 9 == 0 ? 0 : 1);
+  std::vector<HostTensor> got;
+  for (int rows : {1, 2}) {
+    detail::norm_rows_per_step_override() = rows;
+    got.push_back(rmsnorm_y(x, w, 0));
+    const NormGrads g = norm_backward(x, dy, w, mask, 0, T, {}, dw0, false, false);
+    got.push_back(g.dx);
+    got.push_back(g.dweight);
+  }
+  detail::norm_rows_per_step_override() = 0;
+  for (int k = 0; k < 3; ++k) expect_same_bits(got[3 + k], got[k], "output " + std::to_string(k) + ", 2 rows vs 1");
+}
 
 // dweight over micro-batches split at sequence boundaries (each call with its own segments, all
 // accumulating into one non-zero buffer), and over a padded layout of the same sequences (padding
@@ -357,11 +378,11 @@ TEST_F(CudaNormRope, RopePositionGivesTheSameBitsEverywhere) {
 TEST_F(CudaNormRope, ElementwiseVectorAndScalarPathsAgreeAndAreAccurate) {
   Rng r(53);
   const int64_t n = 1003;  // a 3-element tail
-  const HostTensor g = r.tensor(DType::bf16, {n}, -6, 6), u = r.tensor(DType::bf16, {n}, -2, 2),
-                   dy = r.tensor(DType::bf16, {n}, -1, 1);
+  const HostTensor g = r.tensor(DType::bf16, {1, n}, -6, 6), u = r.tensor(DType::bf16, {1, n}, -2, 2),
+                   dy = r.tensor(DType::bf16, {1, n}, -1, 1);
   auto swiglu = [&](int64_t shift) {
-    const ShiftedBuffer dg(g, shift), du(u, shift), ddy(dy, shift), y(HostTensor(DType::f32, {n}), shift),
-        dgate(HostTensor(DType::f32, {n}), shift), dup(HostTensor(DType::f32, {n}), shift);
+    const ShiftedBuffer dg(g, shift), du(u, shift), ddy(dy, shift), y(HostTensor(DType::f32, {1, n}), shift),
+        dgate(HostTensor(DType::f32, {1, n}), shift), dup(HostTensor(DType::f32, {1, n}), shift);
     SwiGluForwardArgs f;
     f.gate = dg.view();
     f.up = du.view();
@@ -387,7 +408,7 @@ TEST_F(CudaNormRope, ElementwiseVectorAndScalarPathsAgreeAndAreAccurate) {
   }
   std::printf("ACCURACY swiglu fp32: worst error / tolerance %.3g\n", worst);
   EXPECT_LE(worst, 1.0);
-  const ShiftedBuffer a(g, 1), b(u, 1), y(HostTensor(DType::bf16, {n}), 1);
+  const ShiftedBuffer a(g, 1), b(u, 1), y(HostTensor(DType::bf16, {1, n}), 1);
   ResidualAddArgs add;
   add.a = a.view();
   add.b = b.view();

@@ -5,7 +5,7 @@
 // 512; beyond that a thread takes vectors j and j + 512, up to H = 8192) sums its 8-element vectors in ascending
 // order with FMAs, a warp butterfly (xor 16 … 1, which leaves the same bits in every lane) sums the
 // warp, and every thread adds the warp sums in ascending warp order from shared memory. A CTA takes
-// two rows at a time (one round of shared memory for both) in a grid-stride loop; which CTA takes a
+// one or two rows at a time (one round of shared memory for both) in a grid-stride loop; which CTA takes a
 // row never matters. The forward and the backward share the reduction, so a backward that
 // recomputes rstd gets the forward's bits.
 //
@@ -30,6 +30,7 @@
 #include "cuda/common/scratch.cuh"
 #include "cuda/common/vec8.cuh"
 #include "ops/registry.hpp"
+#include "ops/tuning.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"
 
@@ -37,7 +38,7 @@ namespace samebits::cuda {
 namespace {
 
 constexpr unsigned FULL = 0xffffffffu;
-constexpr int ROWS = 2;               // rows a CTA normalises per step
+constexpr int DEFAULT_ROWS = 2;       // rows a CTA normalises per step (1 or 2: the bits are the same)
 constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
 constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
 constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
@@ -118,8 +119,13 @@ __global__ void __launch_bounds__(256) chain_partials(const float* __restrict__ 
   if (col < width)
     for (int r = warp; r < ranges.n; r += 8) {
       const int64_t first = ranges.first[r];
-      float s = partials[first * width + col];
-      for (int c = 1; c < ranges.count[r]; ++c) s = __fadd_rn(s, partials[(first + c) * width + col]);
+      const int count = ranges.count[r];
+      float v[RANGE_CHUNKS];  // all loads in flight at once, then the sum in order
+#pragma unroll
+      for (int c = 0; c < RANGE_CHUNKS; ++c) v[c] = c < count ? partials[(first + c) * width + col] : 0.0f;
+      float s = v[0];
+#pragma unroll
+      for (int c = 1; c < RANGE_CHUNKS; ++c) s = c < count ? __fadd_rn(s, v[c]) : s;
       range_sum[r][lane] = s;
     }
   __syncthreads();
@@ -147,6 +153,7 @@ struct Layout {  // a row of H elements over the CTA's threads
 
 // v[r] := the row sums, the same bits in every thread. `red` holds two rounds (parity) so that one
 // __syncthreads per call suffices: a round's slots are rewritten only after the next call's barrier.
+template <int ROWS>
 __device__ __forceinline__ void block_sums(float (&v)[ROWS], float (*red)[ROWS][32], int& parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 #pragma unroll
@@ -178,7 +185,7 @@ struct FwdParams {
   float eps;
 };
 
-template <int VPT>
+template <int VPT, int ROWS>
 __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
   __shared__ float red[2][ROWS][32];
   const Layout L{p.H, int(blockDim.x)};
@@ -237,7 +244,7 @@ struct BwdParams {
 
 // A CTA per chunk: dx for its rows, and the chunk's dweight partial (dy·x̂ of its active rows, in
 // ascending row order per column).
-template <int VPT>
+template <int VPT, int ROWS>
 __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __grid_constant__ BwdParams p,
                                                                        const __grid_constant__ ChunkTable chunks) {
   __shared__ float red[2][ROWS][32];
@@ -328,10 +335,17 @@ void row_layout(int64_t H, int& threads, int& vpt, const char* op) {
   threads = int(std::min<int64_t>(MAX_THREADS, ((vectors + vpt - 1) / vpt + 31) / 32 * 32));
 }
 
+// f(VPT, ROWS) as compile-time constants; ROWS: rows per step, forced by the test hook or the default.
 template <class F>
-void with_vpt(int vpt, F&& f) {
-  if (vpt == 1) f(std::integral_constant<int, 1>{});
-  else f(std::integral_constant<int, 2>{});
+void with_shape(int vpt, F&& f) {
+  const int rows = detail::norm_rows_per_step_override() == 1 ? 1 : detail::norm_rows_per_step_override() == 2 ? 2
+                                                                                                             : DEFAULT_ROWS;
+  auto with_rows = [&](auto v) {
+    if (rows == 1) f(v, std::integral_constant<int, 1>{});
+    else f(v, std::integral_constant<int, 2>{});
+  };
+  if (vpt == 1) with_rows(std::integral_constant<int, 1>{});
+  else with_rows(std::integral_constant<int, 2>{});
 }
 
 In8 in_or_none(const TensorView& t, int64_t row) { return t.present() ? in8(t, row) : In8{}; }
@@ -346,9 +360,9 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const FwdParams p{in8(a.x, H), in_or_none(a.residual, H), in8(a.weight, H), out8(a.y, H), out_or_none(a.residual_out, H),
                     a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
   const int per_sm = std::max(1, 2048 / threads);
-  const unsigned grid = unsigned(std::min<int64_t>((T + ROWS - 1) / ROWS, int64_t(current_sm_count(op)) * per_sm));
-  with_vpt(vpt, [&](auto v) {
-    rmsnorm_forward_kernel<decltype(v)::value><<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
+  const unsigned grid = unsigned(std::min<int64_t>((T + 1) / 2, int64_t(current_sm_count(op)) * per_sm));
+  with_shape(vpt, [&](auto v, auto rows) {
+    rmsnorm_forward_kernel<decltype(v)::value, decltype(rows)::value><<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
   });
   check(cudaGetLastError(), op, "kernel launch");
 }
@@ -365,8 +379,9 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
               a.rstd.present() ? a.rstd.as<const float>() : nullptr,
               a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr, partials.as<float>(), H, float(a.eps)};
   for_chunk_batches(a.segments, T, chunk_rows(H), [&](const ChunkTable& chunks, const RangeTable& ranges) {
-    with_vpt(vpt, [&](auto v) {
-      rmsnorm_backward_kernel<decltype(v)::value><<<unsigned(chunks.count), threads, 0, stream>>>(p, chunks);
+    with_shape(vpt, [&](auto v, auto rows) {
+      rmsnorm_backward_kernel<decltype(v)::value, decltype(rows)::value><<<unsigned(chunks.count), threads, 0, stream>>>(
+          p, chunks);
     });
     check(cudaGetLastError(), op, "kernel launch");
     launch_chain(p.partials, ranges, H, a.dweight.as<float>(), stream, op);
