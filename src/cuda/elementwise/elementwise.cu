@@ -5,8 +5,8 @@
 // (__fmul_rn / __fadd_rn / __fdiv_rn are never contracted into FMAs, so the 16-byte vector path and
 // the element-by-element tail, compiled separately, cannot differ), and it reads only same-index
 // inputs. The kernels are bandwidth-bound: each thread moves 8-element vectors (vec8.cuh) in a grid-
-// stride loop over the flat tensor, loading four vectors before storing any (bytes in flight); the
-// launch shape changes who computes an element, never how.
+// stride loop over the flat tensor, a few waves of CTAs deep; the launch shape changes who computes
+// an element, never how.
 #include <algorithm>
 
 #include "cuda/common/runtime.cuh"
@@ -22,23 +22,15 @@ constexpr int THREADS = 256;
 // sigmoid(g) = 1 / (1 + e^(−g)), e^x by the accurate expf (deterministic).
 __device__ __forceinline__ float sigmoid(float g) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g))); }
 
-// Each op loads its inputs for a vector (load), then computes and stores (store): the kernel loads
-// UNROLL vectors before it stores any, which the compiler may not reorder itself (in-place calls
-// alias inputs and outputs).
 struct SwiGluFwd {
   In8 gate, up;
   Out8 y;
-  struct Regs {
-    float g[8], u[8];
-  };
-  __device__ void load(int64_t i, int n, Regs& r) const {
-    load8(gate, i, n, r.g);
-    load8(up, i, n, r.u);
-  }
-  __device__ void store(int64_t i, int n, Regs& r) const {
-    float out[8];
+  __device__ void operator()(int64_t i, int n) const {
+    float g[8], u[8], out[8];
+    load8(gate, i, n, g);
+    load8(up, i, n, u);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = __fmul_rn(__fmul_rn(r.g[e], sigmoid(r.g[e])), r.u[e]);
+    for (int e = 0; e < 8; ++e) out[e] = __fmul_rn(__fmul_rn(g[e], sigmoid(g[e])), u[e]);
     store8(y, i, n, out);
   }
 };
@@ -47,22 +39,17 @@ struct SwiGluFwd {
 struct SwiGluBwd {
   In8 dy, gate, up;
   Out8 dgate, dup;
-  struct Regs {
-    float d[8], g[8], u[8];
-  };
-  __device__ void load(int64_t i, int n, Regs& r) const {
-    load8(dy, i, n, r.d);
-    load8(gate, i, n, r.g);
-    load8(up, i, n, r.u);
-  }
-  __device__ void store(int64_t i, int n, Regs& r) const {
-    float dg[8], du[8];
+  __device__ void operator()(int64_t i, int n) const {
+    float d[8], g[8], u[8], dg[8], du[8];
+    load8(dy, i, n, d);
+    load8(gate, i, n, g);
+    load8(up, i, n, u);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float sig = sigmoid(r.g[e]);
-      du[e] = __fmul_rn(r.d[e], __fmul_rn(r.g[e], sig));
-      const float slope = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(r.g[e], __fsub_rn(1.0f, sig))));
-      dg[e] = __fmul_rn(__fmul_rn(r.d[e], r.u[e]), slope);
+      const float sig = sigmoid(g[e]);
+      du[e] = __fmul_rn(d[e], __fmul_rn(g[e], sig));
+      const float slope = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g[e], __fsub_rn(1.0f, sig))));
+      dg[e] = __fmul_rn(__fmul_rn(d[e], u[e]), slope);
     }
     store8(dgate, i, n, dg);
     store8(dup, i, n, du);
@@ -72,59 +59,39 @@ struct SwiGluBwd {
 struct AddFwd {
   In8 a, b;
   Out8 y;
-  struct Regs {
+  __device__ void operator()(int64_t i, int n) const {
     float x[8], z[8];
-  };
-  __device__ void load(int64_t i, int n, Regs& r) const {
-    load8(a, i, n, r.x);
-    load8(b, i, n, r.z);
-  }
-  __device__ void store(int64_t i, int n, Regs& r) const {
+    load8(a, i, n, x);
+    load8(b, i, n, z);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) r.x[e] = __fadd_rn(r.x[e], r.z[e]);
-    store8(y, i, n, r.x);
+    for (int e = 0; e < 8; ++e) x[e] = __fadd_rn(x[e], z[e]);
+    store8(y, i, n, x);
   }
 };
 
 struct AddBwd {  // da = db = dy, each in its own dtype (either may be absent)
   In8 dy;
   Out8 da, db;
-  struct Regs {
+  __device__ void operator()(int64_t i, int n) const {
     float d[8];
-  };
-  __device__ void load(int64_t i, int n, Regs& r) const { load8(dy, i, n, r.d); }
-  __device__ void store(int64_t i, int n, Regs& r) const {
-    if (da.p) store8(da, i, n, r.d);
-    if (db.p) store8(db, i, n, r.d);
+    load8(dy, i, n, d);
+    if (da.p) store8(da, i, n, d);
+    if (db.p) store8(db, i, n, d);
   }
 };
 
-constexpr int UNROLL = 4;
-
 template <class Op>
 __global__ void __launch_bounds__(THREADS) elementwise(Op op, int64_t numel) {
-  const int64_t vectors = (numel + 7) / 8, stride = int64_t(gridDim.x) * THREADS;
-  for (int64_t v0 = int64_t(blockIdx.x) * THREADS + threadIdx.x; v0 < vectors; v0 += stride * UNROLL) {
-    typename Op::Regs r[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int64_t v = v0 + u * stride;
-      if (v < vectors) op.load(v * 8, int(std::min<int64_t>(8, numel - v * 8)), r[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int64_t v = v0 + u * stride;
-      if (v < vectors) op.store(v * 8, int(std::min<int64_t>(8, numel - v * 8)), r[u]);
-    }
-  }
+  const int64_t vectors = (numel + 7) / 8;
+  for (int64_t v = int64_t(blockIdx.x) * THREADS + threadIdx.x; v < vectors; v += int64_t(gridDim.x) * THREADS)
+    op(v * 8, int(std::min<int64_t>(8, numel - v * 8)));
 }
 
 template <class Op>
 void launch(const Op& op, int64_t numel, const Context& ctx, const char* name) {
   if (numel == 0) return;
   const int64_t vectors = (numel + 7) / 8;
-  // Enough CTAs to keep every SM streaming (8 of 256 threads an SM, each with UNROLL vectors in
-  // flight), fewer for small tensors.
+  // Enough CTAs to keep every SM streaming (8 of 256 threads an SM), fewer for small tensors.
   const int64_t grid = std::min<int64_t>((vectors + THREADS - 1) / THREADS, int64_t(current_sm_count(name)) * 8);
   elementwise<<<unsigned(grid), THREADS, 0, stream_of(ctx.stream)>>>(op, numel);
   check(cudaGetLastError(), name, "kernel launch");

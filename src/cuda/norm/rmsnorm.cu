@@ -1,8 +1,8 @@
 // CUDA RMSNorm (optionally fused with the preceding residual add) and QK-norm, forward and backward.
 //
 // Why this shape. A row's sum (Σx² for rstd, Σ g·x̂ for the backward) is reduced by a topology that
-// depends on the row length alone: thread j of a CTA of ceil(H/32) threads (a multiple of 32, at most
-// 256, up to H = 8192) takes vectors j, j + threads, … (up to four) and sums them in ascending
+// depends on the row length alone: thread j of a CTA of ceil(H/8) threads (a multiple of 32, at most
+// 512; beyond that a thread takes vectors j and j + 512, up to H = 8192) sums its 8-element vectors in ascending
 // order with FMAs, a warp butterfly (xor 16 … 1, which leaves the same bits in every lane) sums the
 // warp, and every thread adds the warp sums in ascending warp order from shared memory. A CTA takes
 // one or two rows at a time (one round of shared memory for both) in a grid-stride loop; which CTA takes a
@@ -38,8 +38,12 @@ namespace samebits::cuda {
 namespace {
 
 constexpr unsigned FULL = 0xffffffffu;
-constexpr int DEFAULT_ROWS = 2;       // rows a CTA normalises per step (1 or 2: the bits are the same)
-constexpr int MAX_THREADS = 256;  // so that a thread may hold two rows of x and dy in registers
+// Rows a CTA takes per step (1 or 2: the bits are the same; tests/test_cuda_norm_rope.cpp). Measured
+// on an H100 at 8192 x 4096 bf16 (bench/bench_norm.py): forward 86.7 µs with two, 89.1 with one;
+// backward 137.2 µs with one, 191.1 with two (two rows of x and dy take 87 registers a thread, one
+// CTA of 512 an SM). Smaller CTAs with four vectors a thread measured slower in both (96.1 / 261.8).
+constexpr int FORWARD_ROWS = 2, BACKWARD_ROWS = 1;
+constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
 constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
 constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
 
@@ -190,6 +194,9 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_forward_kernel(const __gr
   __shared__ float red[2][ROWS][32];
   const Layout L{p.H, int(blockDim.x)};
   int parity = 0;
+  float w[VPT][8];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) load8(p.weight, L.col(k), L.valid(k), w[k]);
   for (int64_t row0 = int64_t(blockIdx.x) * ROWS; row0 < p.T; row0 += int64_t(gridDim.x) * ROWS) {
     float x[ROWS][VPT][8], ss[ROWS];
 #pragma unroll
@@ -219,10 +226,9 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_forward_kernel(const __gr
       const float rstd = rstd_of(ss[r], p.H, p.eps);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
-        float y[8], w[8];
-        load8(p.weight, L.col(k), L.valid(k), w);  // from L1: registers go to rows in flight
+        float y[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[r][k][e], rstd), w[e]);
+        for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[r][k][e], rstd), w[k][e]);
         if (L.valid(k) > 0) store8(p.y, row * p.H + L.col(k), L.valid(k), y);
       }
       if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
@@ -251,11 +257,13 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
   const int len = chunks.len[blockIdx.x];
   const bool sums = chunks.sums[blockIdx.x] != 0;
   int parity = 0;
-  float dw[VPT][8];
+  float w[VPT][8], dw[VPT][8];
 #pragma unroll
-  for (int k = 0; k < VPT; ++k)
+  for (int k = 0; k < VPT; ++k) {
+    load8(p.weight, L.col(k), L.valid(k), w[k]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) dw[k][e] = 0.0f;
+  }
   for (int i0 = 0; i0 < len; i0 += ROWS) {
     float x[ROWS][VPT][8], dy[ROWS][VPT][8], rstd[ROWS], dot[ROWS];
 #pragma unroll
@@ -281,17 +289,14 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
       for (int r = 0; r < ROWS; ++r) rstd[r] = rstd_of(rstd[r], p.H, p.eps);
     }
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) dot[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      dot[r] = 0.0f;
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {  // each row's dot in ascending k, e
-      float w[8];
-      load8(p.weight, L.col(k), L.valid(k), w);  // from L1
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r)
+      for (int k = 0; k < VPT; ++k)
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           x[r][k][e] = __fmul_rn(x[r][k][e], rstd[r]);  // x̂
-          dot[r] = __fmaf_rn(__fmul_rn(dy[r][k][e], w[e]), x[r][k][e], dot[r]);  // g = dy·w
+          dot[r] = __fmaf_rn(__fmul_rn(dy[r][k][e], w[k][e]), x[r][k][e], dot[r]);  // g = dy·w
         }
     }
     block_sums(dot, red, parity);
@@ -304,12 +309,11 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int n = L.valid(k);
-        float d[8], res[8], w[8];
-        load8(p.weight, L.col(k), n, w);
+        float d[8], res[8];
         if (p.dres.p) load8(p.dres, row * p.H + L.col(k), n, res);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const float g = __fmul_rn(dy[r][k][e], w[e]);
+          const float g = __fmul_rn(dy[r][k][e], w[k][e]);
           d[e] = __fmul_rn(rstd[r], __fsub_rn(g, __fmul_rn(x[r][k][e], mean)));
           if (p.dres.p) d[e] = __fadd_rn(d[e], res[e]);
           if (active) dw[k][e] = __fmaf_rn(dy[r][k][e], x[r][k][e], dw[k][e]);
@@ -326,29 +330,26 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
     }
 }
 
-// Threads a row of H elements takes, and vectors a thread: about four vectors a thread (small CTAs,
-// several an SM, so that many rows are in flight), ceil(H / 32) threads rounded up to a warp, at
-// most 256; VPT 1, 2 or 4 (H ≤ 8192). A function of H alone, as the reduction's topology must be.
+// Threads a row of H elements takes, and vectors a thread: ceil(H / 8) threads rounded up to a warp,
+// at most 512; VPT 1 or 2 (H ≤ 8192, the registers of two rows of x and dy).
 void row_layout(int64_t H, int& threads, int& vpt, const char* op) {
   const int64_t vectors = (H + 7) / 8;
-  if (vectors > 4 * MAX_THREADS) throw Unsupported(op, "x", "the CUDA RMSNorm supports rows of up to 8192 elements");
-  threads = int(std::clamp<int64_t>((vectors + 4 * 32 - 1) / (4 * 32) * 32, 32, MAX_THREADS));
-  const int64_t per_thread = (vectors + threads - 1) / threads;
-  vpt = per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : 4;
+  vpt = vectors <= MAX_THREADS ? 1 : 2;
+  if (vectors > 2 * MAX_THREADS) throw Unsupported(op, "x", "the CUDA RMSNorm supports rows of up to 8192 elements");
+  threads = int(std::min<int64_t>(MAX_THREADS, ((vectors + vpt - 1) / vpt + 31) / 32 * 32));
 }
 
 // f(VPT, ROWS) as compile-time constants; ROWS: rows per step, forced by the test hook or the default.
 template <class F>
-void with_shape(int vpt, F&& f) {
-  const int rows = detail::norm_rows_per_step_override() == 1 ? 1 : detail::norm_rows_per_step_override() == 2 ? 2
-                                                                                                             : DEFAULT_ROWS;
+void with_shape(int vpt, int default_rows, F&& f) {
+  const int forced = detail::norm_rows_per_step_override();
+  const int rows = forced == 1 || forced == 2 ? forced : default_rows;
   auto with_rows = [&](auto v) {
     if (rows == 1) f(v, std::integral_constant<int, 1>{});
     else f(v, std::integral_constant<int, 2>{});
   };
   if (vpt == 1) with_rows(std::integral_constant<int, 1>{});
-  else if (vpt == 2) with_rows(std::integral_constant<int, 2>{});
-  else with_rows(std::integral_constant<int, 4>{});
+  else with_rows(std::integral_constant<int, 2>{});
 }
 
 In8 in_or_none(const TensorView& t, int64_t row) { return t.present() ? in8(t, row) : In8{}; }
@@ -364,7 +365,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
                     a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
   const int per_sm = std::max(1, 2048 / threads);
   const unsigned grid = unsigned(std::min<int64_t>((T + 1) / 2, int64_t(current_sm_count(op)) * per_sm));
-  with_shape(vpt, [&](auto v, auto rows) {
+  with_shape(vpt, FORWARD_ROWS, [&](auto v, auto rows) {
     rmsnorm_forward_kernel<decltype(v)::value, decltype(rows)::value><<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
   });
   check(cudaGetLastError(), op, "kernel launch");
@@ -382,7 +383,7 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
               a.rstd.present() ? a.rstd.as<const float>() : nullptr,
               a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr, partials.as<float>(), H, float(a.eps)};
   for_chunk_batches(a.segments, T, chunk_rows(H), [&](const ChunkTable& chunks, const RangeTable& ranges) {
-    with_shape(vpt, [&](auto v, auto rows) {
+    with_shape(vpt, BACKWARD_ROWS, [&](auto v, auto rows) {
       rmsnorm_backward_kernel<decltype(v)::value, decltype(rows)::value><<<unsigned(chunks.count), threads, 0, stream>>>(
           p, chunks);
     });
