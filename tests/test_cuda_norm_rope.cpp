@@ -143,15 +143,14 @@ NormGrads norm_backward(const HostTensor& x, const HostTensor& dy, const HostTen
   const DeviceBuffer rstd(DType::f32, qk ? std::vector<int64_t>{m, heads} : std::vector<int64_t>{m});
   HostTensor seg(DType::i32, {int64_t(segs.size() / 2), 2});
   if (!segs.empty()) std::memcpy(seg.data(), segs.data(), segs.size() * sizeof(int32_t));
-  if (qk) {
-    QkNormForwardArgs f;
+  const DeviceBuffer y(xs.dtype(), xs.shape());
+  // The two norms' argument structs share their field names: one filling for both.
+  auto run = [&](auto f, auto b, auto forward, auto backward) {
     f.x = dx_.view();
     f.weight = w_.view();
-    const DeviceBuffer y(xs.dtype(), xs.shape());
     f.y = y.view();
     f.rstd = rstd.view();
-    qk_norm_forward(cuda_ctx(), f);
-    QkNormBackwardArgs b;
+    forward(cuda_ctx(), f);
     b.dy = dy_.view();
     b.x = dx_.view();
     b.weight = w_.view();
@@ -160,26 +159,10 @@ NormGrads norm_backward(const HostTensor& x, const HostTensor& dy, const HostTen
     b.dx = dx.view();
     b.dweight = dw.view();
     if (!segs.empty()) b.segments = seg.view();
-    qk_norm_backward(cuda_ctx(), b);
-  } else {
-    RmsNormForwardArgs f;
-    f.x = dx_.view();
-    f.weight = w_.view();
-    const DeviceBuffer y(xs.dtype(), xs.shape());
-    f.y = y.view();
-    f.rstd = rstd.view();
-    rmsnorm_forward(cuda_ctx(), f);
-    RmsNormBackwardArgs b;
-    b.dy = dy_.view();
-    b.x = dx_.view();
-    b.weight = w_.view();
-    if (saved_rstd) b.rstd = rstd.view();
-    b.row_mask = mask_.view();
-    b.dx = dx.view();
-    b.dweight = dw.view();
-    if (!segs.empty()) b.segments = seg.view();
-    rmsnorm_backward(cuda_ctx(), b);
-  }
+    backward(cuda_ctx(), b);
+  };
+  if (qk) run(QkNormForwardArgs{}, QkNormBackwardArgs{}, qk_norm_forward, qk_norm_backward);
+  else run(RmsNormForwardArgs{}, RmsNormBackwardArgs{}, rmsnorm_forward, rmsnorm_backward);
   return {dx.host(), dw.host()};
 }
 
