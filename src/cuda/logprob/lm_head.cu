@@ -32,6 +32,7 @@
 #include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
+#include "cuda/common/segments.hpp"
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/sm90_gemm_kernel.cuh"
 #include "cuda/gemm/sm90_store_epilogue.cuh"
@@ -417,21 +418,10 @@ int64_t vocab_chunk(int64_t T, int64_t V, size_t elem) {
 // at every sequence and no row is left out (every active token counts, as on the CPU).
 std::vector<int32_t> covering_segments(const TensorView& segments, int64_t T) {
   std::vector<int32_t> out;
-  int64_t end = 0;
-  auto add = [&](int64_t row, int64_t len) {
-    if (len <= 0) return;
+  for_each_piece(segments, T, [&](int64_t row, int64_t len, bool) {
     out.push_back(int32_t(row));
     out.push_back(int32_t(len));
-  };
-  if (segments.present()) {
-    const auto* s = segments.as<const int32_t>();
-    for (int64_t i = 0; i < segments.shape[0]; ++i) {
-      add(end, s[2 * i] - end);
-      add(s[2 * i], s[2 * i + 1]);
-      end = int64_t(s[2 * i]) + s[2 * i + 1];
-    }
-  }
-  add(end, T - end);
+  });
   return out;
 }
 

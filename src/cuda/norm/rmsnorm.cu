@@ -28,6 +28,7 @@
 
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
+#include "cuda/common/segments.hpp"
 #include "cuda/common/vec8.cuh"
 #include "ops/registry.hpp"
 #include "ops/tuning.hpp"
@@ -98,18 +99,7 @@ void for_chunk_batches(const TensorView& segments, int64_t T, int rows, Launch&&
       }
     }
   };
-  int64_t end = 0;
-  if (segments.present()) {
-    const auto* s = segments.as<const int32_t>();
-    for (int64_t i = 0; i < segments.shape[0]; ++i) {
-      add_segment(end, s[2 * i] - end, false);
-      add_segment(s[2 * i], s[2 * i + 1], true);
-      end = int64_t(s[2 * i]) + s[2 * i + 1];
-    }
-    add_segment(end, T - end, false);
-  } else {
-    add_segment(0, T, true);
-  }
+  for_each_piece(segments, T, add_segment);
   flush();
 }
 
