@@ -30,7 +30,8 @@ struct Out8 {
 
 inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 // A tensor read or written in vectors that start at multiples of 8 elements within rows of
-// `row_elems` elements (the whole tensor for a flat elementwise op).
+// `row_elems` elements (the whole tensor for a flat elementwise op). An absent (optional) tensor
+// gives p == nullptr, which the kernels test.
 inline In8 in8(const TensorView& t, int64_t row_elems) {
   return {t.data, t.dtype, aligned_16(t.data) && row_elems % 8 == 0};
 }

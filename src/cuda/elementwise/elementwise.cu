@@ -115,8 +115,7 @@ void residual_add_forward(const Context& ctx, const ResidualAddArgs& a) {
 
 void residual_add_backward(const Context& ctx, const ResidualAddBackwardArgs& a) {
   const int64_t n = a.dy.numel();
-  const Out8 none{};
-  launch(AddBwd{in8(a.dy, n), a.da.present() ? out8(a.da, n) : none, a.db.present() ? out8(a.db, n) : none}, n, ctx,
+  launch(AddBwd{in8(a.dy, n), out8(a.da, n), out8(a.db, n)}, n, ctx,
          "residual_add_backward");
 }
 

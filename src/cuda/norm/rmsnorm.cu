@@ -342,8 +342,6 @@ void with_shape(int vpt, int default_rows, F&& f) {
   else with_rows(std::integral_constant<int, 2>{});
 }
 
-In8 in_or_none(const TensorView& t, int64_t row) { return t.present() ? in8(t, row) : In8{}; }
-Out8 out_or_none(const TensorView& t, int64_t row) { return t.present() ? out8(t, row) : Out8{}; }
 
 void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const char* op = "rmsnorm_forward";
@@ -351,7 +349,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   if (T == 0) return;
   int threads = 0, vpt = 0;
   row_layout(H, threads, vpt, op);
-  const FwdParams p{in8(a.x, H), in_or_none(a.residual, H), in8(a.weight, H), out8(a.y, H), out_or_none(a.residual_out, H),
+  const FwdParams p{in8(a.x, H), in8(a.residual, H), in8(a.weight, H), out8(a.y, H), out8(a.residual_out, H),
                     a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
   const int per_sm = std::max(1, 2048 / threads);
   const unsigned grid = unsigned(std::min<int64_t>((T + 1) / 2, int64_t(current_sm_count(op)) * per_sm));
@@ -369,7 +367,7 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   int threads = 0, vpt = 0;
   row_layout(H, threads, vpt, op);
   ScratchBuffer partials(size_t(MAX_CHUNKS) * size_t(H) * sizeof(float), stream, op);
-  BwdParams p{in8(a.dy, H), in_or_none(a.dresidual_out, H), in8(a.x, H), in8(a.weight, H), out8(a.dx, H),
+  BwdParams p{in8(a.dy, H), in8(a.dresidual_out, H), in8(a.x, H), in8(a.weight, H), out8(a.dx, H),
               a.rstd.present() ? a.rstd.as<const float>() : nullptr,
               a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr, partials.as<float>(), H, float(a.eps)};
   for_chunk_batches(a.segments, T, chunk_rows(H), [&](const ChunkTable& chunks, const RangeTable& ranges) {
