@@ -209,10 +209,11 @@ int sb_rope(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* posit
   });
 }
 
-// A kernel-shape test hook (ops/tuning.hpp) for A/B timing: "norm_rows" (0 default, 1 or 2).
+// A kernel-shape test hook (ops/tuning.hpp) for A/B timing: "norm_any_dtype" (0: the bf16 instance
+// where it applies, 1: the run-time-dtype instance).
 int sb_set_tuning(const char* name, int value) {
-  if (std::strcmp(name, "norm_rows") == 0) {
-    detail::norm_rows_per_step_override() = value;
+  if (std::strcmp(name, "norm_any_dtype") == 0) {
+    detail::norm_any_dtype_path_override() = value != 0;
     return 0;
   }
   return 1;

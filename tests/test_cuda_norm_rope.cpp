@@ -73,6 +73,23 @@ HostTensor rmsnorm_y(const HostTensor& x, const HostTensor& w, int64_t shift) {
   return y.host();
 }
 
+struct FusedOut {
+  HostTensor y, sum;
+};
+
+// The fused residual add + RMSNorm of x and res (s in res_out_dt).
+FusedOut fused_add_norm(const HostTensor& x, const HostTensor& res, const HostTensor& w, DType res_out_dt) {
+  const DeviceBuffer dx(x), dres(res), dw(w), y(x.dtype(), x.shape()), sum(res_out_dt, x.shape());
+  RmsNormForwardArgs a;
+  a.x = dx.view();
+  a.residual = dres.view();
+  a.weight = dw.view();
+  a.y = y.view();
+  a.residual_out = sum.view();
+  rmsnorm_forward(cuda_ctx(), a);
+  return {y.host(), sum.host()};
+}
+
 }  // namespace
 
 // Each row's y is the same bits whatever batch it is normalised in, at any offset, and whether the
@@ -168,24 +185,37 @@ NormGrads norm_backward(const HostTensor& x, const HostTensor& dy, const HostTen
 
 }  // namespace
 
-// One or two rows per step (a kernel shape choice) give the same bits, forward and backward.
-TEST_F(CudaNormRope, RowsPerStepChangeNoBit) {
+// The compile-time-bf16 instance (every row tensor bf16) and the run-time-dtype one give the same
+// bits, forward (plain and fused with the residual add) and backward (saved and recomputed rstd), at
+// H = 4096 and 8192 (two vectors a thread). T is large enough that every forward CTA takes several
+// rows, so the next row's prefetch is exercised too.
+TEST_F(CudaNormRope, Bf16InstanceEqualsRunTimeDtypeInstance) {
   Rng r(17);
-  const int64_t T = 77, H = 4096;
-  const HostTensor x = r.tensor(DType::bf16, {T, H}, -2, 2), dy = r.tensor(DType::bf16, {T, H}, -1, 1),
-                   w = r.tensor(DType::bf16, {H}, 0.5, 1.5), dw0 = r.tensor(DType::f32, {H}, -1, 1);
-  HostTensor mask(DType::u8, {T});
-  for (int64_t t = 0; t < T; ++t) mask.set(t, t % 9 == 0 ? 0 : 1);
-  std::vector<HostTensor> got;
-  for (int rows : {1, 2}) {
-    detail::norm_rows_per_step_override() = rows;
-    got.push_back(rmsnorm_y(x, w, 0));
-    const NormGrads g = norm_backward(x, dy, w, mask, 0, T, {}, dw0, false, false);
-    got.push_back(g.dx);
-    got.push_back(g.dweight);
+  for (const int64_t H : {int64_t(4096), int64_t(8192)}) {
+    const int64_t T = H == 4096 ? 2501 : 1203;
+    const HostTensor x = r.tensor(DType::bf16, {T, H}, -2, 2), dy = r.tensor(DType::bf16, {T, H}, -1, 1),
+                     res = r.tensor(DType::bf16, {T, H}, -1, 1), w = r.tensor(DType::bf16, {H}, 0.5, 1.5),
+                     dw0 = r.tensor(DType::f32, {H}, -1, 1);
+    HostTensor mask(DType::u8, {T});
+    for (int64_t t = 0; t < T; ++t) mask.set(t, t % 9 == 0 ? 0 : 1);
+    std::vector<HostTensor> got;
+    for (bool any_dtype : {false, true}) {
+      detail::norm_any_dtype_path_override() = any_dtype;
+      got.push_back(rmsnorm_y(x, w, 0));
+      const FusedOut f = fused_add_norm(x, res, w, DType::bf16);
+      got.push_back(f.y);
+      got.push_back(f.sum);
+      for (bool saved : {false, true}) {
+        const NormGrads g = norm_backward(x, dy, w, mask, 0, T, {}, dw0, saved, false);
+        got.push_back(g.dx);
+        got.push_back(g.dweight);
+      }
+    }
+    detail::norm_any_dtype_path_override() = false;
+    const size_t n = got.size() / 2;
+    for (size_t k = 0; k < n; ++k)
+      expect_same_bits(got[n + k], got[k], "H " + std::to_string(H) + " output " + std::to_string(k));
   }
-  detail::norm_rows_per_step_override() = 0;
-  for (int k = 0; k < 3; ++k) expect_same_bits(got[3 + k], got[k], "output " + std::to_string(k) + ", 2 rows vs 1");
 }
 
 // dweight over micro-batches split at sequence boundaries (each call with its own segments, all

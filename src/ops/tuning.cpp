@@ -12,9 +12,9 @@ int& lm_head_vocab_chunk_override() {
   return width;
 }
 
-int& norm_rows_per_step_override() {
-  static int rows = 0;
-  return rows;
+bool& norm_any_dtype_path_override() {
+  static bool value = false;
+  return value;
 }
 
 }  // namespace samebits::detail

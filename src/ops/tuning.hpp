@@ -11,8 +11,8 @@ int& gemm_tile_width_override();
 // multiple of 256; tests/test_cuda_lm_head.cpp).
 int& lm_head_vocab_chunk_override();
 
-// 0: the CUDA RMSNorm kernels take their default rows per step; 1 or 2: forced (a choice that changes
-// no bit; tests/test_cuda_norm_rope.cpp, bench/bench_norm.py).
-int& norm_rows_per_step_override();
+// false: the CUDA RMSNorm kernels take their compile-time-bf16 instance where every row tensor is
+// bf16; true: always the run-time-dtype instance (the same bits; tests/test_cuda_norm_rope.cpp).
+bool& norm_any_dtype_path_override();
 
 }  // namespace samebits::detail

@@ -5,9 +5,11 @@
 // 512; beyond that a thread takes vectors j and j + 512, up to H = 8192) sums its 8-element vectors in ascending
 // order with FMAs, a warp butterfly (xor 16 … 1, which leaves the same bits in every lane) sums the
 // warp, and every thread adds the warp sums in ascending warp order from shared memory. A CTA takes
-// one or two rows at a time (one round of shared memory for both) in a grid-stride loop; which CTA takes a
-// row never matters. The forward and the backward share the reduction, so a backward that
-// recomputes rstd gets the forward's bits.
+// a row at a time in a grid-stride loop (which CTA takes a row never matters) and fetches the next
+// row's data before it reduces and stores this one's, keeping loads in flight across the barrier;
+// where every row tensor is bf16 a compile-time-bf16 instance (vec8.cuh's AllBf16) needs half the
+// registers for them, so more CTAs fit an SM. The forward and the backward share the reduction, so
+// a backward that recomputes rstd gets the forward's bits.
 //
 // dweight is a sum over tokens, done without atomics and without anything depending on the SM count:
 // (1) the rows are cut into chunks of C rows (C = 2^17 / H rounded to a power of two, 8 … 128: a
@@ -24,6 +26,7 @@
 // same chunks, counted in tokens (a chunk is all heads of C tokens): slot s of a CTA sums the chunk's
 // rows s, s + slots, … in order, then the slots' sums are added in slot order.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/common/runtime.cuh"
@@ -39,12 +42,14 @@ namespace samebits::cuda {
 namespace {
 
 constexpr unsigned FULL = 0xffffffffu;
-// Rows a CTA takes per step (1 or 2: the bits are the same; tests/test_cuda_norm_rope.cpp). Measured
-// on an H100 at 8192 x 4096 bf16 (bench/bench_norm.py): forward 86.7 µs with two, 89.1 with one;
-// backward 137.2 µs with one, 191.1 with two (two rows of x and dy take 87 registers a thread, one
-// CTA of 512 an SM). Smaller CTAs with four vectors a thread measured slower in both (96.1 / 261.8).
-constexpr int FORWARD_ROWS = 2, BACKWARD_ROWS = 1;
 constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
+// CTAs an SM must hold (registers allow): the bf16 forward at one vector a thread fits three CTAs of
+// 512 in 40 registers without spilling; every other instance takes what its registers allow (the
+// backward needs 80 even in bf16: at 64 it spills).
+template <class Fmt, int VPT>
+constexpr int forward_min_ctas() {
+  return std::is_same_v<Fmt, AllBf16> && VPT == 1 ? 3 : 1;
+}
 constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
 constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
 
@@ -104,14 +109,15 @@ void for_chunk_batches(const TensorView& segments, int64_t T, int rows, Launch&&
 }
 
 // (2) + (3): dweight[col] += range sums in order; a range is its chunks' partials summed in order.
-// A CTA takes 32 columns; warp w sums ranges w, w + 8, …; warp 0 then chains them.
-__global__ void __launch_bounds__(256) chain_partials(const float* __restrict__ partials, const __grid_constant__ RangeTable
+// A CTA takes 32 columns; warp w sums ranges w, w + CHAIN_WARPS, …; warp 0 then chains them.
+constexpr int CHAIN_WARPS = 16;
+__global__ void __launch_bounds__(CHAIN_WARPS * 32) chain_partials(const float* __restrict__ partials, const __grid_constant__ RangeTable
                                                       ranges, int64_t width, float* __restrict__ dweight) {
   __shared__ float range_sum[MAX_RANGES][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t col = int64_t(blockIdx.x) * 32 + lane;
   if (col < width)
-    for (int r = warp; r < ranges.n; r += 8) {
+    for (int r = warp; r < ranges.n; r += CHAIN_WARPS) {
       const int64_t first = ranges.first[r];
       const int count = ranges.count[r];
       float v[RANGE_CHUNKS];  // all loads in flight at once, then the sum in order
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(256) chain_partials(const float* __restrict__ 
 void launch_chain(const float* partials, const RangeTable& ranges, int64_t width, float* dweight, cudaStream_t stream,
                   const char* op) {
   if (ranges.n == 0) return;
-  chain_partials<<<unsigned((width + 31) / 32), 256, 0, stream>>>(partials, ranges, width, dweight);
+  chain_partials<<<unsigned((width + 31) / 32), CHAIN_WARPS * 32, 0, stream>>>(partials, ranges, width, dweight);
   check(cudaGetLastError(), op, "chain kernel launch");
 }
 
@@ -145,26 +151,18 @@ struct Layout {  // a row of H elements over the CTA's threads
   __device__ int valid(int k) const { return int(std::max<int64_t>(0, std::min<int64_t>(8, H - col(k)))); }
 };
 
-// v[r] := the row sums, the same bits in every thread. `red` holds two rounds (parity) so that one
+// The row sum of v, the same bits in every thread. `red` holds two rounds (parity) so that one
 // __syncthreads per call suffices: a round's slots are rewritten only after the next call's barrier.
-template <int ROWS>
-__device__ __forceinline__ void block_sums(float (&v)[ROWS], float (*red)[ROWS][32], int& parity) {
+__device__ __forceinline__ float block_sum(float v, float (*red)[32], int& parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int m = 16; m >= 1; m /= 2) v[r] = __fadd_rn(v[r], __shfl_xor_sync(FULL, v[r], m));
-  if (lane == 0)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) red[parity][r][warp] = v[r];
+  for (int m = 16; m >= 1; m /= 2) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, m));
+  if (lane == 0) red[parity][warp] = v;
   __syncthreads();
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float s = red[parity][r][0];
-    for (int w = 1; w < warps; ++w) s = __fadd_rn(s, red[parity][r][w]);
-    v[r] = s;
-  }
+  float s = red[parity][0];
+  for (int w = 1; w < warps; ++w) s = __fadd_rn(s, red[parity][w]);
   parity ^= 1;
+  return s;
 }
 
 __device__ __forceinline__ float rstd_of(float sum_sq, int64_t H, float eps) {
@@ -179,50 +177,63 @@ struct FwdParams {
   float eps;
 };
 
-template <int VPT, int ROWS>
-__global__ void __launch_bounds__(MAX_THREADS) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
-  __shared__ float red[2][ROWS][32];
+// A row's raw bits (x and, fused, the residual), fetched a step ahead of their use.
+template <int VPT>
+struct FwdRow {
+  Raw8 x[VPT], res[VPT];
+};
+
+template <class Fmt, int VPT>
+__device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, int64_t row, FwdRow<VPT>& f) {
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    f.x[k] = fetch8<Fmt>(p.x, row * p.H + L.col(k), L.valid(k));
+    if (p.residual.p) f.res[k] = fetch8<Fmt>(p.residual, row * p.H + L.col(k), L.valid(k));
+  }
+}
+
+// A CTA takes rows blockIdx.x, + gridDim.x, … and fetches each row's data one step before it uses
+// it, so the next row's loads are in flight across this row's barrier and stores (different rows
+// never overlap, so in-place calls are safe).
+template <class Fmt, int VPT>
+__global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
+  __shared__ float red[2][32];
   const Layout L{p.H, int(blockDim.x)};
+  const int64_t stride = gridDim.x;
   int parity = 0;
   float w[VPT][8];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) load8(p.weight, L.col(k), L.valid(k), w[k]);
-  for (int64_t row0 = int64_t(blockIdx.x) * ROWS; row0 < p.T; row0 += int64_t(gridDim.x) * ROWS) {
-    float x[ROWS][VPT][8], ss[ROWS];
+  FwdRow<VPT> cur;
+  int64_t row = blockIdx.x;
+  if (row < p.T) fetch_row<Fmt>(p, L, row, cur);
+  for (; row < p.T; row += stride) {
+    FwdRow<VPT> next;
+    if (row + stride < p.T) fetch_row<Fmt>(p, L, row + stride, next);
+    float x[VPT][8], ss = 0.0f;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = row0 + r;
-      ss[r] = 0.0f;
+    for (int k = 0; k < VPT; ++k) {
+      unpack8(Fmt::of(p.x.dt), cur.x[k], x[k]);
+      if (p.residual.p) {  // s = x + residual, rounded to residual_out's dtype, which the norm reads
+        float res[8];
+        unpack8(Fmt::of(p.residual.dt), cur.res[k], res);
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int n = row < p.T ? L.valid(k) : 0;
-        load8(p.x, row * p.H + L.col(k), n, x[r][k]);
-        if (p.residual.p) {  // s = x + residual, rounded to residual_out's dtype, which the norm reads
-          float res[8];
-          load8(p.residual, row * p.H + L.col(k), n, res);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) x[r][k][e] = round_to(p.residual_out.dt, __fadd_rn(x[r][k][e], res[e]));
-          if (n > 0) store8(p.residual_out, row * p.H + L.col(k), n, x[r][k]);
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss[r] = __fmaf_rn(x[r][k][e], x[r][k][e], ss[r]);
+        for (int e = 0; e < 8; ++e) x[k][e] = round_to(Fmt::of(p.residual_out.dt), __fadd_rn(x[k][e], res[e]));
+        if (L.valid(k) > 0) store8<Fmt>(p.residual_out, row * p.H + L.col(k), L.valid(k), x[k]);
       }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[k][e], x[k][e], ss);
     }
-    block_sums(ss, red, parity);
+    const float rstd = rstd_of(block_sum(ss, red, parity), p.H, p.eps);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = row0 + r;
-      if (row >= p.T) continue;
-      const float rstd = rstd_of(ss[r], p.H, p.eps);
+    for (int k = 0; k < VPT; ++k) {
+      float y[8];
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        float y[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[r][k][e], rstd), w[k][e]);
-        if (L.valid(k) > 0) store8(p.y, row * p.H + L.col(k), L.valid(k), y);
-      }
-      if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
+      for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[k][e], rstd), w[k][e]);
+      if (L.valid(k) > 0) store8<Fmt>(p.y, row * p.H + L.col(k), L.valid(k), y);
     }
+    if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
+    cur = next;
   }
 }
 
@@ -236,12 +247,43 @@ struct BwdParams {
   float eps;
 };
 
+// A backward row's raw bits (x, dy, the fused add's dresidual), its saved rstd and whether it adds
+// to dweight, fetched a step ahead of their use.
+template <int VPT>
+struct BwdRow {
+  Raw8 x[VPT], dy[VPT], dres[VPT];
+  float rstd;
+  bool active;
+};
+
+template <class Fmt, bool WITH_DRES, int VPT>  // WITH_DRES: fetch the fused add's dresidual too
+__device__ __forceinline__ void fetch_row(const BwdParams& p, const Layout& L, int64_t row, bool sums, BwdRow<VPT>& f) {
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    f.x[k] = fetch8<Fmt>(p.x, row * p.H + L.col(k), L.valid(k));
+    f.dy[k] = fetch8<Fmt>(p.dy, row * p.H + L.col(k), L.valid(k));
+    if (WITH_DRES && p.dres.p) f.dres[k] = fetch8<Fmt>(p.dres, row * p.H + L.col(k), L.valid(k));
+  }
+  f.rstd = p.rstd ? p.rstd[row] : 0.0f;
+  f.active = sums && (p.mask == nullptr || p.mask[row] != 0);
+}
+
+// Rows a backward CTA fetches ahead of the one it works on, as many as its registers hold without
+// spilling at one CTA of 512 an SM: two in bf16 at one vector a thread (97 registers against 74 with one), one in
+// bf16 at two or at run-time dtypes at one; none at run-time dtypes at two vectors (121 registers:
+// it fetches each row as it starts it, and dresidual only when it uses it).
+template <class Fmt, int VPT>
+constexpr int backward_rows_ahead() {
+  constexpr bool bf16 = std::is_same_v<Fmt, AllBf16>;
+  return bf16 && VPT == 1 ? 2 : bf16 || VPT == 1 ? 1 : 0;
+}
+
 // A CTA per chunk: dx for its rows, and the chunk's dweight partial (dy·x̂ of its active rows, in
-// ascending row order per column).
-template <int VPT, int ROWS>
+// ascending row order per column). Rows are fetched ahead (backward_rows_ahead), as in the forward.
+template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __grid_constant__ BwdParams p,
                                                                        const __grid_constant__ ChunkTable chunks) {
-  __shared__ float red[2][ROWS][32];
+  __shared__ float red[2][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t first = chunks.row[blockIdx.x];
   const int len = chunks.len[blockIdx.x];
@@ -254,62 +296,53 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
 #pragma unroll
     for (int e = 0; e < 8; ++e) dw[k][e] = 0.0f;
   }
-  for (int i0 = 0; i0 < len; i0 += ROWS) {
-    float x[ROWS][VPT][8], dy[ROWS][VPT][8], rstd[ROWS], dot[ROWS];
+  constexpr int AHEAD = backward_rows_ahead<Fmt, VPT>();
+  BwdRow<VPT> ahead[AHEAD > 0 ? AHEAD : 1];  // ahead[d]: row i + d's data, fetched during earlier rows
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = first + i0 + r;
-      const bool live = i0 + r < len;
-      rstd[r] = 0.0f;
+  for (int d = 0; d < AHEAD; ++d)
+    if (d < len) fetch_row<Fmt, (AHEAD > 0)>(p, L, first + d, sums, ahead[d]);
+  for (int i = 0; i < len; ++i) {
+    const int64_t row = first + i;
+    BwdRow<VPT> cur;
+    if constexpr (AHEAD > 0) {
+      cur = ahead[0];
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int n = live ? L.valid(k) : 0;
-        load8(p.x, row * p.H + L.col(k), n, x[r][k]);
-        load8(p.dy, row * p.H + L.col(k), n, dy[r][k]);
+      for (int d = 0; d + 1 < AHEAD; ++d) ahead[d] = ahead[d + 1];
+      if (i + AHEAD < len) fetch_row<Fmt, true>(p, L, row + AHEAD, sums, ahead[AHEAD - 1]);
+    } else {
+      fetch_row<Fmt, false>(p, L, row, sums, cur);
+    }
+    float x[VPT][8], dy[VPT][8], ss = 0.0f, dot = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) rstd[r] = __fmaf_rn(x[r][k][e], x[r][k][e], rstd[r]);  // Σx² if recomputed
+    for (int k = 0; k < VPT; ++k) {
+      unpack8(Fmt::of(p.x.dt), cur.x[k], x[k]);
+      unpack8(Fmt::of(p.dy.dt), cur.dy[k], dy[k]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[k][e], x[k][e], ss);  // Σx² if recomputed
+    }
+    // uniform: the saved rstd, or the forward's reduction and formula
+    const float rstd = p.rstd ? cur.rstd : rstd_of(block_sum(ss, red, parity), p.H, p.eps);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        x[k][e] = __fmul_rn(x[k][e], rstd);                                  // x̂
+        dot = __fmaf_rn(__fmul_rn(dy[k][e], w[k][e]), x[k][e], dot);  // g = dy·w
       }
-    }
-    if (p.rstd) {
+    const float mean = __fdiv_rn(block_sum(dot, red, parity), float(p.H));
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) rstd[r] = i0 + r < len ? p.rstd[first + i0 + r] : 0.0f;
-    } else {  // uniform: the forward's reduction and formula
-      block_sums(rstd, red, parity);
+    for (int k = 0; k < VPT; ++k) {
+      float d[8], res[8];
+      if (p.dres.p && AHEAD > 0) unpack8(Fmt::of(p.dres.dt), cur.dres[k], res);
+      else if (p.dres.p) load8(p.dres, row * p.H + L.col(k), L.valid(k), res);
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) rstd[r] = rstd_of(rstd[r], p.H, p.eps);
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      dot[r] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < VPT; ++k)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          x[r][k][e] = __fmul_rn(x[r][k][e], rstd[r]);  // x̂
-          dot[r] = __fmaf_rn(__fmul_rn(dy[r][k][e], w[k][e]), x[r][k][e], dot[r]);  // g = dy·w
-        }
-    }
-    block_sums(dot, red, parity);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = first + i0 + r;
-      if (i0 + r >= len) continue;
-      const float mean = __fdiv_rn(dot[r], float(p.H));
-      const bool active = sums && (p.mask == nullptr || p.mask[row] != 0);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int n = L.valid(k);
-        float d[8], res[8];
-        if (p.dres.p) load8(p.dres, row * p.H + L.col(k), n, res);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float g = __fmul_rn(dy[r][k][e], w[k][e]);
-          d[e] = __fmul_rn(rstd[r], __fsub_rn(g, __fmul_rn(x[r][k][e], mean)));
-          if (p.dres.p) d[e] = __fadd_rn(d[e], res[e]);
-          if (active) dw[k][e] = __fmaf_rn(dy[r][k][e], x[r][k][e], dw[k][e]);
-        }
-        if (n > 0) store8(p.dx, row * p.H + L.col(k), n, d);
+      for (int e = 0; e < 8; ++e) {
+        const float g = __fmul_rn(dy[k][e], w[k][e]);
+        d[e] = __fmul_rn(rstd, __fsub_rn(g, __fmul_rn(x[k][e], mean)));
+        if (p.dres.p) d[e] = __fadd_rn(d[e], res[e]);
+        if (cur.active) dw[k][e] = __fmaf_rn(dy[k][e], x[k][e], dw[k][e]);
       }
+      if (L.valid(k) > 0) store8<Fmt>(p.dx, row * p.H + L.col(k), L.valid(k), d);
     }
   }
   if (sums)
@@ -329,19 +362,19 @@ void row_layout(int64_t H, int& threads, int& vpt, const char* op) {
   threads = int(std::min<int64_t>(MAX_THREADS, ((vectors + vpt - 1) / vpt + 31) / 32 * 32));
 }
 
-// f(VPT, ROWS) as compile-time constants; ROWS: rows per step, forced by the test hook or the default.
-template <class F>
-void with_shape(int vpt, int default_rows, F&& f) {
-  const int forced = detail::norm_rows_per_step_override();
-  const int rows = forced == 1 || forced == 2 ? forced : default_rows;
-  auto with_rows = [&](auto v) {
-    if (rows == 1) f(v, std::integral_constant<int, 1>{});
-    else f(v, std::integral_constant<int, 2>{});
-  };
-  if (vpt == 1) with_rows(std::integral_constant<int, 1>{});
-  else with_rows(std::integral_constant<int, 2>{});
-}
+bool is_bf16(const TensorView& t) { return !t.present() || t.dtype == DType::bf16; }
 
+// f(Fmt, VPT) as a type and a compile-time constant: AllBf16 where every row tensor of the call is
+// bf16 (unless the test hook forces the run-time-dtype path), else AnyDtype.
+template <class F>
+void with_shape(int vpt, bool all_bf16, F&& f) {
+  auto with_vpt = [&](auto fmt) {
+    if (vpt == 1) f(fmt, std::integral_constant<int, 1>{});
+    else f(fmt, std::integral_constant<int, 2>{});
+  };
+  if (all_bf16 && !detail::norm_any_dtype_path_override()) with_vpt(AllBf16{});
+  else with_vpt(AnyDtype{});
+}
 
 void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const char* op = "rmsnorm_forward";
@@ -351,10 +384,18 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   row_layout(H, threads, vpt, op);
   const FwdParams p{in8(a.x, H), in8(a.residual, H), in8(a.weight, H), out8(a.y, H), out8(a.residual_out, H),
                     a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
-  const int per_sm = std::max(1, 2048 / threads);
-  const unsigned grid = unsigned(std::min<int64_t>((T + 1) / 2, int64_t(current_sm_count(op)) * per_sm));
-  with_shape(vpt, FORWARD_ROWS, [&](auto v, auto rows) {
-    rmsnorm_forward_kernel<decltype(v)::value, decltype(rows)::value><<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
+  const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y) && is_bf16(a.residual) && is_bf16(a.residual_out);
+  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
+    const auto kernel = rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>;
+    // As many CTAs as fit on the device at once (a grid-stride loop: which CTA takes a row changes no bit).
+    static std::atomic<int> resident[64] = {};
+    const int per_sm = once_per_device(resident, op, [&] {
+      int n = 0;
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0), op, "occupancy");
+      return std::max(n, 1);
+    });
+    const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
+    kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
   });
   check(cudaGetLastError(), op, "kernel launch");
 }
@@ -370,10 +411,10 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   BwdParams p{in8(a.dy, H), in8(a.dresidual_out, H), in8(a.x, H), in8(a.weight, H), out8(a.dx, H),
               a.rstd.present() ? a.rstd.as<const float>() : nullptr,
               a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr, partials.as<float>(), H, float(a.eps)};
+  const bool all_bf16 = is_bf16(a.dy) && is_bf16(a.x) && is_bf16(a.dx) && is_bf16(a.dresidual_out);
   for_chunk_batches(a.segments, T, chunk_rows(H), [&](const ChunkTable& chunks, const RangeTable& ranges) {
-    with_shape(vpt, BACKWARD_ROWS, [&](auto v, auto rows) {
-      rmsnorm_backward_kernel<decltype(v)::value, decltype(rows)::value><<<unsigned(chunks.count), threads, 0, stream>>>(
-          p, chunks);
+    with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
+      rmsnorm_backward_kernel<decltype(fmt), decltype(v)::value><<<unsigned(chunks.count), threads, 0, stream>>>(p, chunks);
     });
     check(cudaGetLastError(), op, "kernel launch");
     launch_chain(p.partials, ranges, H, a.dweight.as<float>(), stream, op);

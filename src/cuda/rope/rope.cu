@@ -60,9 +60,10 @@ __global__ void __launch_bounds__(THREADS) rope_kernel(const __grid_constant__ R
       if (t >= p.T) continue;
       const int n = int(std::min<int64_t>(8, half - i0));
       const int64_t base = (t * p.heads + h) * p.D + i0;
+      const Raw8 raw1 = fetch8(p.x, base, n), raw2 = fetch8(p.x, base + half, n);  // both loads in flight
       float x1[8], x2[8], y1[8], y2[8];
-      load8(p.x, base, n, x1);
-      load8(p.x, base + half, n, x2);
+      unpack8(p.x.dt, raw1, x1);
+      unpack8(p.x.dt, raw2, x2);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float c = e < n ? cs[2 * (j * half + i0 + e)] : 0.0f, s = e < n ? cs[2 * (j * half + i0 + e) + 1] : 0.0f;
