@@ -17,4 +17,9 @@ bool& norm_any_dtype_path_override() {
   return value;
 }
 
+int& norm_forward_min_ctas_override() {
+  static int value = 0;
+  return value;
+}
+
 }  // namespace samebits::detail

@@ -15,4 +15,8 @@ int& lm_head_vocab_chunk_override();
 // bf16; true: always the run-time-dtype instance (the same bits; tests/test_cuda_norm_rope.cpp).
 bool& norm_any_dtype_path_override();
 
+// 0: the bf16 RMSNorm forward at one vector a thread is compiled for its default CTAs an SM; 1, 2
+// or 3: the instance compiled for that many (registers; the same bits; bench/bench_norm.py).
+int& norm_forward_min_ctas_override();
+
 }  // namespace samebits::detail

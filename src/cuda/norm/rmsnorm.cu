@@ -48,7 +48,11 @@ constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
 // backward needs 80 even in bf16: at 64 it spills).
 template <class Fmt, int VPT>
 constexpr int forward_min_ctas() {
-  return std::is_same_v<Fmt, AllBf16> && VPT == 1 ? 3 : 1;
+  return VPT == 2 ? 1 : std::is_same_v<Fmt, AllBf16> ? 3 : 2;
+}
+template <class Fmt, int VPT, int MIN_CTAS>
+constexpr bool forward_instance() {
+  return MIN_CTAS == forward_min_ctas<Fmt, VPT>() || (std::is_same_v<Fmt, AllBf16> && VPT == 1);
 }
 constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
 constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
@@ -159,8 +163,17 @@ __device__ __forceinline__ float block_sum(float v, float (*red)[32], int& parit
   for (int m = 16; m >= 1; m /= 2) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, m));
   if (lane == 0) red[parity][warp] = v;
   __syncthreads();
-  float s = red[parity][0];
-  for (int w = 1; w < warps; ++w) s = __fadd_rn(s, red[parity][w]);
+  // All warp sums read at once (four 16-byte loads), then added in ascending warp order: the adds,
+  // not a chain of dependent shared-memory loads, are the critical path.
+  float part[MAX_THREADS / 32];
+#pragma unroll
+  for (int q = 0; q < MAX_THREADS / 128; ++q) {
+    const float4 f = reinterpret_cast<const float4*>(red[parity])[q];
+    part[4 * q] = f.x, part[4 * q + 1] = f.y, part[4 * q + 2] = f.z, part[4 * q + 3] = f.w;
+  }
+  float s = part[0];
+#pragma unroll
+  for (int w = 1; w < MAX_THREADS / 32; ++w) s = w < warps ? __fadd_rn(s, part[w]) : s;
   parity ^= 1;
   return s;
 }
@@ -195,9 +208,9 @@ __device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, i
 // A CTA takes rows blockIdx.x, + gridDim.x, … and fetches each row's data one step before it uses
 // it, so the next row's loads are in flight across this row's barrier and stores (different rows
 // never overlap, so in-place calls are safe).
-template <class Fmt, int VPT>
-__global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
-  __shared__ float red[2][32];
+template <class Fmt, int VPT, int MIN_CTAS>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
+  __shared__ __align__(16) float red[2][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
   int parity = 0;
@@ -283,7 +296,7 @@ constexpr int backward_rows_ahead() {
 template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __grid_constant__ BwdParams p,
                                                                        const __grid_constant__ ChunkTable chunks) {
-  __shared__ float red[2][32];
+  __shared__ __align__(16) float red[2][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t first = chunks.row[blockIdx.x];
   const int len = chunks.len[blockIdx.x];
@@ -385,10 +398,9 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const FwdParams p{in8(a.x, H), in8(a.residual, H), in8(a.weight, H), out8(a.y, H), out8(a.residual_out, H),
                     a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
   const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y) && is_bf16(a.residual) && is_bf16(a.residual_out);
-  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
-    const auto kernel = rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>;
-    // As many CTAs as fit on the device at once (a grid-stride loop: which CTA takes a row changes no bit).
-    static std::atomic<int> resident[64] = {};
+  // As many CTAs as fit on the device at once (a grid-stride loop: which CTA takes a row changes no
+  // bit); `resident` caches the count per device for this kernel instance.
+  auto launch_forward = [&](auto kernel, std::atomic<int>(&resident)[64]) {
     const int per_sm = once_per_device(resident, op, [&] {
       int n = 0;
       check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0), op, "occupancy");
@@ -396,9 +408,29 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
     });
     const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
     kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
+  };
+  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
+    using Fmt = decltype(fmt);
+    constexpr int VPT = decltype(v)::value;
+    const int forced = detail::norm_forward_min_ctas_override();
+    auto pick = [&](auto min_ctas) {
+      constexpr int M = decltype(min_ctas)::value;
+      if constexpr (forward_instance<Fmt, VPT, M>()) {
+        static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
+        launch_forward(rmsnorm_forward_kernel<Fmt, VPT, M>, resident);
+      }
+    };
+    if (std::is_same_v<Fmt, AllBf16> && VPT == 1 && forced >= 1 && forced <= 3) {
+      if (forced == 1) pick(std::integral_constant<int, 1>{});
+      else if (forced == 2) pick(std::integral_constant<int, 2>{});
+      else pick(std::integral_constant<int, 3>{});
+    } else {
+      pick(std::integral_constant<int, forward_min_ctas<Fmt, VPT>()>{});
+    }
   });
   check(cudaGetLastError(), op, "kernel launch");
 }
+
 
 void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   const char* op = "rmsnorm_backward";
