@@ -17,7 +17,7 @@ bool& norm_any_dtype_path_override() {
   return value;
 }
 
-int& norm_forward_min_ctas_override() {
+int& norm_forward_variant_override() {
   static int value = 0;
   return value;
 }

@@ -15,8 +15,9 @@ int& lm_head_vocab_chunk_override();
 // bf16; true: always the run-time-dtype instance (the same bits; tests/test_cuda_norm_rope.cpp).
 bool& norm_any_dtype_path_override();
 
-// 0: the bf16 RMSNorm forward at one vector a thread is compiled for its default CTAs an SM; 1, 2
-// or 3: the instance compiled for that many (registers; the same bits; bench/bench_norm.py).
-int& norm_forward_min_ctas_override();
+// 0: the RMSNorm forward takes its default kernel; 1: the register-prefetch kernel even where the
+// shared-memory-staged one applies; 2, 3, 4: staged variants (4 stages / 3 CTAs an SM, 3 / 3, 4 / 4).
+// The same bits (tests/test_cuda_norm_rope.cpp, bench/bench_norm.py).
+int& norm_forward_variant_override();
 
 }  // namespace samebits::detail

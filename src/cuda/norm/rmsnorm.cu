@@ -12,14 +12,14 @@
 // a backward that recomputes rstd gets the forward's bits.
 //
 // dweight is a sum over tokens, done without atomics and without anything depending on the SM count:
-// (1) the rows are cut into chunks of C rows (C = 2^17 / H rounded to a power of two, 8 … 128: a
+// (1) the rows are cut into chunks of C rows (C = 2^18 / H rounded to a power of two, 8 … 128: a
 // function of the hidden size) starting at every segment (sequence) of the call, so any split of a
 // batch into micro-batches at sequence boundaries, packed or padded, cuts the same chunks; a CTA
 // takes a chunk, computes dx for its rows and sums dy·x̂ of its active rows in ascending order per
 // column into a partial (fp32, [chunks, H]); (2) ranges of up to 16 consecutive chunks of a segment
 // are summed in order, and (3) the ranges are added into the fp32 dweight one after another in row
 // order (chain_partials). Rows outside every segment, and masked rows, add nothing. The partials cost
-// one fp32 row per C rows (4/C of the backward's bytes at bf16: 3% at H = 4096).
+// 4H bytes per C rows (at bf16, H = 4096, C = 64: 1% of the backward's traffic).
 //
 // QK-norm normalises rows of head_dim (64, 128, …) elements: a row is a slot of D/8 lanes of a warp
 // (a power of two: 8 for D = 64, 16 for 128), the butterfly runs over the slot. Its dweight uses the
@@ -50,10 +50,7 @@ template <class Fmt, int VPT>
 constexpr int forward_min_ctas() {
   return VPT == 2 ? 1 : std::is_same_v<Fmt, AllBf16> ? 3 : 2;
 }
-template <class Fmt, int VPT, int MIN_CTAS>
-constexpr bool forward_instance() {
-  return MIN_CTAS == forward_min_ctas<Fmt, VPT>() || (std::is_same_v<Fmt, AllBf16> && VPT == 1);
-}
+
 constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
 constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
 
@@ -72,7 +69,7 @@ struct RangeTable {
 
 // Rows per chunk: a function of the row length only.
 int chunk_rows(int64_t row_elems) {
-  int64_t c = (int64_t(1) << 17) / std::max<int64_t>(row_elems, 1);
+  int64_t c = (int64_t(1) << 18) / std::max<int64_t>(row_elems, 1);
   int p = 8;
   while (p * 2 <= c && p < 128) p *= 2;
   return p;
@@ -208,8 +205,8 @@ __device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, i
 // A CTA takes rows blockIdx.x, + gridDim.x, … and fetches each row's data one step before it uses
 // it, so the next row's loads are in flight across this row's barrier and stores (different rows
 // never overlap, so in-place calls are safe).
-template <class Fmt, int VPT, int MIN_CTAS>
-__global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
+template <class Fmt, int VPT>
+__global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
   __shared__ __align__(16) float red[2][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
@@ -248,6 +245,58 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_kernel(
     if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
     cur = next;
   }
+}
+
+// The bf16 forward of whole, aligned 8-element vectors without the fused add (the common call) with
+// a deeper prefetch: each thread stages its own vector of the next STAGES − 1 rows in shared memory
+// with cp.async, so loads in flight hold no registers. Only the thread that copied a vector reads
+// it back (cp.async.wait_group makes a thread's own copies visible to it), so no barrier guards
+// the ring; a slot is refilled one step after its thread read it. Same arithmetic as above.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+template <int STAGES, int MIN_CTAS>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_staged_kernel(const __grid_constant__ FwdParams p) {
+  __shared__ __align__(16) float red[2][32];
+  __shared__ uint4 ring[STAGES][MAX_THREADS];
+  const Layout L{p.H, int(blockDim.x)};
+  const int64_t stride = gridDim.x;
+  const bool mine = L.valid(0) == 8;  // H % 8 == 0: a thread has a whole vector or none
+  int parity = 0;
+  float w[8];
+  load8(p.weight, L.col(0), L.valid(0), w);
+  const uint16_t* x = static_cast<const uint16_t*>(p.x.p);
+  auto issue = [&](int64_t row, int slot) {  // one commit group per step, empty or not
+    if (mine && row < p.T) cp_async_16(&ring[slot][threadIdx.x], x + row * p.H + L.col(0));
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(int64_t(blockIdx.x) + s * stride, s);
+  int slot = 0;
+  for (int64_t row = blockIdx.x; row < p.T; row += stride) {
+    issue(row + (STAGES - 1) * stride, slot == 0 ? STAGES - 1 : slot - 1);
+    cp_async_wait<STAGES - 1>();
+    const Raw8 raw{mine ? ring[slot][threadIdx.x] : make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    float v[8], ss = 0.0f;
+    unpack8(DType::bf16, raw, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(v[e], v[e], ss);
+    const float rstd = rstd_of(block_sum(ss, red, parity), p.H, p.eps);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(__fmul_rn(v[e], rstd), w[e]);
+    if (mine) store8<AllBf16>(p.y, row * p.H + L.col(0), 8, v);
+    if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
+    slot = slot == STAGES - 1 ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // no copy outlives the CTA
 }
 
 struct BwdParams {
@@ -330,8 +379,9 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
     for (int k = 0; k < VPT; ++k) {
       unpack8(Fmt::of(p.x.dt), cur.x[k], x[k]);
       unpack8(Fmt::of(p.dy.dt), cur.dy[k], dy[k]);
+      if (!p.rstd)  // uniform: Σx² only where rstd is recomputed
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[k][e], x[k][e], ss);  // Σx² if recomputed
+        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[k][e], x[k][e], ss);
     }
     // uniform: the saved rstd, or the forward's reduction and formula
     const float rstd = p.rstd ? cur.rstd : rstd_of(block_sum(ss, red, parity), p.H, p.eps);
@@ -409,28 +459,23 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
     const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
     kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
   };
-  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
-    using Fmt = decltype(fmt);
-    constexpr int VPT = decltype(v)::value;
-    const int forced = detail::norm_forward_min_ctas_override();
-    auto pick = [&](auto min_ctas) {
-      constexpr int M = decltype(min_ctas)::value;
-      if constexpr (forward_instance<Fmt, VPT, M>()) {
-        static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
-        launch_forward(rmsnorm_forward_kernel<Fmt, VPT, M>, resident);
-      }
-    };
-    if (std::is_same_v<Fmt, AllBf16> && VPT == 1 && forced >= 1 && forced <= 3) {
-      if (forced == 1) pick(std::integral_constant<int, 1>{});
-      else if (forced == 2) pick(std::integral_constant<int, 2>{});
-      else pick(std::integral_constant<int, 3>{});
-    } else {
-      pick(std::integral_constant<int, forward_min_ctas<Fmt, VPT>()>{});
-    }
-  });
+  // The staged kernel where it applies (bf16, whole aligned vectors, no fused add), unless the test
+  // hook picks a variant.
+  const int variant = detail::norm_forward_variant_override();
+  const bool stageable = all_bf16 && vpt == 1 && p.x.vec && !p.residual.p && !detail::norm_any_dtype_path_override();
+  if (stageable && variant != 1) {
+    static std::atomic<int> resident[3][64] = {};
+    if (variant == 3) launch_forward(rmsnorm_forward_staged_kernel<3, 3>, resident[0]);
+    else if (variant == 4) launch_forward(rmsnorm_forward_staged_kernel<4, 4>, resident[1]);
+    else launch_forward(rmsnorm_forward_staged_kernel<4, 3>, resident[2]);
+  } else {
+    with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
+      static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
+      launch_forward(rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>, resident);
+    });
+  }
   check(cudaGetLastError(), op, "kernel launch");
 }
-
 
 void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   const char* op = "rmsnorm_backward";
