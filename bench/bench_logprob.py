@@ -99,7 +99,8 @@ LEAD_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each sample
 
 
 def alternate(fns, reps, warm=3, lead=True):
-    """Median milliseconds of each callable fn(i), timed alternately sample by sample.
+    """Median milliseconds of each callable fn(i), timed alternately sample by sample (in an order
+    rotated every sample).
 
     Each sample starts behind a ~1 ms spin kernel (torch.cuda._sleep), so the host has queued the
     callable's launches before the GPU reaches the start event: the events then time the GPU's work,
@@ -111,7 +112,9 @@ def alternate(fns, reps, warm=3, lead=True):
     times = [[] for _ in fns]
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
     for i in range(reps):
-        for k, f in enumerate(fns):
+        for j in range(len(fns)):  # each sample in a rotated order, so no callable always goes first
+            k = (i + j) % len(fns)
+            f = fns[k]
             s, e = ev[k]
             if lead:
                 torch.cuda._sleep(LEAD_CYCLES)

@@ -216,7 +216,7 @@ TEST_F(CudaNormRope, Bf16InstanceEqualsRunTimeDtypeInstance) {
     const size_t n = got.size() / 2;
     for (size_t k = 0; k < n; ++k)
       expect_same_bits(got[n + k], got[k], "H " + std::to_string(H) + " output " + std::to_string(k));
-    for (int variant : {1, 2, 3, 4}) {  // the forward's register-prefetch and shared-memory-staged kernels
+    for (int variant : {1}) {  // the forward's register-prefetch kernel (the default: staged where it applies)
       detail::norm_forward_variant_override() = variant;
       expect_same_bits(rmsnorm_y(x, w, 0), got[n], "H " + std::to_string(H) + " forward variant " + std::to_string(variant));
     }

@@ -16,8 +16,7 @@ int& lm_head_vocab_chunk_override();
 bool& norm_any_dtype_path_override();
 
 // 0: the RMSNorm forward takes its default kernel; 1: the register-prefetch kernel even where the
-// shared-memory-staged one applies; 2, 3, 4: staged variants (4 stages / 3 CTAs an SM, 3 / 3, 4 / 4).
-// The same bits (tests/test_cuda_norm_rope.cpp, bench/bench_norm.py).
+// shared-memory-staged one applies. The same bits (tests/test_cuda_norm_rope.cpp, bench/bench_norm.py).
 int& norm_forward_variant_override();
 
 }  // namespace samebits::detail
