@@ -79,8 +79,10 @@ def bench_rmsnorm(sb, T, H, reps, out):
     def torch_fwd(i):
         F.rms_norm(xs[i % 3], (H,), w, EPS)
 
-    f_ours, f_torch, f_any, f_reg = alternate([ours_fwd, torch_fwd, sb.tuned({"norm_any_dtype": 1}, ours_fwd),
-                                               sb.tuned({"norm_forward_variant": 1}, ours_fwd)], reps)
+    f_ours, f_torch, f_any, f_reg, *f_exp = alternate([ours_fwd, torch_fwd, sb.tuned({"norm_any_dtype": 1}, ours_fwd),
+                                               sb.tuned({"norm_forward_variant": 1}, ours_fwd)] +
+                                              [sb.tuned({"norm_forward_variant": v}, ours_fwd) for v in (0, 2, 3, 4, 5)], reps)
+    print("EXPERIMENT default-again, 5/3, 3/4, 4/4, 5/4:", [round(t * 1e3, 1) for t in f_exp])
     out.append(row(f"RMSNorm forward {T} × {H}", f_ours, f_torch, 2 * T * H * 2 + H * 2 + T * 4, 2.6) +
                f" (bf16: rows staged in shared memory) run-time-dtype instance: {f_any * 1e3:.1f} µs; bf16 with the "
                f"next row in registers: {f_reg * 1e3:.1f} µs")

@@ -467,8 +467,12 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const int variant = detail::norm_forward_variant_override();
   const bool stageable = all_bf16 && vpt == 1 && p.x.vec && !p.residual.p && !detail::norm_any_dtype_path_override();
   if (stageable && variant != 1) {
-    static std::atomic<int> resident[64] = {};
-    launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, 3>, resident);
+    static std::atomic<int> resident[6][64] = {};
+    if (variant == 2) launch_forward(rmsnorm_forward_staged_kernel<5, 3>, resident[2]);
+    else if (variant == 3) launch_forward(rmsnorm_forward_staged_kernel<3, 4>, resident[3]);
+    else if (variant == 4) launch_forward(rmsnorm_forward_staged_kernel<4, 4>, resident[4]);
+    else if (variant == 5) launch_forward(rmsnorm_forward_staged_kernel<5, 4>, resident[5]);
+    else launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, 3>, resident[0]);
   } else {
     with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
       static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
