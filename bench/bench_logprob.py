@@ -100,22 +100,24 @@ _FLUSH = []
 
 
 def _l2_flush_buffer():
-    """128 MiB read before every sample: L2 (50 MiB) then holds only clean lines of it, so a sample
-    neither finds its inputs cached nor pays for write-backs of what the previous callable wrote (which
-    made a kernel's time depend on which callable preceded it: up to 9% at 100 µs)."""
+    """256 MB written before every sample (as triton.testing.do_bench does): L2 (50 MiB) then holds
+    only dirty lines of it, so every sample starts from the same state, as a kernel does behind
+    another that wrote its output: inputs not cached, and write-backs to pay. Without it a kernel's
+    time depended on which callable ran before it (up to 9% at 100 µs); a read-only flush instead
+    leaves L2 clean and hides up to 50 MiB of the kernel's own write-back (add: 3.2 TB/s, above a
+    copy's 3.1)."""
     if not _FLUSH:
-        _FLUSH.append(torch.ones(32 << 20, device="cuda", dtype=torch.float32))
+        _FLUSH.append(torch.empty(64 << 20, device="cuda", dtype=torch.int32))
     return _FLUSH[0]
 
 
-def alternate(fns, reps, warm=3, lead=True):
+def alternate(fns, reps, warm=3):
     """Median milliseconds of each callable fn(i), timed alternately sample by sample (in an order
     rotated every sample), each sample after an L2 flush.
 
     Each sample starts behind a ~1 ms spin kernel (torch.cuda._sleep), so the host has queued the
     callable's launches before the GPU reaches the start event: the events then time the GPU's work,
-    not the host's launch latency (tens of µs through Python, which would dominate kernels of ~100 µs).
-    lead=False times the old way, launch latency included (for comparison only)."""
+    not the host's launch latency (tens of µs through Python, which would dominate kernels of ~100 µs)."""
     for i in range(warm):
         for f in fns:
             f(i)
@@ -127,9 +129,8 @@ def alternate(fns, reps, warm=3, lead=True):
             k = (i + j) % len(fns)
             f = fns[k]
             s, e = ev[k]
-            flush.sum()  # the same clean, cold L2 for every sample, whatever ran before it
-            if lead:
-                torch.cuda._sleep(LEAD_CYCLES)
+            flush.zero_()  # the same L2 state for every sample, whatever ran before it
+            torch.cuda._sleep(LEAD_CYCLES)
             s.record()
             f(i)
             e.record()

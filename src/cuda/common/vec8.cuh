@@ -52,8 +52,9 @@ struct AllBf16 {
 
 // The bits of up to 8 consecutive elements as they lie in memory: 16 bytes for a 2-byte dtype (in
 // lo), 32 for fp32 (lo, hi), zero bits past n. Fetching (issuing loads) is kept apart from widening
-// to fp32 (unpack8) so that a kernel can issue all its loads before it waits for any: widening right
-// after each load serialises them (one 16-byte load in flight per thread), the bandwidth limiter.
+// to fp32 (unpack8) so that a kernel can issue all its loads before it waits for any (widening right
+// after each load makes the thread wait for that load before it issues the next), and so that rows
+// can be fetched a step ahead of their use.
 struct Raw8 {
   uint4 lo, hi;
 };

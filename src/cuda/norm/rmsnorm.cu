@@ -263,8 +263,9 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// Measured on an H100 at 8192 × 4096 (bench/bench_norm.py, one run): 4 stages at 3 CTAs an SM
-// 51.8 µs, 3 stages 52.4, 4 stages at 4 CTAs (32 registers) 53.2, the register-prefetch kernel 54.9.
+// Measured on an H100 at 8192 × 4096 (bench/bench_norm.py, one run): stages / CTAs an SM 4 / 3
+// 53.0 µs, 5 / 3 53.0, 3 / 4 52.9, 4 / 4 (32 registers) 52.7, 5 / 4 52.6 — alike; the register-
+// prefetch kernel 56.4.
 constexpr int FORWARD_STAGES = 4;
 
 template <int STAGES, int MIN_CTAS>
@@ -337,7 +338,7 @@ __device__ __forceinline__ void fetch_row(const BwdParams& p, const Layout& L, i
 // Rows a backward CTA fetches ahead of the one it works on: one, except at run-time dtypes at two
 // vectors a thread (121 registers at one CTA of 512 an SM: a second row would spill), which fetch
 // each row as they start it, and dresidual only when they use it. Two rows ahead in bf16 (97
-// registers) measured 2-3% slower than one on an H100 (three runs of bench/bench_norm.py).
+// registers) measured no faster than one on an H100.
 template <class Fmt, int VPT>
 constexpr int backward_rows_ahead() {
   return std::is_same_v<Fmt, AnyDtype> && VPT == 2 ? 0 : 1;
@@ -467,12 +468,8 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const int variant = detail::norm_forward_variant_override();
   const bool stageable = all_bf16 && vpt == 1 && p.x.vec && !p.residual.p && !detail::norm_any_dtype_path_override();
   if (stageable && variant != 1) {
-    static std::atomic<int> resident[6][64] = {};
-    if (variant == 2) launch_forward(rmsnorm_forward_staged_kernel<5, 3>, resident[2]);
-    else if (variant == 3) launch_forward(rmsnorm_forward_staged_kernel<3, 4>, resident[3]);
-    else if (variant == 4) launch_forward(rmsnorm_forward_staged_kernel<4, 4>, resident[4]);
-    else if (variant == 5) launch_forward(rmsnorm_forward_staged_kernel<5, 4>, resident[5]);
-    else launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, 3>, resident[0]);
+    static std::atomic<int> resident[64] = {};
+    launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, 3>, resident);
   } else {
     with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
       static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
