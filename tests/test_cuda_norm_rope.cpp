@@ -227,7 +227,7 @@ TEST_F(CudaNormRope, Bf16InstanceEqualsRunTimeDtypeInstance) {
 // dweight over micro-batches split at sequence boundaries (each call with its own segments, all
 // accumulating into one non-zero buffer), and over a padded layout of the same sequences (padding
 // rows outside every segment), equals one packed call bit for bit; dx rows too; a recomputed rstd
-// gives the saved one's bits. RMSNorm at H = 4096 (chunks of 32 rows) and 8192, QK-norm at D = 128.
+// gives the saved one's bits. RMSNorm at H = 4096 (chunks of 64 rows) and 8192, QK-norm at D = 128.
 TEST_F(CudaNormRope, WeightGradientSplitsAndPaddingKeepBits) {
   struct Shape {
     bool qk;
