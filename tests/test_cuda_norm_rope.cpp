@@ -77,16 +77,22 @@ struct FusedOut {
   HostTensor y, sum;
 };
 
+// The fused residual add + RMSNorm's arguments: y = norm(s), s = x + res into sum.
+RmsNormForwardArgs fused_args(const DeviceBuffer& x, const DeviceBuffer& res, const DeviceBuffer& w,
+                              const DeviceBuffer& y, const DeviceBuffer& sum) {
+  RmsNormForwardArgs a;
+  a.x = x.view();
+  a.residual = res.view();
+  a.weight = w.view();
+  a.y = y.view();
+  a.residual_out = sum.view();
+  return a;
+}
+
 // The fused residual add + RMSNorm of x and res (s in res_out_dt).
 FusedOut fused_add_norm(const HostTensor& x, const HostTensor& res, const HostTensor& w, DType res_out_dt) {
   const DeviceBuffer dx(x), dres(res), dw(w), y(x.dtype(), x.shape()), sum(res_out_dt, x.shape());
-  RmsNormForwardArgs a;
-  a.x = dx.view();
-  a.residual = dres.view();
-  a.weight = dw.view();
-  a.y = y.view();
-  a.residual_out = sum.view();
-  rmsnorm_forward(cuda_ctx(), a);
+  rmsnorm_forward(cuda_ctx(), fused_args(dx, dres, dw, y, sum));
   return {y.host(), sum.host()};
 }
 
@@ -119,12 +125,7 @@ TEST_F(CudaNormRope, FusedAddNormEqualsAddThenNorm) {
         w(r.tensor(DType::f32, {H}, 0.5, 1.5));
     const DeviceBuffer y1(DType::bf16, {T, H}), s1(res_dt, {T, H}), y2(DType::bf16, {T, H}), s2(res_dt, {T, H}),
         rstd1(DType::f32, {T}), rstd2(DType::f32, {T});
-    RmsNormForwardArgs f;
-    f.x = x.view();
-    f.residual = res.view();
-    f.weight = w.view();
-    f.y = y1.view();
-    f.residual_out = s1.view();
+    RmsNormForwardArgs f = fused_args(x, res, w, y1, s1);
     f.rstd = rstd1.view();
     rmsnorm_forward(cuda_ctx(), f);
     ResidualAddArgs add;
