@@ -152,27 +152,40 @@ struct Layout {  // a row of H elements over the CTA's threads
   __device__ int valid(int k) const { return int(std::max<int64_t>(0, std::min<int64_t>(8, H - col(k)))); }
 };
 
-// The row sum of v, the same bits in every thread. `red` holds two rounds (parity) so that one
+// v[r] := the row sums, the same bits in every thread. `red` holds two rounds (parity) so that one
 // __syncthreads per call suffices: a round's slots are rewritten only after the next call's barrier.
-__device__ __forceinline__ float block_sum(float v, float (*red)[32], int& parity) {
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N], float (*red)[N][32], int& parity) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 #pragma unroll
-  for (int m = 16; m >= 1; m /= 2) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, m));
-  if (lane == 0) red[parity][warp] = v;
-  __syncthreads();
-  // All warp sums read at once (four 16-byte loads), then added in ascending warp order: the adds,
-  // not a chain of dependent shared-memory loads, are the critical path.
-  float part[MAX_THREADS / 32];
+  for (int r = 0; r < N; ++r) {
 #pragma unroll
-  for (int q = 0; q < MAX_THREADS / 128; ++q) {
-    const float4 f = reinterpret_cast<const float4*>(red[parity])[q];
-    part[4 * q] = f.x, part[4 * q + 1] = f.y, part[4 * q + 2] = f.z, part[4 * q + 3] = f.w;
+    for (int m = 16; m >= 1; m /= 2) v[r] = __fadd_rn(v[r], __shfl_xor_sync(FULL, v[r], m));
+    if (lane == 0) red[parity][r][warp] = v[r];
   }
-  float s = part[0];
+  __syncthreads();
+  // All warp sums read at once (four 16-byte loads a row), then added in ascending warp order: the
+  // adds, not a chain of dependent shared-memory loads, are the critical path.
 #pragma unroll
-  for (int w = 1; w < MAX_THREADS / 32; ++w) s = w < warps ? __fadd_rn(s, part[w]) : s;
+  for (int r = 0; r < N; ++r) {
+    float part[MAX_THREADS / 32];
+#pragma unroll
+    for (int q = 0; q < MAX_THREADS / 128; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(red[parity][r])[q];
+      part[4 * q] = f.x, part[4 * q + 1] = f.y, part[4 * q + 2] = f.z, part[4 * q + 3] = f.w;
+    }
+    float s = part[0];
+#pragma unroll
+    for (int w = 1; w < MAX_THREADS / 32; ++w) s = w < warps ? __fadd_rn(s, part[w]) : s;
+    v[r] = s;
+  }
   parity ^= 1;
-  return s;
+}
+
+__device__ __forceinline__ float block_sum(float v, float (*red)[1][32], int& parity) {
+  float one[1] = {v};
+  block_sums<1>(one, red, parity);
+  return one[0];
 }
 
 __device__ __forceinline__ float rstd_of(float sum_sq, int64_t H, float eps) {
@@ -207,7 +220,7 @@ __device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, i
 // never overlap, so in-place calls are safe).
 template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
-  __shared__ __align__(16) float red[2][32];
+  __shared__ __align__(16) float red[2][1][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
   int parity = 0;
@@ -270,7 +283,7 @@ constexpr int FORWARD_STAGES = 4;
 
 template <int STAGES, int MIN_CTAS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_staged_kernel(const __grid_constant__ FwdParams p) {
-  __shared__ __align__(16) float red[2][32];
+  __shared__ __align__(16) float red[2][1][32];
   __shared__ uint4 ring[STAGES][MAX_THREADS];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
@@ -324,32 +337,45 @@ struct BwdRow {
 };
 
 template <class Fmt, bool WITH_DRES, int VPT>  // WITH_DRES: fetch the fused add's dresidual too
-__device__ __forceinline__ void fetch_row(const BwdParams& p, const Layout& L, int64_t row, bool sums, BwdRow<VPT>& f) {
+__device__ __forceinline__ void fetch_row(const BwdParams& p, const Layout& L, int64_t row, bool live, bool sums,
+                                          BwdRow<VPT>& f) {
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    f.x[k] = fetch8<Fmt>(p.x, row * p.H + L.col(k), L.valid(k));
-    f.dy[k] = fetch8<Fmt>(p.dy, row * p.H + L.col(k), L.valid(k));
-    if (WITH_DRES && p.dres.p) f.dres[k] = fetch8<Fmt>(p.dres, row * p.H + L.col(k), L.valid(k));
+    const int n = live ? L.valid(k) : 0;
+    f.x[k] = fetch8<Fmt>(p.x, row * p.H + L.col(k), n);
+    f.dy[k] = fetch8<Fmt>(p.dy, row * p.H + L.col(k), n);
+    if (WITH_DRES && p.dres.p) f.dres[k] = fetch8<Fmt>(p.dres, row * p.H + L.col(k), n);
   }
-  f.rstd = p.rstd ? p.rstd[row] : 0.0f;
-  f.active = sums && (p.mask == nullptr || p.mask[row] != 0);
+  f.rstd = live && p.rstd ? p.rstd[row] : 0.0f;
+  f.active = live && sums && (p.mask == nullptr || p.mask[row] != 0);
 }
 
-// Rows a backward CTA fetches ahead of the one it works on: one, except at run-time dtypes at two
-// vectors a thread (121 registers at one CTA of 512 an SM: a second row would spill), which fetch
-// each row as they start it, and dresidual only when they use it. Two rows ahead in bf16 (97
-// registers) measured no faster than one on an H100.
+// Rows a backward CTA works on at a time (one barrier pair for all of them) and whether it fetches
+// the next step's rows ahead: two rows, fetched ahead, in bf16 at one vector a thread; one row,
+// fetched ahead, at two vectors or run-time dtypes; at run-time dtypes and two vectors a thread
+// (121 registers at one CTA of 512 an SM: more would spill) each row is fetched as it starts, and
+// dresidual only when it is used.
 template <class Fmt, int VPT>
-constexpr int backward_rows_ahead() {
-  return std::is_same_v<Fmt, AnyDtype> && VPT == 2 ? 0 : 1;
+constexpr int backward_rows_a_step() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return 1;  // sm_80's code for two rows spills (16 bytes); the rows a step change no bit
+#else
+  return std::is_same_v<Fmt, AllBf16> && VPT == 1 ? 2 : 1;
+#endif
+}
+template <class Fmt, int VPT>
+constexpr bool backward_fetches_ahead() {
+  return !(std::is_same_v<Fmt, AnyDtype> && VPT == 2);
 }
 
 // A CTA per chunk: dx for its rows, and the chunk's dweight partial (dy·x̂ of its active rows, in
-// ascending row order per column). Rows are fetched ahead (backward_rows_ahead), as in the forward.
+// ascending row order per column). Rows are fetched a step ahead, as in the forward.
 template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __grid_constant__ BwdParams p,
                                                                        const __grid_constant__ ChunkTable chunks) {
-  __shared__ __align__(16) float red[2][32];
+  constexpr int ROWS = backward_rows_a_step<Fmt, VPT>();
+  constexpr bool AHEAD = backward_fetches_ahead<Fmt, VPT>();
+  __shared__ __align__(16) float red[2][ROWS][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t first = chunks.row[blockIdx.x];
   const int len = chunks.len[blockIdx.x];
@@ -362,54 +388,73 @@ __global__ void __launch_bounds__(MAX_THREADS) rmsnorm_backward_kernel(const __g
 #pragma unroll
     for (int e = 0; e < 8; ++e) dw[k][e] = 0.0f;
   }
-  constexpr int AHEAD = backward_rows_ahead<Fmt, VPT>();
-  BwdRow<VPT> ahead[AHEAD > 0 ? AHEAD : 1];  // ahead[d]: row i + d's data, fetched during earlier rows
+  auto fetch_step = [&](int i0, BwdRow<VPT>(&rows)[ROWS]) {
 #pragma unroll
-  for (int d = 0; d < AHEAD; ++d)
-    if (d < len) fetch_row<Fmt, (AHEAD > 0)>(p, L, first + d, sums, ahead[d]);
-  for (int i = 0; i < len; ++i) {
-    const int64_t row = first + i;
-    BwdRow<VPT> cur;
-    if constexpr (AHEAD > 0) {
-      cur = ahead[0];
+    for (int r = 0; r < ROWS; ++r) fetch_row<Fmt, AHEAD>(p, L, first + i0 + r, i0 + r < len, sums, rows[r]);
+  };
+  BwdRow<VPT> ahead[ROWS];  // with AHEAD: the next step's rows, fetched while this step is reduced and stored
+  if (AHEAD) fetch_step(0, ahead);
+  for (int i0 = 0; i0 < len; i0 += ROWS) {
+    BwdRow<VPT> cur[ROWS];
+    if constexpr (AHEAD) {
 #pragma unroll
-      for (int d = 0; d + 1 < AHEAD; ++d) ahead[d] = ahead[d + 1];
-      if (i + AHEAD < len) fetch_row<Fmt, true>(p, L, row + AHEAD, sums, ahead[AHEAD - 1]);
+      for (int r = 0; r < ROWS; ++r) cur[r] = ahead[r];
+      if (i0 + ROWS < len) fetch_step(i0 + ROWS, ahead);
     } else {
-      fetch_row<Fmt, false>(p, L, row, sums, cur);
+      fetch_step(i0, cur);
     }
-    float x[VPT][8], dy[VPT][8], ss = 0.0f, dot = 0.0f;
+    float x[ROWS][VPT][8], dy[ROWS][VPT][8], rstd[ROWS], dot[ROWS];
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      unpack8(Fmt::of(p.x.dt), cur.x[k], x[k]);
-      unpack8(Fmt::of(p.dy.dt), cur.dy[k], dy[k]);
-      if (!p.rstd)  // uniform: Σx² only where rstd is recomputed
+    for (int r = 0; r < ROWS; ++r) {
+      rstd[r] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[k][e], x[k][e], ss);
+      for (int k = 0; k < VPT; ++k) {
+        unpack8(Fmt::of(p.x.dt), cur[r].x[k], x[r][k]);
+        unpack8(Fmt::of(p.dy.dt), cur[r].dy[k], dy[r][k]);
+        if (!p.rstd)  // uniform: Σx² only where rstd is recomputed
+#pragma unroll
+          for (int e = 0; e < 8; ++e) rstd[r] = __fmaf_rn(x[r][k][e], x[r][k][e], rstd[r]);
+      }
     }
-    // uniform: the saved rstd, or the forward's reduction and formula
-    const float rstd = p.rstd ? cur.rstd : rstd_of(block_sum(ss, red, parity), p.H, p.eps);
+    if (p.rstd) {  // uniform: the saved rstd, or the forward's reduction and formula
 #pragma unroll
-    for (int k = 0; k < VPT; ++k)
+      for (int r = 0; r < ROWS; ++r) rstd[r] = cur[r].rstd;
+    } else {
+      block_sums<ROWS>(rstd, red, parity);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        x[k][e] = __fmul_rn(x[k][e], rstd);                                  // x̂
-        dot = __fmaf_rn(__fmul_rn(dy[k][e], w[k][e]), x[k][e], dot);  // g = dy·w
+      for (int r = 0; r < ROWS; ++r) rstd[r] = rstd_of(rstd[r], p.H, p.eps);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      dot[r] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          x[r][k][e] = __fmul_rn(x[r][k][e], rstd[r]);                                  // x̂
+          dot[r] = __fmaf_rn(__fmul_rn(dy[r][k][e], w[k][e]), x[r][k][e], dot[r]);  // g = dy·w
+        }
+    }
+    block_sums<ROWS>(dot, red, parity);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (i0 + r >= len) continue;
+      const int64_t row = first + i0 + r;
+      const float mean = __fdiv_rn(dot[r], float(p.H));
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        float d[8], res[8];
+        if (p.dres.p && AHEAD) unpack8(Fmt::of(p.dres.dt), cur[r].dres[k], res);
+        else if (p.dres.p) load8(p.dres, row * p.H + L.col(k), L.valid(k), res);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float g = __fmul_rn(dy[r][k][e], w[k][e]);
+          d[e] = __fmul_rn(rstd[r], __fsub_rn(g, __fmul_rn(x[r][k][e], mean)));
+          if (p.dres.p) d[e] = __fadd_rn(d[e], res[e]);
+          if (cur[r].active) dw[k][e] = __fmaf_rn(dy[r][k][e], x[r][k][e], dw[k][e]);
+        }
+        if (L.valid(k) > 0) store8<Fmt>(p.dx, row * p.H + L.col(k), L.valid(k), d);
       }
-    const float mean = __fdiv_rn(block_sum(dot, red, parity), float(p.H));
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      float d[8], res[8];
-      if (p.dres.p && AHEAD > 0) unpack8(Fmt::of(p.dres.dt), cur.dres[k], res);
-      else if (p.dres.p) load8(p.dres, row * p.H + L.col(k), L.valid(k), res);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float g = __fmul_rn(dy[k][e], w[k][e]);
-        d[e] = __fmul_rn(rstd, __fsub_rn(g, __fmul_rn(x[k][e], mean)));
-        if (p.dres.p) d[e] = __fadd_rn(d[e], res[e]);
-        if (cur.active) dw[k][e] = __fmaf_rn(dy[k][e], x[k][e], dw[k][e]);
-      }
-      if (L.valid(k) > 0) store8<Fmt>(p.dx, row * p.H + L.col(k), L.valid(k), d);
     }
   }
   if (sums)
