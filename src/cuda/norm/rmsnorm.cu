@@ -4,9 +4,11 @@
 // depends on the row length alone: thread j of a CTA of ceil(H/8) threads (a multiple of 32, at most
 // 512; beyond that a thread takes vectors j and j + 512, up to H = 8192) sums its 8-element vectors in ascending
 // order with FMAs, a warp butterfly (xor 16 … 1, which leaves the same bits in every lane) sums the
-// warp, and every thread adds the warp sums in ascending warp order from shared memory. A CTA takes
-// a row at a time in a grid-stride loop (which CTA takes a row never matters) and fetches the next
-// row's data before it reduces and stores this one's, keeping loads in flight across the barrier;
+// warp, and every thread adds the warp sums in ascending warp order from shared memory. A forward
+// CTA takes a row at a time in a grid-stride loop (which CTA takes a row never matters), a backward
+// CTA one or two rows of its chunk at a time (one barrier pair for both), and each fetches the next
+// step's data before it reduces and stores this one's, keeping loads in flight across the barrier;
+// the common bf16 forward keeps three rows ahead in a shared-memory cp.async ring;
 // where every row tensor is bf16 a compile-time-bf16 instance (vec8.cuh's AllBf16) needs half the
 // registers for them, so more CTAs fit an SM. The forward and the backward share the reduction, so
 // a backward that recomputes rstd gets the forward's bits.
