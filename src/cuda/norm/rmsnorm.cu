@@ -45,9 +45,9 @@ namespace {
 
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
-// CTAs an SM must hold (registers allow): the bf16 forward at one vector a thread fits three CTAs of
-// 512 in 40 registers without spilling; every other instance takes what its registers allow (the
-// backward needs 80 even in bf16: at 64 it spills).
+// CTAs of 512 an SM the register-prefetch forward is compiled to fit (registers a thread ≤ 64K /
+// (512 · CTAs), spill-free): three in bf16 at one vector a thread (40 registers), two at run-time
+// dtypes (56), one at two vectors. The backward takes one (two would need 64 registers: it spills).
 template <class Fmt, int VPT>
 constexpr int forward_min_ctas() {
   return VPT == 2 ? 1 : std::is_same_v<Fmt, AllBf16> ? 3 : 2;
@@ -281,7 +281,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // Measured on an H100 at 8192 × 4096 (bench/bench_norm.py, one run): stages / CTAs an SM 4 / 3
 // 53.0 µs, 5 / 3 53.0, 3 / 4 52.9, 4 / 4 (32 registers) 52.7, 5 / 4 52.6 — alike; the register-
 // prefetch kernel 56.4.
-constexpr int FORWARD_STAGES = 4;
+constexpr int FORWARD_STAGES = 4, FORWARD_STAGED_CTAS = 3;  // 40 registers, 33 KB of shared memory
 
 template <int STAGES, int MIN_CTAS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_staged_kernel(const __grid_constant__ FwdParams p) {
@@ -516,7 +516,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const bool stageable = all_bf16 && vpt == 1 && p.x.vec && !p.residual.p && !detail::norm_any_dtype_path_override();
   if (stageable && variant != 1) {
     static std::atomic<int> resident[64] = {};
-    launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, 3>, resident);
+    launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, FORWARD_STAGED_CTAS>, resident);
   } else {
     with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
       static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
