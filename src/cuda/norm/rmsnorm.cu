@@ -226,12 +226,12 @@ __global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rms
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
   int parity = 0;
-  float w[VPT][8];
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) load8(p.weight, L.col(k), L.valid(k), w[k]);
   FwdRow<VPT> cur;
   int64_t row = blockIdx.x;
   if (row < p.T) fetch_row<Fmt>(p, L, row, cur);
+  float w[VPT][8];  // after the first row's fetch, so that its latency hides behind that one's
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) load8(p.weight, L.col(k), L.valid(k), w[k]);
   for (; row < p.T; row += stride) {
     FwdRow<VPT> next;
     if (row + stride < p.T) fetch_row<Fmt>(p, L, row + stride, next);
@@ -291,8 +291,6 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_staged_
   const int64_t stride = gridDim.x;
   const bool mine = L.valid(0) == 8;  // H % 8 == 0: a thread has a whole vector or none
   int parity = 0;
-  float w[8];
-  load8(p.weight, L.col(0), L.valid(0), w);
   const uint16_t* x = static_cast<const uint16_t*>(p.x.p);
   auto issue = [&](int64_t row, int slot) {  // one commit group per step, empty or not
     if (mine && row < p.T) cp_async_16(&ring[slot][threadIdx.x], x + row * p.H + L.col(0));
@@ -300,6 +298,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_staged_
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(int64_t(blockIdx.x) + s * stride, s);
+  float w[8];  // after the ring's first copies, so that its latency hides behind theirs
+  load8(p.weight, L.col(0), L.valid(0), w);
   int slot = 0;
   for (int64_t row = blockIdx.x; row < p.T; row += stride) {
     issue(row + (STAGES - 1) * stride, slot == 0 ? STAGES - 1 : slot - 1);
