@@ -216,10 +216,6 @@ int sb_set_tuning(const char* name, int value) {
     detail::norm_any_dtype_path_override() = value != 0;
     return 0;
   }
-  if (std::strcmp(name, "norm_forward_variant") == 0) {
-    detail::norm_forward_variant_override() = value;
-    return 0;
-  }
   return 1;
 }
 

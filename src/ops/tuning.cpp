@@ -17,9 +17,4 @@ bool& norm_any_dtype_path_override() {
   return value;
 }
 
-int& norm_forward_variant_override() {
-  static int value = 0;
-  return value;
-}
-
 }  // namespace samebits::detail

@@ -15,8 +15,4 @@ int& lm_head_vocab_chunk_override();
 // bf16; true: always the run-time-dtype instance (the same bits; tests/test_cuda_norm_rope.cpp).
 bool& norm_any_dtype_path_override();
 
-// 0: the RMSNorm forward takes its default kernel; 1: the register-prefetch kernel even where the
-// shared-memory-staged one applies. The same bits (tests/test_cuda_norm_rope.cpp, bench/bench_norm.py).
-int& norm_forward_variant_override();
-
 }  // namespace samebits::detail

@@ -8,7 +8,6 @@
 // CTA takes a row at a time in a grid-stride loop (which CTA takes a row never matters), a backward
 // CTA one or two rows of its chunk at a time (one barrier pair for both), and each fetches the next
 // step's data before it reduces and stores this one's, keeping loads in flight across the barrier;
-// the common bf16 forward keeps three rows ahead in a shared-memory cp.async ring;
 // where every row tensor is bf16 a compile-time-bf16 instance (vec8.cuh's AllBf16) needs half the
 // registers for them, so more CTAs fit an SM. The forward and the backward share the reduction, so
 // a backward that recomputes rstd gets the forward's bits.
@@ -262,63 +261,6 @@ __global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rms
   }
 }
 
-// The bf16 forward of whole, aligned 8-element vectors without the fused add (the common call) with
-// a deeper prefetch: each thread stages its own vector of the next STAGES − 1 rows in shared memory
-// with cp.async, so loads in flight hold no registers. Only the thread that copied a vector reads
-// it back (cp.async.wait_group makes a thread's own copies visible to it), so no barrier guards
-// the ring; a slot is refilled one step after its thread read it. Same arithmetic as above.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
-// Measured on an H100 at 8192 × 4096 (bench/bench_norm.py, one run): stages / CTAs an SM 4 / 3
-// 53.0 µs, 5 / 3 53.0, 3 / 4 52.9, 4 / 4 (32 registers) 52.7, 5 / 4 52.6 — alike; the register-
-// prefetch kernel 56.4.
-constexpr int FORWARD_STAGES = 4, FORWARD_STAGED_CTAS = 3;  // 40 registers, 33 KB of shared memory
-
-template <int STAGES, int MIN_CTAS>
-__global__ void __launch_bounds__(MAX_THREADS, MIN_CTAS) rmsnorm_forward_staged_kernel(const __grid_constant__ FwdParams p) {
-  __shared__ __align__(16) float red[2][1][32];
-  __shared__ uint4 ring[STAGES][MAX_THREADS];
-  const Layout L{p.H, int(blockDim.x)};
-  const int64_t stride = gridDim.x;
-  const bool mine = L.valid(0) == 8;  // H % 8 == 0: a thread has a whole vector or none
-  int parity = 0;
-  const uint16_t* x = static_cast<const uint16_t*>(p.x.p);
-  auto issue = [&](int64_t row, int slot) {  // one commit group per step, empty or not
-    if (mine && row < p.T) cp_async_16(&ring[slot][threadIdx.x], x + row * p.H + L.col(0));
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(int64_t(blockIdx.x) + s * stride, s);
-  float w[8];  // after the ring's first copies, so that its latency hides behind theirs
-  load8(p.weight, L.col(0), L.valid(0), w);
-  int slot = 0;
-  for (int64_t row = blockIdx.x; row < p.T; row += stride) {
-    issue(row + (STAGES - 1) * stride, slot == 0 ? STAGES - 1 : slot - 1);
-    cp_async_wait<STAGES - 1>();
-    const Raw8 raw{mine ? ring[slot][threadIdx.x] : make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-    float v[8], ss = 0.0f;
-    unpack8(DType::bf16, raw, v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(v[e], v[e], ss);
-    const float rstd = rstd_of(block_sum(ss, red, parity), p.H, p.eps);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(__fmul_rn(v[e], rstd), w[e]);
-    if (mine) store8<AllBf16>(p.y, row * p.H + L.col(0), 8, v);
-    if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
-    slot = slot == STAGES - 1 ? 0 : slot + 1;
-  }
-  cp_async_wait<0>();  // no copy outlives the CTA
-}
-
 struct BwdParams {
   In8 dy, dres, x, weight;
   Out8 dx;
@@ -510,19 +452,10 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
     const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
     kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
   };
-  // The staged kernel where it applies (bf16, whole aligned vectors, no fused add), unless the test
-  // hook asks for the register-prefetch one.
-  const int variant = detail::norm_forward_variant_override();
-  const bool stageable = all_bf16 && vpt == 1 && p.x.vec && !p.residual.p && !detail::norm_any_dtype_path_override();
-  if (stageable && variant != 1) {
-    static std::atomic<int> resident[64] = {};
-    launch_forward(rmsnorm_forward_staged_kernel<FORWARD_STAGES, FORWARD_STAGED_CTAS>, resident);
-  } else {
-    with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
-      static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
-      launch_forward(rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>, resident);
-    });
-  }
+  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
+    static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
+    launch_forward(rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>, resident);
+  });
   check(cudaGetLastError(), op, "kernel launch");
 }
 
