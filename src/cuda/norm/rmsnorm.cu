@@ -44,7 +44,7 @@ namespace {
 
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int MAX_THREADS = 512;  // so that a thread may hold 128 registers
-// CTAs of 512 an SM the register-prefetch forward is compiled to fit (registers a thread ≤ 64K /
+// CTAs of 512 an SM the forward is compiled to fit (registers a thread ≤ 64K /
 // (512 · CTAs), spill-free): three in bf16 at one vector a thread (40 registers), two at run-time
 // dtypes (56), one at two vectors. The backward takes one (two would need 64 registers: it spills).
 template <class Fmt, int VPT>
