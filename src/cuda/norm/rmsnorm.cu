@@ -441,20 +441,18 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const FwdParams p{in8(a.x, H), in8(a.residual, H), in8(a.weight, H), out8(a.y, H), out8(a.residual_out, H),
                     a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
   const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y) && is_bf16(a.residual) && is_bf16(a.residual_out);
-  // As many CTAs as fit on the device at once (a grid-stride loop: which CTA takes a row changes no
-  // bit); `resident` caches the count per device for this kernel instance.
-  auto launch_forward = [&](auto kernel, std::atomic<int>(&resident)[64]) {
-    const int per_sm = once_per_device(resident, op, [&] {
+  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
+    const auto kernel = rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>;
+    // As many CTAs as fit on the device at once (a grid-stride loop: which CTA takes a row changes
+    // no bit), cached per instance (this lambda's instantiation), CTA size and device.
+    static std::atomic<int> resident[MAX_THREADS / 32 + 1][64] = {};
+    const int per_sm = once_per_device(resident[threads / 32], op, [&] {
       int n = 0;
       check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0), op, "occupancy");
       return std::max(n, 1);
     });
     const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
     kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
-  };
-  with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
-    static std::atomic<int> resident[64] = {};  // one per instance (this lambda's instantiation)
-    launch_forward(rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>, resident);
   });
   check(cudaGetLastError(), op, "kernel launch");
 }
