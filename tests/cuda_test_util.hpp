@@ -1,4 +1,5 @@
-// Test helpers for the CUDA backend: a device copy of a host tensor, and a CUDA context.
+// Test helpers for the CUDA backend: a device copy of a host tensor, a CUDA context, a fixture that
+// skips without a GPU, raw-bit equality.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -41,6 +42,14 @@ class DeviceBuffer {
   size_t bytes_;
   void* ptr_;
   HostTensor t_;
+};
+
+// A test fixture that skips its tests where no CUDA device is visible.
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+  }
 };
 
 inline Context cuda_ctx() {

@@ -35,12 +35,7 @@ HostTensor scatter(const HostTensor& ids, const HostTensor& dy, const HostTensor
 
 }  // namespace
 
-class CudaEmbedding : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class CudaEmbedding : public testing_cuda::CudaTest {};
 
 TEST_F(CudaEmbedding, GatherCopiesTheRowsBitForBit) {
   Rng r(1);

@@ -88,12 +88,7 @@ double dw_error_against_fp64(const HostTensor& got, const HostTensor& init, cons
 
 }  // namespace
 
-class CudaGemm : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class CudaGemm : public testing_cuda::CudaTest {};
 
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
 TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }

@@ -102,11 +102,8 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
   return {logp.host(), entropy.host(), lse.host(), dhidden.host(), dweight.host()};
 }
 
-class CudaLmHead : public ::testing::Test {
+class CudaLmHead : public testing_cuda::CudaTest {
  protected:
-  void SetUp() override {
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
-  }
   void TearDown() override { detail::lm_head_vocab_chunk_override() = 0; }
 };
 

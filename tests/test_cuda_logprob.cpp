@@ -99,12 +99,7 @@ void check_invariance(DType dt, int64_t V, int64_t rows, DType grad_dtype) {
 
 }  // namespace
 
-class CudaLogprob : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class CudaLogprob : public testing_cuda::CudaTest {};
 
 TEST_F(CudaLogprob, InvariantAcrossBatchesOffsetsAndNeighboursBf16) {
   for (int64_t V : {151936, 128256, 32000, 4099, 1031, 7}) check_invariance(DType::bf16, V, 24, DType::bf16);

@@ -27,11 +27,9 @@ using testing_cuda::expect_same_bits;
 
 namespace {
 
-class CudaNormRope : public ::testing::Test {
+class CudaNormRope : public testing_cuda::CudaTest {
  protected:
-  void SetUp() override {
-    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device";
-  }
+  void TearDown() override { detail::norm_any_dtype_path_override() = false; }  // even after a failure
 };
 
 // A device copy of `h` that starts `shift` elements into its allocation (shift 1: not 16-byte
@@ -212,7 +210,6 @@ TEST_F(CudaNormRope, Bf16InstanceEqualsRunTimeDtypeInstance) {
         got.push_back(g.dweight);
       }
     }
-    detail::norm_any_dtype_path_override() = false;
     const size_t n = got.size() / 2;
     for (size_t k = 0; k < n; ++k)
       expect_same_bits(got[n + k], got[k], "H " + std::to_string(H) + " output " + std::to_string(k));
