@@ -30,13 +30,17 @@ class Shim:
                "sb_rmsnorm_backward": [P, P, I, L, L, P, I, P, P, P, P, ctypes.c_char_p, I],
                "sb_swiglu": [P, P, I, L, P, P, P, P, P, ctypes.c_char_p, I],
                "sb_residual_add": [P, P, I, L, P, P, ctypes.c_char_p, I],
-               "sb_rope": [P, I, L, L, L, P, P, I, P, ctypes.c_char_p, I]}
+               "sb_rope": [P, I, L, L, L, P, P, I, P, ctypes.c_char_p, I],
+               "sb_rope_to": [P, I, L, L, L, P, P, I, I, P, ctypes.c_char_p, I],
+               "sb_qk_norm_forward": [P, I, L, L, L, P, P, P, P, P, ctypes.c_char_p, I],
+               "sb_qk_norm_backward": [P, I, P, I, L, L, L, P, P, P, P, P, P, ctypes.c_char_p, I]}
         for name, args in sig.items():
             getattr(self.lib, name).argtypes = args
             getattr(self.lib, name).restype = I
         self.lib.sb_set_tuning.argtypes = [ctypes.c_char_p, I]
         self.err = ctypes.create_string_buffer(2048)
         self.bf16 = self.lib.sb_dtype_code(b"bf16")
+        self.f32 = self.lib.sb_dtype_code(b"fp32")
 
     def tuned(self, settings, f):
         """f with kernel-shape test hooks set around the call (shapes that change no bit)."""
@@ -190,6 +194,76 @@ def bench_rope(sb, reps, out):
                " torch: HF rotate_half with cos / sin precomputed (not timed)")
 
 
+def bench_qk_norm_rope(sb, reps, out):
+    """Qwen3-8B's q (32 heads) and k (8 heads), head_dim 128: QK-norm then RoPE, forward and backward,
+    fused (one pass) against samebits' two kernels and torch eager (F.rms_norm over head_dim, then
+    HF's rotate_half with cos / sin made beforehand; backward: autograd of that)."""
+    dev, bf = "cuda", torch.bfloat16
+    T, D = 8192, 128
+    heads = {"q": 32, "k": 8}
+    pos = torch.arange(T, device=dev, dtype=torch.int32) % 2048
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+    ang = pos.float()[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(bf)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(bf)[:, None, :]
+    t = {n: dict(x=[torch.randn(T, h, D, device=dev, dtype=bf) for _ in range(3)],
+                 dy=[torch.randn(T, h, D, device=dev, dtype=bf) for _ in range(3)],
+                 w=torch.rand(D, device=dev, dtype=bf) + 0.5, y=torch.empty(T, h, D, device=dev, dtype=bf),
+                 tmp=torch.empty(T, h, D, device=dev, dtype=bf), tmp32=torch.empty(T, h, D, device=dev),
+                 rstd=torch.empty(T, h, device=dev), dx=torch.empty(T, h, D, device=dev, dtype=bf),
+                 dw=torch.zeros(D, device=dev)) for n, h in heads.items()}
+
+    def fused(i):
+        for n, h in heads.items():
+            a = t[n]
+            sb.call("sb_qk_norm_forward", p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]), p(a["rstd"]), p(a["y"]), p(pos))
+
+    def unfused(i):
+        for n, h in heads.items():
+            a = t[n]
+            sb.call("sb_qk_norm_forward", p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]), p(a["rstd"]), p(a["tmp"]), None)
+            sb.call("sb_rope", p(a["tmp"]), sb.bf16, T, h, D, p(pos), p(a["y"]), 0)
+
+    def torch_fwd(x, w):
+        n = F.rms_norm(x, (D,), w, EPS)
+        return n * cos + torch.cat((-n[..., D // 2:], n[..., : D // 2]), -1) * sin
+
+    def theirs(i):
+        for n in heads:
+            torch_fwd(t[n]["x"][i % 3], t[n]["w"])
+
+    fwd_bytes = 2 * T * sum(heads.values()) * D * 2
+    a, b, c = alternate([fused, unfused, theirs], reps)
+    out.append(row(f"QK-norm + RoPE forward, q and k {T} × (32 + 8) × {D}, fused", a, c, fwd_bytes) +
+                   f" unfused (QK-norm, then RoPE): {b * 1e3:.1f} µs, {b / a:.2f}× the fused")
+
+    def fused_bwd(i):
+        for n, h in heads.items():
+            a = t[n]
+            sb.call("sb_qk_norm_backward", p(a["dy"][i % 3]), sb.bf16, p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]),
+                    p(a["rstd"]), p(a["dx"]), p(a["dw"]), p(pos))
+
+    def unfused_bwd(i):
+        for n, h in heads.items():
+            a = t[n]
+            sb.call("sb_rope_to", p(a["dy"][i % 3]), sb.bf16, T, h, D, p(pos), p(a["tmp32"]), sb.f32, 1)
+            sb.call("sb_qk_norm_backward", p(a["tmp32"]), sb.f32, p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]),
+                    p(a["rstd"]), p(a["dx"]), p(a["dw"]), None)
+
+    leaves = {n: [x.detach().requires_grad_() for x in t[n]["x"]] for n in heads}
+    wl = {n: t[n]["w"].detach().requires_grad_() for n in heads}
+    outs = {n: [torch_fwd(x, wl[n]) for x in leaves[n]] for n in heads}
+
+    def theirs_bwd(i):
+        for n in heads:
+            torch.autograd.grad(outs[n][i % 3], [leaves[n][i % 3], wl[n]], t[n]["dy"][i % 3], retain_graph=True)
+
+    bwd_bytes = 3 * T * sum(heads.values()) * D * 2
+    a, b, c = alternate([fused_bwd, unfused_bwd, theirs_bwd], reps)
+    out.append(row(f"QK-norm + RoPE backward (dx, dweight), q and k, fused", a, c, bwd_bytes) +
+                   f" unfused (RoPE backward into fp32, then QK-norm backward): {b * 1e3:.1f} µs, {b / a:.2f}× the fused")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
@@ -210,6 +284,7 @@ def main():
         bench_rmsnorm(sb, T, 4096, args.reps, out)
     bench_elementwise(sb, args.reps, out)
     bench_rope(sb, args.reps, out)
+    bench_qk_norm_rope(sb, args.reps, out)
     text = "\n".join(out) + "\n"
     print(text)
     if args.md:

@@ -209,6 +209,50 @@ int sb_rope(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* posit
   });
 }
 
+// QK-norm of x [T, heads, D] (bf16 weight [D], fp32 rstd [T, heads]), fused with RoPE (Qwen3's theta)
+// when positions is given.
+int sb_qk_norm_forward(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* weight, void* rstd, void* y,
+                       void* positions, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    QkNormForwardArgs a;
+    a.x = cuda_view(x, DType(dtype), {T, heads, D});
+    a.weight = cuda_view(weight, DType(dtype), {D});
+    a.rstd = cuda_view(rstd, DType::f32, {T, heads});
+    a.y = cuda_view(y, DType(dtype), {T, heads, D});
+    if (positions) a.positions = cuda_view(positions, DType::i32, {T});
+    qk_norm_forward(ctx_on(stream), a);
+  });
+}
+
+// Its backward (dy: fp32 when it is an unfused rope_backward's output, `dy_dtype`).
+int sb_qk_norm_backward(void* dy, int dy_dtype, void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* weight,
+                        void* rstd, void* dx, void* dweight, void* positions, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    QkNormBackwardArgs a;
+    a.dy = cuda_view(dy, DType(dy_dtype), {T, heads, D});
+    a.x = cuda_view(x, DType(dtype), {T, heads, D});
+    a.weight = cuda_view(weight, DType(dtype), {D});
+    a.rstd = cuda_view(rstd, DType::f32, {T, heads});
+    a.dx = cuda_view(dx, DType(dtype), {T, heads, D});
+    a.dweight = cuda_view(dweight, DType::f32, {D});
+    if (positions) a.positions = cuda_view(positions, DType::i32, {T});
+    qk_norm_backward(ctx_on(stream), a);
+  });
+}
+
+// RoPE from x of dtype to y of y_dtype (the unfused backward writes fp32).
+int sb_rope_to(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* positions, void* y, int y_dtype,
+               int inverse, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    RopeArgs a;
+    a.x = cuda_view(x, DType(dtype), {T, heads, D});
+    a.positions = cuda_view(positions, DType::i32, {T});
+    a.y = cuda_view(y, DType(y_dtype), {T, heads, D});
+    if (inverse) rope_backward(ctx_on(stream), a);
+    else rope_forward(ctx_on(stream), a);
+  });
+}
+
 // A kernel-shape test hook (ops/tuning.hpp) for A/B timing: "norm_any_dtype" (0: the bf16 instance
 // where it applies, 1: the run-time-dtype instance).
 int sb_set_tuning(const char* name, int value) {

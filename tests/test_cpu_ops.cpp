@@ -161,6 +161,52 @@ TEST(CpuOps, RopeAtPositionZeroIsIdentityAndBackwardInvertsForward) {
   EXPECT_NEAR(y[(t * H) * D + i], expect, 1e-6);
 }
 
+// QK-norm fused with RoPE: the forward is qk_norm_forward then rope_forward in place, bit for bit
+// (the normed rows rounded to y's bf16 before they rotate); the backward is rope_backward into an
+// fp32 tensor, then qk_norm_backward — not a bf16 round trip of the rotated gradient.
+TEST(CpuOps, QkNormRopeIsQkNormThenRope) {
+  const int64_t T = 5, heads = 3, D = 32;
+  Rng r(8);
+  const harness::HostTensor x = r.tensor(DType::bf16, {T, heads, D}, -2, 2), dy = r.tensor(DType::bf16, {T, heads, D}, -1, 1),
+                            w = r.tensor(DType::bf16, {D}, 0.5, 1.5);
+  std::vector<int32_t> pos{0, 1, 0, 4000, 99999};
+  harness::HostTensor y_ref(DType::bf16, {T, heads, D}), y_fused(DType::bf16, {T, heads, D});
+  QkNormForwardArgs f;
+  f.x = x.view();
+  f.weight = w.view();
+  f.y = y_ref.view();
+  qk_norm_forward(Context{}, f);
+  rope_forward(Context{}, {y_ref.view(), view(pos, DType::i32, {T}), y_ref.view(), RopeConfig{}});
+  f.y = y_fused.view();
+  f.positions = view(pos, DType::i32, {T});
+  qk_norm_forward(Context{}, f);
+  EXPECT_EQ(std::memcmp(y_fused.data(), y_ref.data(), y_ref.bytes()), 0);
+  harness::HostTensor rotated(DType::f32, {T, heads, D}), rotated_bf16(DType::bf16, {T, heads, D});
+  rope_backward(Context{}, {dy.view(), view(pos, DType::i32, {T}), rotated.view(), RopeConfig{}});
+  rope_backward(Context{}, {dy.view(), view(pos, DType::i32, {T}), rotated_bf16.view(), RopeConfig{}});
+  std::vector<float> dw_ref(D, 0.25f), dw_fused(D, 0.25f), dw_bf16(D, 0.25f);
+  harness::HostTensor dx_ref(DType::bf16, {T, heads, D}), dx_fused(DType::bf16, {T, heads, D}), dx_bf16(DType::bf16, {T, heads, D});
+  QkNormBackwardArgs b;
+  b.x = x.view();
+  b.weight = w.view();
+  b.dy = rotated.view();
+  b.dx = dx_ref.view();
+  b.dweight = view(dw_ref, DType::f32, {D});
+  qk_norm_backward(Context{}, b);
+  b.dy = rotated_bf16.view();
+  b.dx = dx_bf16.view();
+  b.dweight = view(dw_bf16, DType::f32, {D});
+  qk_norm_backward(Context{}, b);
+  b.dy = dy.view();
+  b.dx = dx_fused.view();
+  b.dweight = view(dw_fused, DType::f32, {D});
+  b.positions = view(pos, DType::i32, {T});
+  qk_norm_backward(Context{}, b);
+  EXPECT_EQ(std::memcmp(dx_fused.data(), dx_ref.data(), dx_ref.bytes()), 0);
+  EXPECT_EQ(std::memcmp(dw_fused.data(), dw_ref.data(), D * sizeof(float)), 0);
+  EXPECT_NE(std::memcmp(dw_fused.data(), dw_bf16.data(), D * sizeof(float)), 0);  // not via bf16
+}
+
 TEST(CpuOps, FusedLmHeadEqualsLinearThenLogprobBitwise) {
   const int T = 6, H = 24, V = 4500;
   Rng r(6);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops/tuning.hpp"
+#include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
 #include "tests/cuda_test_util.hpp"
@@ -381,6 +382,93 @@ TEST_F(CudaNormRope, RopePositionGivesTheSameBitsEverywhere) {
     double worst = 0;
     for (int64_t i = 0; i < xf.numel(); ++i) worst = std::max(worst, std::fabs(back.get(i) - xf.get(i)));
     EXPECT_LE(worst, 4e-6) << "backward(forward(x)) - x, D=" << D;
+  }
+}
+
+// QK-norm fused with RoPE gives the bits of its definition: forward = qk_norm_forward into y, then
+// rope_forward in place on y; backward = rope_backward of dy into an fp32 tensor, then
+// qk_norm_backward on it (dx, and dweight over a mask and two segments), rstd saved and recomputed.
+// Qwen3-8B's q and k heads at D = 128, D = 64, D = 96 (the pair partner 6 lanes away, not a
+// power of two) and D = 16 (one lane a half); positions restarting, and far out.
+TEST_F(CudaNormRope, QkNormRopeEqualsQkNormThenRope) {
+  RopeConfig llama;
+  llama.theta = 500000.0;
+  llama.llama3_scaling = true;
+  struct Shape {
+    DType dt;
+    int64_t T, heads, D;
+    RopeConfig cfg;
+  };
+  for (const Shape& s : {Shape{DType::bf16, 301, 32, 128, RopeConfig{}}, Shape{DType::bf16, 301, 8, 128, llama},
+                         Shape{DType::f16, 77, 3, 64, RopeConfig{}}, Shape{DType::f32, 50, 5, 96, RopeConfig{}},
+                         Shape{DType::bf16, 40, 4, 16, RopeConfig{}}}) {
+    const std::string what = std::string(dtype_name(s.dt)) + " heads=" + std::to_string(s.heads) + " D=" + std::to_string(s.D);
+    Rng r(61 + s.D + s.heads);
+    const std::vector<int64_t> shape{s.T, s.heads, s.D};
+    const HostTensor x = r.tensor(s.dt, shape, -2, 2), dy = r.tensor(s.dt, shape, -1, 1),
+                     w = r.tensor(s.dt, {s.D}, 0.5, 1.5), dw0 = r.tensor(DType::f32, {s.D}, -1, 1);
+    HostTensor pos(DType::i32, {s.T}), mask(DType::u8, {s.T}), seg(DType::i32, {2, 2});
+    const int64_t half_T = s.T / 2;
+    for (int64_t t = 0; t < s.T; ++t) {
+      pos.set(t, double(t < half_T ? t : t < 3 * s.T / 4 ? t - half_T : 90000 + 3 * t));
+      mask.set(t, t % 7 == 0 ? 0 : 1);
+    }
+    for (const auto& [i, v] : {std::pair<int64_t, int64_t>{0, 0}, {1, half_T}, {2, half_T}, {3, s.T - half_T}}) seg.set(i, double(v));
+    const DeviceBuffer d_x(x), d_dy(dy), d_w(w), d_pos(pos), d_mask(mask);
+    const DeviceBuffer y_ref(s.dt, shape), y_fused(s.dt, shape), rstd_ref(DType::f32, {s.T, s.heads}),
+        rstd_fused(DType::f32, {s.T, s.heads});
+    QkNormForwardArgs f;
+    f.x = d_x.view();
+    f.weight = d_w.view();
+    f.y = y_ref.view();
+    f.rstd = rstd_ref.view();
+    qk_norm_forward(cuda_ctx(), f);
+    rope_forward(cuda_ctx(), {y_ref.view(), d_pos.view(), y_ref.view(), s.cfg});
+    f.y = y_fused.view();
+    f.rstd = rstd_fused.view();
+    f.positions = d_pos.view();
+    f.rope = s.cfg;
+    qk_norm_forward(cuda_ctx(), f);
+    expect_same_bits(y_fused.host(), y_ref.host(), what + ": y");
+    expect_same_bits(rstd_fused.host(), rstd_ref.host(), what + ": rstd");
+    for (const bool saved_rstd : {true, false}) {
+      const DeviceBuffer rotated(DType::f32, shape), dx_ref(s.dt, shape), dx_fused(s.dt, shape), dw_ref(dw0), dw_fused(dw0);
+      rope_backward(cuda_ctx(), {d_dy.view(), d_pos.view(), rotated.view(), s.cfg});
+      QkNormBackwardArgs b;
+      b.dy = rotated.view();
+      b.x = d_x.view();
+      b.weight = d_w.view();
+      if (saved_rstd) b.rstd = rstd_ref.view();
+      b.row_mask = d_mask.view();
+      b.dx = dx_ref.view();
+      b.dweight = dw_ref.view();
+      b.segments = seg.view();
+      qk_norm_backward(cuda_ctx(), b);
+      b.dy = d_dy.view();
+      b.dx = dx_fused.view();
+      b.dweight = dw_fused.view();
+      b.positions = d_pos.view();
+      b.rope = s.cfg;
+      qk_norm_backward(cuda_ctx(), b);
+      const std::string how = saved_rstd ? " (saved rstd)" : " (recomputed rstd)";
+      expect_same_bits(dx_fused.host(), dx_ref.host(), what + ": dx" + how);
+      expect_same_bits(dw_fused.host(), dw_ref.host(), what + ": dweight" + how);
+    }
+  }
+  // A half of a row that is not whole 8-element vectors: a clear error, not a wrong answer.
+  const HostTensor x(DType::bf16, {4, 2, 40}), w(DType::bf16, {40});
+  HostTensor pos(DType::i32, {4});
+  const DeviceBuffer d_x(x), d_w(w), d_y(x), d_pos(pos);
+  QkNormForwardArgs f;
+  f.x = d_x.view();
+  f.weight = d_w.view();
+  f.y = d_y.view();
+  f.positions = d_pos.view();
+  try {
+    qk_norm_forward(cuda_ctx(), f);
+    FAIL() << "head_dim 40 fused with RoPE should be unsupported on CUDA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 16"), std::string::npos) << e.what();
   }
 }
 

@@ -163,6 +163,24 @@ TEST(Validation, PositionOutOfRange) {
     a.positions = TensorView::of(pos.data(), DType::i32, {2});
     a.config.max_position = 100;
     expect_error([&] { rope_forward(Context{}, a); }, "rope_forward", "positions", "outside [0, 100)", &y);
+    // The same checks guard QK-norm fused with RoPE, forward and backward.
+    std::vector<float> w(4, 1.0f), dw(4, 0.0f);
+    QkNormForwardArgs f;
+    f.x = a.x;
+    f.weight = TensorView::of(w.data(), DType::f32, {4});
+    f.y = a.y;
+    f.positions = a.positions;
+    f.rope = a.config;
+    expect_error([&] { qk_norm_forward(Context{}, f); }, "qk_norm_forward", "positions", "outside [0, 100)", &y);
+    QkNormBackwardArgs b;
+    b.dy = a.x;
+    b.x = a.x;
+    b.weight = f.weight;
+    b.dx = a.y;
+    b.dweight = TensorView::of(dw.data(), DType::f32, {4});
+    b.positions = a.positions;
+    b.rope = a.config;
+    expect_error([&] { qk_norm_backward(Context{}, b); }, "qk_norm_backward", "positions", "outside [0, 100)", &y);
   }
 }
 

@@ -6,7 +6,7 @@ cmake_minimum_required(VERSION 3.16)  # policies: @VAR@ in quoted strings is lit
 # the op's first cell read FAIL (the CTest that proves the check can fail).
 #   cmake -DTEMPLATE=docs/audit/elementwise-rope.in.md -DSTATUS=docs/status
 #         -DOUT=docs/audit-elementwise-rope.md [-DCHECK=docs/audit-elementwise-rope.md] -P tools/audit_doc.cmake
-set(OPS rope swiglu residual_add add_rmsnorm)
+set(OPS rope qk_norm_rope swiglu residual_add add_rmsnorm)
 
 # The op summary row and the case rows of the audited ops in one backend's matrix, with a verdict.
 function(audit_rows backend out_var)

@@ -43,6 +43,20 @@ void linear_forward(const Context&, const LinearForwardArgs&);
 void linear_backward_input(const Context&, const LinearBackwardInputArgs&);
 void linear_backward_weight(const Context&, const LinearBackwardWeightArgs&);
 
+// ---------------------------------------------------------------- RoPE (its config; the op is below)
+// Qwen3 / Llama convention (rotate_half): dims i and i + D/2 form a pair.
+// inv_freq[i] = fp32(1 / theta^(2i/D)) (Llama-3 scaling applied to it when enabled);
+// angle = fp32(float(position) * inv_freq[i]) — both in fp32 as Hugging Face computes them —
+// and cos / sin of that fp32 angle evaluated in fp64, then rounded to fp32. So a position gives
+// the same cos/sin bits on every path, whatever the batch.
+struct RopeConfig {
+  double theta = 1000000.0;
+  int64_t max_position = 1 << 20;  // positions must be in [0, max_position)
+  bool llama3_scaling = false;
+  double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+
 // ---------------------------------------------------------------- RMSNorm (+ fused residual add)
 // Without residual: y = x * rsqrt(mean(x²) + eps) * weight.
 // With residual:    s = round(x + residual) (stored in residual_out's dtype), y = rmsnorm(s).
@@ -66,32 +80,31 @@ void rmsnorm_forward(const Context&, const RmsNormForwardArgs&);
 void rmsnorm_backward(const Context&, const RmsNormBackwardArgs&);
 
 // QK-norm (Qwen3): RMSNorm over head_dim of every head; x, y: [T, heads, head_dim], weight[head_dim].
+// Fused with RoPE when positions (int32 [T]) are given: y = rope(n), n = the normed rows rounded to
+// y's dtype — the same bits as qk_norm_forward into y, then rope_forward (rope config) in place on
+// y, in one pass over the rows (rstd is the norm's, as without).
 struct QkNormForwardArgs {
   TensorView x, weight, y, rstd;  // rstd: [T, heads] fp32, optional
   double eps = 1e-6;
+  TensorView positions;  // optional: fuse RoPE (see RopeArgs)
+  RopeConfig rope;
 };
 // dweight[head_dim] += Σ over unmasked tokens (CPU: tokens ascending, each token's heads ascending;
 // GPU: chunks of tokens from every segment, as rmsnorm_backward). segments: as rmsnorm_backward's.
+// With positions (the fused forward's backward): dy is the gradient of the rotated output; it is
+// rotated back (rope_backward's arithmetic) and kept in fp32 (fp64 in truth mode), not rounded to a
+// storage dtype — the same bits as rope_backward of dy into an fp32 tensor, then qk_norm_backward on
+// it, and more accurate than a bf16 round trip (dweight sums over every token). x is the norm's input.
 struct QkNormBackwardArgs {
   TensorView dy, x, weight, rstd, row_mask, dx, dweight, segments;
   double eps = 1e-6;
+  TensorView positions;  // optional: the fused forward's positions
+  RopeConfig rope;
 };
 void qk_norm_forward(const Context&, const QkNormForwardArgs&);
 void qk_norm_backward(const Context&, const QkNormBackwardArgs&);
 
 // ---------------------------------------------------------------- RoPE
-// Qwen3 / Llama convention (rotate_half): dims i and i + D/2 form a pair.
-// inv_freq[i] = fp32(1 / theta^(2i/D)) (Llama-3 scaling applied to it when enabled);
-// angle = fp32(float(position) * inv_freq[i]) — both in fp32 as Hugging Face computes them —
-// and cos / sin of that fp32 angle evaluated in fp64, then rounded to fp32. So a position gives
-// the same cos/sin bits on every path, whatever the batch.
-struct RopeConfig {
-  double theta = 1000000.0;
-  int64_t max_position = 1 << 20;  // positions must be in [0, max_position)
-  bool llama3_scaling = false;
-  double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
-  int64_t original_max_position = 8192;
-};
 // x, y: [T, heads, head_dim] (y may alias x); positions: int32 [T].
 struct RopeArgs {
   TensorView x, positions, y;

@@ -95,13 +95,25 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
     const int64_t rows = a.x.shape[0] * a.x.shape[1], D = a.x.shape[2];
     norm_rows(load_all<Acc>(a.x), rows, D, load_all<Acc>(a.weight), a.eps, a.y, a.rstd);
   });
+  // Fused RoPE: the definition itself (the normed rows stored in y's dtype, rotated in place).
+  if (a.positions.present()) samebits::rope_forward(ctx, {a.y, a.positions, a.y, a.rope});
 }
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
+  // Fused RoPE: dy rotated back at the arithmetic's precision (kept, not rounded to a storage
+  // dtype), then the norm's backward on it.
+  std::vector<unsigned char> rotated_bytes;
+  TensorView dy = a.dy;
+  if (a.positions.present()) {
+    const DType acc = ctx.precision == Precision::truth_fp64 ? DType::f64 : DType::f32;
+    rotated_bytes.resize(size_t(a.dy.numel() * dtype_size(acc)));
+    dy = TensorView::of(rotated_bytes.data(), acc, a.dy.shape.data(), 3);
+    samebits::rope_backward(ctx, {a.dy, a.positions, dy, a.rope});
+  }
   with_precision(ctx, [&](auto acc) {
     using Acc = decltype(acc);
     const int64_t heads = a.x.shape[1], rows = a.x.shape[0] * heads, D = a.x.shape[2];
-    norm_backward_rows<Acc>(load_all<Acc>(a.x), load_all<Acc>(a.dy), nullptr, rows, D,
+    norm_backward_rows<Acc>(load_all<Acc>(a.x), load_all<Acc>(dy), nullptr, rows, D,
                        load_all<Acc>(a.weight), a.eps, a.rstd, a.row_mask, heads, a.dx, a.dweight);
   });
 }

@@ -221,27 +221,25 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     const HostTensor& q = linear("q", *n1, p + "self_attn.q_proj.weight", Hq * D);
     const HostTensor& k = linear("k", *n1, p + "self_attn.k_proj.weight", Hkv * D);
     const HostTensor& v = linear("v", *n1, p + "self_attn.v_proj.weight", Hkv * D);
-    const HostTensor* qn = &q;
-    const HostTensor* kn = &k;
-    if (c.qk_norm) {
-      for (auto [src, name, heads, w] : {std::tuple{&q, "q_norm", Hq, "self_attn.q_norm.weight"},
-                                         std::tuple{&k, "k_norm", Hkv, "self_attn.k_norm.weight"}}) {
-        HostTensor& out = act(layer_name(l, name), {T, heads * D});
-        HostTensor& rstd = acc(layer_name(l, name) + "_rstd", {T, heads});
-        QkNormForwardArgs a;
-        a.x = v3(*src, heads, D);
-        a.weight = W(p + w);
-        a.y = v3(out, heads, D);
-        a.rstd = rstd.view();
-        a.eps = c.rms_norm_eps;
-        qk_norm_forward(ctx_, a);
-        (src == &q ? qn : kn) = &out;
-      }
-    }
+    // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
     HostTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
     HostTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
-    rope_forward(ctx_, {v3(*qn, Hq, D), r.pos.view(), v3(qr, Hq, D), c.rope});
-    rope_forward(ctx_, {v3(*kn, Hkv, D), r.pos.view(), v3(kr, Hkv, D), c.rope});
+    for (auto [src, dst, name, heads, w] : {std::tuple{&q, &qr, "q_norm", Hq, "self_attn.q_norm.weight"},
+                                            std::tuple{&k, &kr, "k_norm", Hkv, "self_attn.k_norm.weight"}}) {
+      if (!c.qk_norm) {
+        rope_forward(ctx_, {v3(*src, heads, D), r.pos.view(), v3(*dst, heads, D), c.rope});
+        continue;
+      }
+      QkNormForwardArgs a;
+      a.x = v3(*src, heads, D);
+      a.weight = W(p + w);
+      a.y = v3(*dst, heads, D);
+      a.rstd = acc(layer_name(l, name) + "_rstd", {T, heads}).view();
+      a.eps = c.rms_norm_eps;
+      a.positions = r.pos.view();
+      a.rope = c.rope;
+      qk_norm_forward(ctx_, a);
+    }
 
     AttentionForwardArgs at;
     at.q = v3(qr, Hq, D);
@@ -413,26 +411,26 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
       a.dv = v3(dv, Hkv, D);
       attention_backward(ctx_, a);
     }
-    HostTensor dqn = act({T, Hq * D}), dkn = act({T, Hkv * D});
-    rope_backward(ctx_, {v3(dqr, Hq, D), r.pos.view(), v3(dqn, Hq, D), c.rope});
-    rope_backward(ctx_, {v3(dkr, Hkv, D), r.pos.view(), v3(dkn, Hkv, D), c.rope});
-    HostTensor dq = std::move(dqn), dk = std::move(dkn);
-    if (c.qk_norm) {
-      for (auto [grad, name, heads, w] : {std::tuple{&dq, "q", Hq, "self_attn.q_norm.weight"},
-                                          std::tuple{&dk, "k", Hkv, "self_attn.k_norm.weight"}}) {
-        HostTensor out = act({T, heads * D});
-        QkNormBackwardArgs a;
-        a.dy = v3(*grad, heads, D);
-        a.x = v3(f.at(layer_name(l, name)), heads, D);
-        a.weight = W(p + w);
-        a.rstd = A(layer_name(l, name) + "_norm_rstd");
-        a.row_mask = mask;
-        a.dx = v3(out, heads, D);
-        a.dweight = G(p + w);
-        a.eps = c.rms_norm_eps;
-        qk_norm_backward(ctx_, a);
-        *grad = std::move(out);
+    // RoPE (fused with the QK-norm) backward: dq / dk, the gradients of the projections' outputs.
+    HostTensor dq = act({T, Hq * D}), dk = act({T, Hkv * D});
+    for (auto [grad, out, name, heads, w] : {std::tuple{&dqr, &dq, "q", Hq, "self_attn.q_norm.weight"},
+                                             std::tuple{&dkr, &dk, "k", Hkv, "self_attn.k_norm.weight"}}) {
+      if (!c.qk_norm) {
+        rope_backward(ctx_, {v3(*grad, heads, D), r.pos.view(), v3(*out, heads, D), c.rope});
+        continue;
       }
+      QkNormBackwardArgs a;
+      a.dy = v3(*grad, heads, D);
+      a.x = v3(f.at(layer_name(l, name)), heads, D);
+      a.weight = W(p + w);
+      a.rstd = A(layer_name(l, name) + "_norm_rstd");
+      a.row_mask = mask;
+      a.dx = v3(*out, heads, D);
+      a.dweight = G(p + w);
+      a.eps = c.rms_norm_eps;
+      a.positions = r.pos.view();
+      a.rope = c.rope;
+      qk_norm_backward(ctx_, a);
     }
     std::vector<HostTensor> qkv{HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H})};
     back_linear(dq.view(), A(n1_name), p + "self_attn.q_proj.weight", qkv[0]);

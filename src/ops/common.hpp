@@ -1,6 +1,7 @@
 // Checks shared by several op families.
 #pragma once
 #include "ops/registry.hpp"
+#include "samebits/ops.hpp"
 #include "samebits/validate.hpp"
 
 namespace samebits::detail {
@@ -49,5 +50,10 @@ inline void check_float_input(const Validator& v, const char* name, const Tensor
   v.nonempty(name, t);
   v.finite(name, t);
 }
+
+// RoPE's positions (int32 [tokens], each in [0, config.max_position)), its config, and an even
+// head_dim (of the input named `in`). Defined in rope.cpp; the fused QK-norm + RoPE uses it too.
+void check_rope_positions(const Validator& v, const TensorView& positions, const RopeConfig& config,
+                          int64_t tokens, int64_t head_dim, const char* in);
 
 }  // namespace samebits::detail

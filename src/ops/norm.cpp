@@ -86,12 +86,14 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   v.floating("y", a.y);
   v.same_shape("y", a.y, "x", a.x);
   check_rstd(v, a.rstd, a.x, 2);
+  if (a.positions.present()) check_rope_positions(v, a.positions, a.rope, a.x.shape[0], a.x.shape[2], "x");
   run_kernel<OpId::qk_norm_forward>("qk_norm_forward", ctx, a);
 }
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   auto v = begin_op<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
   check_norm_backward(v, a.dy, a.x, a.weight, a.rstd, a.row_mask, a.dx, a.dweight, a.segments, a.eps, 3);
+  if (a.positions.present()) check_rope_positions(v, a.positions, a.rope, a.x.shape[0], a.x.shape[2], "x");
   run_kernel<OpId::qk_norm_backward>("qk_norm_backward", ctx, a);
 }
 

@@ -25,8 +25,11 @@
 // QK-norm normalises rows of head_dim (64, 128, …) elements: a row is a slot of D/8 lanes of a warp
 // (a power of two: 8 for D = 64, 16 for 128), the butterfly runs over the slot. Its dweight uses the
 // same chunks, counted in tokens (a chunk is all heads of C tokens): slot s of a CTA sums the chunk's
-// rows s, s + slots, … in order, then the slots' sums are added in slot order.
+// rows s, s + slots, … in order, then the slots' sums are added in slot order. Fused with RoPE, it
+// rotates each row in registers (the pair partner a shuffle away) and saves the rotated tensor's
+// round trip through memory: one read and one write of q and k a layer.
 #include <algorithm>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -34,6 +37,7 @@
 #include "cuda/common/scratch.cuh"
 #include "cuda/common/segments.hpp"
 #include "cuda/common/vec8.cuh"
+#include "cuda/rope/rope_math.cuh"
 #include "ops/registry.hpp"
 #include "ops/tuning.hpp"
 #include "samebits/error.hpp"
@@ -478,17 +482,30 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   });
 }
 
-// ------------------------------------------------------------------ QK-norm
-// A row of D elements is a slot of `lanes` = D/8 lanes (rounded up to a power of two, ≤ 32).
+// ------------------------------------------------------------------ QK-norm (+ RoPE)
+// A row of D elements is a slot of `lanes` = D/8 lanes (rounded up to a power of two, ≤ 32). A CTA
+// walks its tokens in steps of tokens_per_step tokens whose rows (heads of each) are a multiple of
+// the CTA's slots, so every slot takes as many rows a step (warp-uniform shuffles) and, in the
+// backward, slot s of a chunk takes rows s, s + slots, … in order whatever the step.
+//
+// Fused RoPE (positions set): a step first makes its tokens' cos / sin into shared memory
+// (rope_math.cuh, as the RoPE kernel); a row's pair partner (dim i + D/2 of dim i) lies in slot
+// lane ± D/16, fetched by a shuffle. The forward rounds the normed row to y's dtype, then rotates
+// (qk_norm_forward into y, then rope_forward in place, in one pass); the backward rotates dy back
+// and keeps it in fp32 for the norm's backward (rope_backward into fp32, then qk_norm_backward).
+constexpr int QK_THREADS = 256, QK_MAX_D = 256;
+using QkInvFreq = InvFreqTable<QK_MAX_D / 2>;
+
 struct QkParams {
   In8 x, dy, weight;
   Out8 y, dx;
   float* rstd_out;
   const float* rstd_in;
   const uint8_t* mask;
-  float* partials;  // backward: [chunks, D]
+  float* partials;            // backward: [chunks, D]
+  const int32_t* positions;   // fused RoPE when set
   int64_t T, heads, D;
-  int lanes;
+  int lanes, tokens_per_step;
   float eps;
 };
 
@@ -498,78 +515,124 @@ __device__ __forceinline__ float slot_sum(float v, int lanes) {
   return v;
 }
 
-constexpr int QK_THREADS = 256;
+// v := this slot lane's 8 elements of a row rotated by RoPE with the step's cos / sin (cs: the
+// row's token's D/2 pairs). Every lane of the warp calls it (shuffles); lanes past D compute junk
+// that nobody stores.
+__device__ __forceinline__ void rotate_slot(float (&v)[8], const float2* cs, int slot_lane, const QkParams& p) {
+  const int half = int(p.D / 2), half_lanes = half / 8;
+  const bool first = slot_lane < half_lanes;
+  const int partner = first ? slot_lane + half_lanes : slot_lane - half_lanes;
+  const int pair0 = first ? 8 * slot_lane : 8 * slot_lane - half;
+  const bool in_row = 8 * slot_lane < p.D;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float other = __shfl_sync(FULL, v[e], partner, p.lanes);
+    const float2 c = in_row ? cs[pair0 + e] : make_float2(0.0f, 0.0f);
+    v[e] = first ? rope_first(v[e], other, c) : rope_second(other, v[e], c);
+  }
+}
 
-__global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p) {
-  const int lane = threadIdx.x % 32, slot_lane = lane % p.lanes;
-  const int slots_per_cta = QK_THREADS / p.lanes;
-  const int64_t rows = p.T * p.heads, col = 8 * int64_t(slot_lane);
-  const int n = int(std::max<int64_t>(0, std::min<int64_t>(8, p.D - col)));
+__device__ __forceinline__ int qk_vector_len(int slot_lane, int64_t D) {
+  return int(std::max<int64_t>(0, std::min<int64_t>(8, D - 8 * int64_t(slot_lane))));
+}
+
+__global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
+                                                                     const __grid_constant__ QkInvFreq inv) {
+  __shared__ float2 cs[QK_THREADS * 4];  // [tokens_per_step][D/2] ≤ slots · 4 · lanes pairs
+  const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
+  const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
+  const int64_t col = 8 * int64_t(slot_lane), half = p.D / 2, step_rows = tps * p.heads;
+  const int n = qk_vector_len(slot_lane, p.D);
   float w[8];
   load8(p.weight, col, n, w);
-  for (int64_t row0 = int64_t(blockIdx.x) * slots_per_cta; row0 < rows; row0 += int64_t(gridDim.x) * slots_per_cta) {
-    const int64_t row = row0 + threadIdx.x / p.lanes;
-    const int m = row < rows ? n : 0;
-    float x[8], ss = 0.0f;
-    load8(p.x, row * p.D + col, m, x);
+  for (int64_t t0 = int64_t(blockIdx.x) * tps; t0 < p.T; t0 += int64_t(gridDim.x) * tps) {
+    if (p.positions) {
+      rope_fill_cos_sin(cs, p.positions, t0, std::min<int64_t>(tps, p.T - t0), half, inv.f, false);
+      __syncthreads();
+    }
+    for (int64_t r = slot; r < step_rows; r += slots) {  // as many rows for every slot
+      const int64_t row = t0 * p.heads + r;
+      const bool live = row < p.T * p.heads;
+      const int m = live ? n : 0;
+      float x[8], ss = 0.0f;
+      load8(p.x, row * p.D + col, m, x);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
-    ss = slot_sum(ss, p.lanes);
-    if (row >= rows) continue;
-    const float rstd = rstd_of(ss, p.D, p.eps);
-    float y[8];
+      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+      const float rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+      float y[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
-    if (m > 0) store8(p.y, row * p.D + col, m, y);
-    if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+      for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
+      if (p.positions) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = round_to(p.y.dt, y[e]);  // the unfused path's stored n
+        rotate_slot(y, cs + (r / p.heads) * half, slot_lane, p);
+      }
+      if (!live) continue;
+      if (m > 0) store8(p.y, row * p.D + col, m, y);
+      if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+    }
+    if (p.positions) __syncthreads();  // the next step rewrites cs
   }
 }
 
 // A CTA per chunk of tokens (all their heads): dx, and the chunk's partial: slot s sums rows s,
 // s + slots, … of the chunk in order, then the slots' sums are added in slot order.
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __grid_constant__ QkParams p,
-                                                                      const __grid_constant__ ChunkTable chunks) {
+                                                                      const __grid_constant__ ChunkTable chunks,
+                                                                      const __grid_constant__ QkInvFreq inv) {
   __shared__ float slot_dw[QK_THREADS * 8];  // [slot][lanes · 8 columns]: thread t's 8 at 8t
-  const int lane = threadIdx.x % 32, slot_lane = lane % p.lanes, slot = threadIdx.x / p.lanes;
-  const int slots = QK_THREADS / p.lanes;
-  const int64_t first_row = int64_t(chunks.row[blockIdx.x]) * p.heads, n_rows = int64_t(chunks.len[blockIdx.x]) * p.heads;
+  __shared__ float2 cs[QK_THREADS * 4];
+  const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
+  const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
+  const int64_t first_token = chunks.row[blockIdx.x], n_tokens = chunks.len[blockIdx.x];
+  const int64_t n_rows = n_tokens * p.heads, step_rows = tps * p.heads, half = p.D / 2;
   const bool sums = chunks.sums[blockIdx.x] != 0;
   const int64_t col = 8 * int64_t(slot_lane);
-  const int n = int(std::max<int64_t>(0, std::min<int64_t>(8, p.D - col)));
+  const int n = qk_vector_len(slot_lane, p.D);
   float w[8], dw[8] = {};
   load8(p.weight, col, n, w);
-  for (int64_t i0 = 0; i0 < n_rows; i0 += slots) {
-    const int64_t row = first_row + i0 + slot;
-    const bool live = i0 + slot < n_rows;
-    const int m = live ? n : 0;
-    float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
-    load8(p.x, row * p.D + col, m, x);
-    load8(p.dy, row * p.D + col, m, dy);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
-    float rstd;
-    if (p.rstd_in) {
-      rstd = live ? p.rstd_in[row] : 0.0f;
-    } else {
-      rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+  for (int64_t s0 = 0; s0 < n_tokens; s0 += tps) {
+    if (p.positions) {
+      rope_fill_cos_sin(cs, p.positions, first_token + s0, std::min<int64_t>(tps, n_tokens - s0), half, inv.f, true);
+      __syncthreads();
     }
+    for (int64_t r = slot; r < step_rows; r += slots) {
+      const int64_t i = s0 * p.heads + r, row = first_token * p.heads + i;
+      const bool live = i < n_rows;
+      const int m = live ? n : 0;
+      float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
+      load8(p.x, row * p.D + col, m, x);
+      load8(p.dy, row * p.D + col, m, dy);
+      if (p.positions) {
+        rotate_slot(dy, cs + (r / p.heads) * half, slot_lane, p);  // kept in fp32
+      }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      g[e] = __fmul_rn(dy[e], w[e]);
-      x[e] = __fmul_rn(x[e], rstd);
-      dot = __fmaf_rn(g[e], x[e], dot);
-    }
-    dot = slot_sum(dot, p.lanes);
-    if (!live) continue;
-    const float mean = __fdiv_rn(dot, float(p.D));
-    float d[8];
-    const bool active = sums && (p.mask == nullptr || p.mask[row / p.heads] != 0);
+      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+      float rstd;
+      if (p.rstd_in) {
+        rstd = live ? p.rstd_in[row] : 0.0f;
+      } else {
+        rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+      }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      d[e] = __fmul_rn(rstd, __fsub_rn(g[e], __fmul_rn(x[e], mean)));
-      if (active) dw[e] = __fmaf_rn(dy[e], x[e], dw[e]);
+      for (int e = 0; e < 8; ++e) {
+        g[e] = __fmul_rn(dy[e], w[e]);
+        x[e] = __fmul_rn(x[e], rstd);
+        dot = __fmaf_rn(g[e], x[e], dot);
+      }
+      dot = slot_sum(dot, p.lanes);
+      if (!live) continue;
+      const float mean = __fdiv_rn(dot, float(p.D));
+      float d[8];
+      const bool active = sums && (p.mask == nullptr || p.mask[row / p.heads] != 0);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        d[e] = __fmul_rn(rstd, __fsub_rn(g[e], __fmul_rn(x[e], mean)));
+        if (active) dw[e] = __fmaf_rn(dy[e], x[e], dw[e]);
+      }
+      if (m > 0) store8(p.dx, row * p.D + col, m, d);
     }
-    if (m > 0) store8(p.dx, row * p.D + col, m, d);
+    if (p.positions) __syncthreads();  // the next step rewrites cs
   }
   if (!sums) return;  // uniform across the CTA
 #pragma unroll
@@ -582,36 +645,48 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __gr
   }
 }
 
-int qk_lanes(int64_t D, const char* op) {
-  if (D > 256) throw Unsupported(op, "x", "the CUDA QK-norm supports head_dim up to 256");
-  int lanes = 1;
-  while (lanes * 8 < D) lanes *= 2;
-  return lanes;
+// The geometry shared by both directions; the fused RoPE needs each half of a row to be whole
+// vectors (D % 16 == 0) and at least two of them.
+QkParams qk_params(const TensorView& x, const TensorView& positions, const char* op) {
+  const int64_t D = x.shape[2];
+  if (D > QK_MAX_D) throw Unsupported(op, "x", "the CUDA QK-norm supports head_dim up to " + std::to_string(QK_MAX_D));
+  if (positions.present() && (D % 16 != 0))
+    throw Unsupported(op, "x", "the CUDA QK-norm fused with RoPE needs head_dim a multiple of 16 (got " +
+                                   std::to_string(D) + "); call qk_norm then rope");
+  QkParams p{};
+  p.T = x.shape[0], p.heads = x.shape[1], p.D = D;
+  p.lanes = 1;
+  while (p.lanes * 8 < D) p.lanes *= 2;
+  const int64_t slots = QK_THREADS / p.lanes;
+  p.tokens_per_step = int(slots / std::gcd(p.heads, slots));  // step rows: a multiple of the slots
+  p.positions = positions.present() ? positions.as<const int32_t>() : nullptr;
+  return p;
 }
 
 void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   const char* op = "qk_norm_forward";
   const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
+  QkParams p = qk_params(a.x, a.positions, op);
   if (T == 0 || heads == 0) return;
-  QkParams p{};
   p.x = in8(a.x, D);
   p.weight = in8(a.weight, D);
   p.y = out8(a.y, D);
   p.rstd_out = a.rstd.present() ? a.rstd.as<float>() : nullptr;
-  p.T = T, p.heads = heads, p.D = D, p.lanes = qk_lanes(D, op), p.eps = float(a.eps);
-  const int64_t per_cta = QK_THREADS / p.lanes;
-  const unsigned grid = unsigned(std::min<int64_t>((T * heads + per_cta - 1) / per_cta, int64_t(current_sm_count(op)) * 8));
-  qk_norm_forward_kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p);
+  p.eps = float(a.eps);
+  const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
+  const int64_t steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
+  const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * 8));
+  qk_norm_forward_kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
   check(cudaGetLastError(), op, "kernel launch");
 }
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   const char* op = "qk_norm_backward";
   const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
+  QkParams p = qk_params(a.x, a.positions, op);
   if (T == 0 || heads == 0) return;
   const cudaStream_t stream = stream_of(ctx.stream);
   ScratchBuffer partials(size_t(MAX_CHUNKS) * size_t(D) * sizeof(float), stream, op);
-  QkParams p{};
   p.x = in8(a.x, D);
   p.dy = in8(a.dy, D);
   p.weight = in8(a.weight, D);
@@ -619,9 +694,10 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   p.rstd_in = a.rstd.present() ? a.rstd.as<const float>() : nullptr;
   p.mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
   p.partials = partials.as<float>();
-  p.T = T, p.heads = heads, p.D = D, p.lanes = qk_lanes(D, op), p.eps = float(a.eps);
+  p.eps = float(a.eps);
+  const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
   for_chunk_batches(a.segments, T, chunk_rows(heads * D), [&](const ChunkTable& chunks, const RangeTable& ranges) {
-    qk_norm_backward_kernel<<<unsigned(chunks.count), QK_THREADS, 0, stream>>>(p, chunks);
+    qk_norm_backward_kernel<<<unsigned(chunks.count), QK_THREADS, 0, stream>>>(p, chunks, inv);
     check(cudaGetLastError(), op, "kernel launch");
     launch_chain(p.partials, ranges, D, a.dweight.as<float>(), stream, op);
   });

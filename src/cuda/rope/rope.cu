@@ -2,22 +2,19 @@
 // rotation), one position per token (packed sequences restarting at 0, decode, chunked-prefill
 // offsets: the caller's positions, whatever they are).
 //
-// Why this shape. The angles are computed on the fly, never read from a table: inv_freq[i] comes
-// from the host (ops/rope_freq.hpp, the CPU backend's very values), angle = fp32(position ·
-// inv_freq[i]) with one rounding, and cos / sin of that fp32 angle in fp64, rounded once to fp32 —
-// so a position's cos / sin bits are a function of the position and the config alone, on every
-// path and in every batch (a table would cost max_position · D/2 · 8 bytes, 512 MiB at 2^20
-// positions, for values that take ~100 fp64 instructions a token to make). A CTA takes a few
-// tokens at a time: its threads first make those tokens' cos / sin into shared memory (one pair a
-// thread), then rotate 8-pair vectors of every head with them: y1 = x1·c − x2·s, y2 = x2·c + x1·s,
-// each product and sum rounded separately (no FMA contraction). The backward is the same with −s.
+// Why this shape. The angles are computed on the fly, never read from a table (rope_math.cuh: the
+// arithmetic, shared with the fused QK-norm + RoPE kernel): a position's cos / sin bits are a
+// function of the position and the config alone, on every path and in every batch (a table would
+// cost max_position · D/2 · 8 bytes, 512 MiB at 2^20 positions, for values that take ~100 fp64
+// instructions a token to make). A CTA takes a few tokens at a time: its threads first make those
+// tokens' cos / sin into shared memory (one pair a thread), then rotate 8-pair vectors of every
+// head with them. The backward is the same with −sin.
 #include <algorithm>
-#include <vector>
 
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/vec8.cuh"
+#include "cuda/rope/rope_math.cuh"
 #include "ops/registry.hpp"
-#include "ops/rope_freq.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"
 
@@ -25,10 +22,7 @@ namespace samebits::cuda {
 namespace {
 
 constexpr int THREADS = 256, MAX_HALF = 256, MAX_TOKENS_PER_STEP = 16;
-
-struct InvFreq {
-  float f[MAX_HALF];
-};
+using InvFreq = InvFreqTable<MAX_HALF>;
 
 struct RopeParams {
   In8 x;
@@ -41,19 +35,11 @@ struct RopeParams {
 
 __global__ void __launch_bounds__(THREADS) rope_kernel(const __grid_constant__ RopeParams p,
                                                        const __grid_constant__ InvFreq inv) {
-  extern __shared__ float cs[];  // [tokens_per_step][half][2]: cos, ±sin
+  extern __shared__ float2 cs[];  // [tokens_per_step][half]: cos, ±sin
   const int64_t half = p.D / 2, vectors = (half + 7) / 8, items = p.heads * vectors;
   const int tps = p.tokens_per_step;
   for (int64_t t0 = int64_t(blockIdx.x) * tps; t0 < p.T; t0 += int64_t(gridDim.x) * tps) {
-    for (int64_t k = threadIdx.x; k < tps * half; k += THREADS) {
-      const int64_t t = t0 + k / half, i = k % half;
-      if (t >= p.T) continue;
-      const float angle = __fmul_rn(float(p.positions[t]), inv.f[i]);
-      double s, c;
-      sincos(double(angle), &s, &c);
-      cs[2 * k] = float(c);
-      cs[2 * k + 1] = p.inverse ? -float(s) : float(s);
-    }
+    rope_fill_cos_sin(cs, p.positions, t0, std::min<int64_t>(tps, p.T - t0), half, inv.f, p.inverse);
     __syncthreads();
     for (int64_t k = threadIdx.x; k < tps * items; k += THREADS) {
       const int64_t j = k / items, t = t0 + j, h = (k % items) / vectors, i0 = (k % vectors) * 8;
@@ -66,9 +52,9 @@ __global__ void __launch_bounds__(THREADS) rope_kernel(const __grid_constant__ R
       unpack8(p.x.dt, raw2, x2);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float c = e < n ? cs[2 * (j * half + i0 + e)] : 0.0f, s = e < n ? cs[2 * (j * half + i0 + e) + 1] : 0.0f;
-        y1[e] = __fsub_rn(__fmul_rn(x1[e], c), __fmul_rn(x2[e], s));
-        y2[e] = __fadd_rn(__fmul_rn(x2[e], c), __fmul_rn(x1[e], s));
+        const float2 c = e < n ? cs[j * half + i0 + e] : make_float2(0.0f, 0.0f);
+        y1[e] = rope_first(x1[e], x2[e], c);
+        y2[e] = rope_second(x1[e], x2[e], c);
       }
       store8(p.y, base, n, y1);
       store8(p.y, base + half, n, y2);
@@ -82,16 +68,14 @@ void rope(const Context& ctx, const RopeArgs& a, bool inverse) {
   const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2], half = D / 2;
   if (half > MAX_HALF) throw Unsupported(op, "x", "the CUDA RoPE supports head_dim up to " + std::to_string(2 * MAX_HALF));
   if (T == 0 || heads == 0) return;
-  InvFreq inv{};
-  const std::vector<float> f = detail::rope_inv_freq(a.config, D);
-  std::copy(f.begin(), f.end(), inv.f);
+  const InvFreq inv = make_inv_freq<MAX_HALF>(a.config, D);
   const int64_t items = heads * ((half + 7) / 8);
   const int tps = int(std::clamp<int64_t>(THREADS / std::max<int64_t>(items, 1), 1, MAX_TOKENS_PER_STEP));
   // Vectors start at multiples of 8 pairs within a head's halves: 16-byte aligned where D/2 % 8 == 0.
   const RopeParams p{in8(a.x, half), out8(a.y, half), a.positions.as<const int32_t>(), T, heads, D, tps, inverse};
   const int64_t steps = (T + tps - 1) / tps;
   const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * 8));
-  rope_kernel<<<grid, THREADS, size_t(tps) * size_t(half) * 2 * sizeof(float), stream_of(ctx.stream)>>>(p, inv);
+  rope_kernel<<<grid, THREADS, size_t(tps) * size_t(half) * sizeof(float2), stream_of(ctx.stream)>>>(p, inv);
   check(cudaGetLastError(), op, "kernel launch");
 }
 

@@ -24,4 +24,15 @@ inline HostTensor segment_table(const Batch& b) {
 // A per-token upstream gradient tensor: its dtype follows the op's dtype for activations.
 inline HostTensor upstream(Rng& r, DType dt, std::vector<int64_t> shape) { return r.tensor(dt, std::move(shape), -1, 1); }
 
+// One sequence's RoPE positions, int32 [len]: a packed sequence restarting at 0, or one continuing
+// from a cache offset (decode / chunked prefill), sometimes far out (up to 100k) where fp32 angles
+// are coarse.
+inline HostTensor rope_positions(Rng& r, int64_t len) {
+  const int64_t kind = r.integer(0, 2);
+  const int64_t start = kind == 0 ? 0 : kind == 1 ? r.integer(1, 4096) : r.integer(90000, 100000);
+  HostTensor pos(DType::i32, {len});
+  for (int64_t t = 0; t < len; ++t) pos.set(t, double(start + t));
+  return pos;
+}
+
 }  // namespace samebits::harness

@@ -118,17 +118,20 @@ class RmsNormCase : public OpCase {
   bool fused_;
 };
 
+// QK-norm, alone or fused with RoPE (positions as the RoPE case's: restarts, offsets, far out).
 class QkNormCase : public OpCase {
  public:
-  QkNormCase(DType dt, int64_t heads, int64_t d) : dt_(dt), heads_(heads), d_(d) {}
-  std::string op() const override { return "qk_norm"; }
+  QkNormCase(DType dt, int64_t heads, int64_t d, bool rope = false) : dt_(dt), heads_(heads), d_(d), rope_(rope) {}
+  std::string op() const override { return rope_ ? "qk_norm_rope" : "qk_norm"; }
   std::string params_text() const override { return fmt::format("{} heads={} D={}", dtype_name(dt_), heads_, d_); }
   DType dtype() const override { return dt_; }
   std::string forward_class() const override { return "reduction"; }
   std::string backward_class() const override { return "reduction"; }
   TensorMap make_params(Rng& r) const override { return {{"weight", r.tensor(dt_, {d_}, 0.5, 1.5)}}; }
   Sequence make_sequence(Rng& r, int64_t len) const override {
-    return {len, {{"x", r.tensor(dt_, {len, heads_, d_}, -2, 2)}, {"dy", upstream(r, dt_, {len, heads_, d_})}}};
+    Sequence s{len, {{"x", r.tensor(dt_, {len, heads_, d_}, -2, 2)}, {"dy", upstream(r, dt_, {len, heads_, d_})}}};
+    if (rope_) s.tokens.emplace("positions", rope_positions(r, len));
+    return s;
   }
   std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"y", "dy"}}; }
   std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"x", "dx"}}; }
@@ -139,6 +142,7 @@ class QkNormCase : public OpCase {
     f.weight = io.view(io.param("weight"));
     f.y = io.view(io.output("y", io.out_dtype(dt_), {heads_, d_}));
     f.rstd = io.view(io.output("rstd", io.acc_dtype(), {heads_}));
+    if (rope_) f.positions = io.view(io.in("positions"));
     qk_norm_forward(ctx, f);
     if (!io.backward) return;
     QkNormBackwardArgs b;
@@ -149,6 +153,7 @@ class QkNormCase : public OpCase {
     b.row_mask = io.view(io.batch.row_mask);
     b.dx = io.view(io.output("dx", io.out_dtype(dt_), {heads_, d_}));
     b.dweight = io.grad("weight");
+    b.positions = f.positions;
     const HostTensor segments = segment_table(io.batch);
     b.segments = V(segments);  // read on the host during the call
     qk_norm_backward(ctx, b);
@@ -157,6 +162,7 @@ class QkNormCase : public OpCase {
  private:
   DType dt_;
   int64_t heads_, d_;
+  bool rope_;
 };
 
 void add_linear_norm_cases(CaseList& out) {
@@ -171,6 +177,8 @@ void add_linear_norm_cases(CaseList& out) {
   out.push_back(std::make_shared<RmsNormCase>(DType::f32, 96, true));
   out.push_back(std::make_shared<QkNormCase>(DType::bf16, 4, 64));
   out.push_back(std::make_shared<QkNormCase>(DType::f32, 2, 128));
+  out.push_back(std::make_shared<QkNormCase>(DType::bf16, 4, 64, true));
+  out.push_back(std::make_shared<QkNormCase>(DType::f32, 3, 128, true));
 }
 
 }  // namespace samebits::harness

@@ -14,14 +14,9 @@ class RopeCase : public OpCase {
   DType dtype() const override { return dt_; }
   std::string forward_class() const override { return "elementwise"; }
   std::string backward_class() const override { return "elementwise"; }
-  // Positions: a packed sequence restarts at 0, or continues from a cache offset (decode /
-  // chunked prefill), sometimes far out (up to 100k) where fp32 angles are coarse.
   Sequence make_sequence(Rng& r, int64_t len) const override {
-    const int64_t kind = r.integer(0, 2);
-    const int64_t start = kind == 0 ? 0 : kind == 1 ? r.integer(1, 4096) : r.integer(90000, 100000);
-    HostTensor pos(DType::i32, {len});
-    for (int64_t t = 0; t < len; ++t) pos.set(t, double(start + t));
-    return {len, {{"x", r.tensor(dt_, {len, heads_, d_}, -2, 2)}, {"positions", pos},
+    const HostTensor positions = rope_positions(r, len);
+    return {len, {{"x", r.tensor(dt_, {len, heads_, d_}, -2, 2)}, {"positions", positions},
                   {"dy", upstream(r, dt_, {len, heads_, d_})}}};
   }
   std::vector<std::pair<std::string, std::string>> loss_terms() const override { return {{"y", "dy"}}; }
