@@ -269,6 +269,7 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--md")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--only", choices=["qk"], help="only the QK-norm + RoPE rows (a quick A/B)")
     args = ap.parse_args()
     sb = Shim(args.build)
     name = torch.cuda.get_device_name()
@@ -280,10 +281,11 @@ def main():
            "Effective bandwidth counts "
            "each tensor read or written once. Targets from issue 6.", "",
            "| op (bf16) | samebits | effective bandwidth | torch | torch / samebits |", "| --- | --- | --- | --- | --- |"]
-    for T in (8192, 16384):
-        bench_rmsnorm(sb, T, 4096, args.reps, out)
-    bench_elementwise(sb, args.reps, out)
-    bench_rope(sb, args.reps, out)
+    if args.only is None:
+        for T in (8192, 16384):
+            bench_rmsnorm(sb, T, 4096, args.reps, out)
+        bench_elementwise(sb, args.reps, out)
+        bench_rope(sb, args.reps, out)
     bench_qk_norm_rope(sb, args.reps, out)
     text = "\n".join(out) + "\n"
     print(text)

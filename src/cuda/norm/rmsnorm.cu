@@ -24,7 +24,8 @@
 //
 // QK-norm normalises rows of head_dim (64, 128, …) elements: a row is a slot of D/8 lanes of a warp
 // (a power of two: 8 for D = 64, 16 for 128), the butterfly runs over the slot. Its dweight uses the
-// same chunks, counted in tokens (a chunk is all heads of C tokens): slot s of a CTA sums the chunk's
+// same scheme with chunks of ~32 KiB of rows, counted in tokens (a chunk is all heads of C tokens,
+// C = 2^15 / (heads · head_dim) rounded to a power of two, 1 … 128): slot s of a CTA sums the chunk's
 // rows s, s + slots, … in order, then the slots' sums are added in slot order. Fused with RoPE, it
 // rotates each row in registers (the pair partner a shuffle away) and saves the rotated tensor's
 // round trip through memory: one read and one write of q and k a layer.
@@ -536,40 +537,54 @@ __device__ __forceinline__ int qk_vector_len(int slot_lane, int64_t D) {
   return int(std::max<int64_t>(0, std::min<int64_t>(8, D - 8 * int64_t(slot_lane))));
 }
 
+// Rows a slot fetches before it reduces any (memory-level parallelism: one row in flight a thread
+// is far from enough to fill HBM). The backward fetches x and dy, so half as many.
+constexpr int QK_FWD_GROUP = 4, QK_BWD_GROUP = 2;
+
+template <class Fmt>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
                                                                      const __grid_constant__ QkInvFreq inv) {
-  __shared__ float2 cs[QK_THREADS * 4];  // [tokens_per_step][D/2] ≤ slots · 4 · lanes pairs
+  __shared__ float2 cs[QK_THREADS * 4];  // [tokens_per_step][D/2]
   const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
   const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
-  const int64_t col = 8 * int64_t(slot_lane), half = p.D / 2, step_rows = tps * p.heads;
+  const int64_t col = 8 * int64_t(slot_lane), half = p.D / 2, rows = p.T * p.heads;
+  const int rows_per_slot = int(tps * p.heads / slots);
   const int n = qk_vector_len(slot_lane, p.D);
   float w[8];
   load8(p.weight, col, n, w);
   for (int64_t t0 = int64_t(blockIdx.x) * tps; t0 < p.T; t0 += int64_t(gridDim.x) * tps) {
-    if (p.positions) {
-      rope_fill_cos_sin(cs, p.positions, t0, std::min<int64_t>(tps, p.T - t0), half, inv.f, false);
-      __syncthreads();
-    }
-    for (int64_t r = slot; r < step_rows; r += slots) {  // as many rows for every slot
-      const int64_t row = t0 * p.heads + r;
-      const bool live = row < p.T * p.heads;
-      const int m = live ? n : 0;
-      float x[8], ss = 0.0f;
-      load8(p.x, row * p.D + col, m, x);
+    for (int g0 = 0; g0 < rows_per_slot; g0 += QK_FWD_GROUP) {
+      Raw8 raw[QK_FWD_GROUP];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
-      const float rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
-      float y[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
-      if (p.positions) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] = round_to(p.y.dt, y[e]);  // the unfused path's stored n
-        rotate_slot(y, cs + (r / p.heads) * half, slot_lane, p);
+      for (int k = 0; k < QK_FWD_GROUP; ++k) {
+        const int64_t row = t0 * p.heads + int64_t(g0 + k) * slots + slot;
+        raw[k] = fetch8<Fmt>(p.x, row * p.D + col, g0 + k < rows_per_slot && row < rows ? n : 0);
       }
-      if (!live) continue;
-      if (m > 0) store8(p.y, row * p.D + col, m, y);
-      if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+      if (g0 == 0 && p.positions) {  // the step's cos / sin, made while the first rows load
+        rope_fill_cos_sin(cs, p.positions, t0, std::min<int64_t>(tps, p.T - t0), half, inv.f, false);
+        __syncthreads();
+      }
+#pragma unroll
+      for (int k = 0; k < QK_FWD_GROUP; ++k) {
+        if (g0 + k >= rows_per_slot) break;  // uniform across the CTA
+        const int64_t r = int64_t(g0 + k) * slots + slot, row = t0 * p.heads + r;
+        float x[8], ss = 0.0f;
+        unpack8(Fmt::of(p.x.dt), raw[k], x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+        const float rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
+        if (p.positions) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) y[e] = round_to(Fmt::of(p.y.dt), y[e]);  // the unfused path's stored y
+          rotate_slot(y, cs + (r / p.heads) * half, slot_lane, p);
+        }
+        if (row >= rows) continue;
+        if (n > 0) store8<Fmt>(p.y, row * p.D + col, n, y);
+        if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+      }
     }
     if (p.positions) __syncthreads();  // the next step rewrites cs
   }
@@ -577,6 +592,7 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __gri
 
 // A CTA per chunk of tokens (all their heads): dx, and the chunk's partial: slot s sums rows s,
 // s + slots, … of the chunk in order, then the slots' sums are added in slot order.
+template <class Fmt>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __grid_constant__ QkParams p,
                                                                       const __grid_constant__ ChunkTable chunks,
                                                                       const __grid_constant__ QkInvFreq inv) {
@@ -585,52 +601,62 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __gr
   const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
   const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
   const int64_t first_token = chunks.row[blockIdx.x], n_tokens = chunks.len[blockIdx.x];
-  const int64_t n_rows = n_tokens * p.heads, step_rows = tps * p.heads, half = p.D / 2;
+  const int64_t n_rows = n_tokens * p.heads, half = p.D / 2;
+  const int rows_per_slot = int(tps * p.heads / slots);
   const bool sums = chunks.sums[blockIdx.x] != 0;
   const int64_t col = 8 * int64_t(slot_lane);
   const int n = qk_vector_len(slot_lane, p.D);
   float w[8], dw[8] = {};
   load8(p.weight, col, n, w);
   for (int64_t s0 = 0; s0 < n_tokens; s0 += tps) {
-    if (p.positions) {
-      rope_fill_cos_sin(cs, p.positions, first_token + s0, std::min<int64_t>(tps, n_tokens - s0), half, inv.f, true);
-      __syncthreads();
-    }
-    for (int64_t r = slot; r < step_rows; r += slots) {
-      const int64_t i = s0 * p.heads + r, row = first_token * p.heads + i;
-      const bool live = i < n_rows;
-      const int m = live ? n : 0;
-      float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
-      load8(p.x, row * p.D + col, m, x);
-      load8(p.dy, row * p.D + col, m, dy);
-      if (p.positions) {
-        rotate_slot(dy, cs + (r / p.heads) * half, slot_lane, p);  // kept in fp32
+    for (int g0 = 0; g0 < rows_per_slot; g0 += QK_BWD_GROUP) {
+      Raw8 raw_x[QK_BWD_GROUP], raw_dy[QK_BWD_GROUP];
+#pragma unroll
+      for (int k = 0; k < QK_BWD_GROUP; ++k) {
+        const int64_t i = s0 * p.heads + int64_t(g0 + k) * slots + slot, row = first_token * p.heads + i;
+        const int m = g0 + k < rows_per_slot && i < n_rows ? n : 0;
+        raw_x[k] = fetch8<Fmt>(p.x, row * p.D + col, m);
+        raw_dy[k] = fetch8<Fmt>(p.dy, row * p.D + col, m);
+      }
+      if (g0 == 0 && p.positions) {
+        rope_fill_cos_sin(cs, p.positions, first_token + s0, std::min<int64_t>(tps, n_tokens - s0), half, inv.f, true);
+        __syncthreads();
       }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
-      float rstd;
-      if (p.rstd_in) {
-        rstd = live ? p.rstd_in[row] : 0.0f;
-      } else {
-        rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
-      }
+      for (int k = 0; k < QK_BWD_GROUP; ++k) {
+        if (g0 + k >= rows_per_slot) break;  // uniform across the CTA
+        const int64_t r = int64_t(g0 + k) * slots + slot, i = s0 * p.heads + r, row = first_token * p.heads + i;
+        const bool live = i < n_rows;
+        float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
+        unpack8(Fmt::of(p.x.dt), raw_x[k], x);
+        unpack8(Fmt::of(p.dy.dt), raw_dy[k], dy);
+        if (p.positions) rotate_slot(dy, cs + (r / p.heads) * half, slot_lane, p);  // kept in fp32
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        g[e] = __fmul_rn(dy[e], w[e]);
-        x[e] = __fmul_rn(x[e], rstd);
-        dot = __fmaf_rn(g[e], x[e], dot);
-      }
-      dot = slot_sum(dot, p.lanes);
-      if (!live) continue;
-      const float mean = __fdiv_rn(dot, float(p.D));
-      float d[8];
-      const bool active = sums && (p.mask == nullptr || p.mask[row / p.heads] != 0);
+        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+        float rstd;
+        if (p.rstd_in) {
+          rstd = live ? p.rstd_in[row] : 0.0f;
+        } else {
+          rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+        }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        d[e] = __fmul_rn(rstd, __fsub_rn(g[e], __fmul_rn(x[e], mean)));
-        if (active) dw[e] = __fmaf_rn(dy[e], x[e], dw[e]);
+        for (int e = 0; e < 8; ++e) {
+          g[e] = __fmul_rn(dy[e], w[e]);
+          x[e] = __fmul_rn(x[e], rstd);
+          dot = __fmaf_rn(g[e], x[e], dot);
+        }
+        dot = slot_sum(dot, p.lanes);
+        if (!live) continue;
+        const float mean = __fdiv_rn(dot, float(p.D));
+        float d[8];
+        const bool active = sums && (p.mask == nullptr || p.mask[row / p.heads] != 0);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          d[e] = __fmul_rn(rstd, __fsub_rn(g[e], __fmul_rn(x[e], mean)));
+          if (active) dw[e] = __fmaf_rn(dy[e], x[e], dw[e]);
+        }
+        if (n > 0) store8<Fmt>(p.dx, row * p.D + col, n, d);
       }
-      if (m > 0) store8(p.dx, row * p.D + col, m, d);
     }
     if (p.positions) __syncthreads();  // the next step rewrites cs
   }
@@ -645,6 +671,16 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __gr
   }
 }
 
+// Tokens a dweight chunk of QK-norm: ~32 KiB of rows (8 tokens of Qwen3-8B's q, 32 of its k), a
+// function of heads · head_dim only. Smaller than RMSNorm's chunks: a partial is head_dim floats,
+// while enough CTAs to fill the GPU need many chunks.
+int qk_chunk_tokens(int64_t heads, int64_t D) {
+  const int64_t c = (int64_t(1) << 15) / std::max<int64_t>(heads * D, 1);
+  int p = 1;
+  while (p * 2 <= c && p < 128) p *= 2;
+  return p;
+}
+
 // The geometry shared by both directions; the fused RoPE needs each half of a row to be whole
 // vectors (D % 16 == 0) and at least two of them.
 QkParams qk_params(const TensorView& x, const TensorView& positions, const char* op) {
@@ -657,8 +693,12 @@ QkParams qk_params(const TensorView& x, const TensorView& positions, const char*
   p.T = x.shape[0], p.heads = x.shape[1], p.D = D;
   p.lanes = 1;
   while (p.lanes * 8 < D) p.lanes *= 2;
-  const int64_t slots = QK_THREADS / p.lanes;
-  p.tokens_per_step = int(slots / std::gcd(p.heads, slots));  // step rows: a multiple of the slots
+  // Tokens a step: the fewest whose rows are a multiple of the slots, times as many as give each
+  // slot QK_FWD_GROUP rows (their cos / sin within the shared-memory table's QK_THREADS · 4 pairs).
+  const int64_t slots = QK_THREADS / p.lanes, half = D / 2;
+  const int64_t base = slots / std::gcd(p.heads, slots), base_rows_per_slot = base * p.heads / slots;
+  const int64_t times = std::max<int64_t>(1, std::min(QK_FWD_GROUP / base_rows_per_slot, QK_THREADS * 4 / (base * std::max<int64_t>(half, 1))));
+  p.tokens_per_step = int(base * times);
   p.positions = positions.present() ? positions.as<const int32_t>() : nullptr;
   return p;
 }
@@ -676,7 +716,10 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
   const int64_t steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
   const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * 8));
-  qk_norm_forward_kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
+  const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y);
+  with_shape(1, all_bf16, [&](auto fmt, auto) {
+    qk_norm_forward_kernel<decltype(fmt)><<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
+  });
   check(cudaGetLastError(), op, "kernel launch");
 }
 
@@ -696,8 +739,11 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   p.partials = partials.as<float>();
   p.eps = float(a.eps);
   const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
-  for_chunk_batches(a.segments, T, chunk_rows(heads * D), [&](const ChunkTable& chunks, const RangeTable& ranges) {
-    qk_norm_backward_kernel<<<unsigned(chunks.count), QK_THREADS, 0, stream>>>(p, chunks, inv);
+  const bool all_bf16 = is_bf16(a.dy) && is_bf16(a.x) && is_bf16(a.dx);
+  for_chunk_batches(a.segments, T, qk_chunk_tokens(heads, D), [&](const ChunkTable& chunks, const RangeTable& ranges) {
+    with_shape(1, all_bf16, [&](auto fmt, auto) {
+      qk_norm_backward_kernel<decltype(fmt)><<<unsigned(chunks.count), QK_THREADS, 0, stream>>>(p, chunks, inv);
+    });
     check(cudaGetLastError(), op, "kernel launch");
     launch_chain(p.partials, ranges, D, a.dweight.as<float>(), stream, op);
   });
