@@ -59,14 +59,19 @@ constexpr int forward_min_ctas() {
 
 constexpr int RANGE_CHUNKS = 16;      // chunks summed in order before the chain
 constexpr int MAX_CHUNKS = 512, MAX_RANGES = 256;  // per launch (kernel-parameter tables)
+constexpr int QK_MAX_CHUNKS = 2048;  // QK-norm's chunks are small: more of them a launch
 
 // ------------------------------------------------------------------ the chunk tables
-struct ChunkTable {
-  int32_t row[MAX_CHUNKS];   // first row (token) of the chunk
-  uint8_t len[MAX_CHUNKS];   // rows (tokens) in it, 1 … 128
-  uint8_t sums[MAX_CHUNKS];  // 0: outside every segment (dx only, no partial)
+template <int Capacity>
+struct ChunkTableOf {
+  static constexpr int capacity = Capacity;
+  int32_t row[Capacity];   // first row (token) of the chunk
+  uint8_t len[Capacity];   // rows (tokens) in it, 1 … 128
+  uint8_t sums[Capacity];  // 0: outside every segment (dx only, no partial)
   int count;
 };
+using ChunkTable = ChunkTableOf<MAX_CHUNKS>;
+using QkChunkTable = ChunkTableOf<QK_MAX_CHUNKS>;
 struct RangeTable {
   int16_t first[MAX_RANGES];  // first chunk of the range (an index into the launch's chunks)
   uint8_t count[MAX_RANGES];
@@ -84,9 +89,9 @@ int chunk_rows(int64_t row_elems) {
 // Calls launch(chunks, ranges) for consecutive batches of the call's chunks, in row order: the
 // caller's segments (or all rows as one) and the gaps between them (dx only), each cut into chunks
 // of `rows` rows and ranges of RANGE_CHUNKS chunks from its start; a batch ends at a range boundary.
-template <class Launch>
+template <class Table = ChunkTable, class Launch>
 void for_chunk_batches(const TensorView& segments, int64_t T, int rows, Launch&& launch) {
-  ChunkTable chunks{};
+  Table chunks{};
   RangeTable ranges{};
   auto flush = [&] {
     if (chunks.count > 0) launch(chunks, ranges);
@@ -97,7 +102,7 @@ void for_chunk_batches(const TensorView& segments, int64_t T, int rows, Launch&&
     for (int64_t r = 0; r < len; r += int64_t(rows) * RANGE_CHUNKS) {
       const int64_t range_rows = std::min<int64_t>(int64_t(rows) * RANGE_CHUNKS, len - r);
       const int n_chunks = int((range_rows + rows - 1) / rows);
-      if (chunks.count + n_chunks > MAX_CHUNKS || ranges.n == MAX_RANGES) flush();
+      if (chunks.count + n_chunks > Table::capacity || ranges.n == MAX_RANGES) flush();
       if (sums) {
         ranges.first[ranges.n] = int16_t(chunks.count);
         ranges.count[ranges.n] = uint8_t(n_chunks);
@@ -517,18 +522,19 @@ __device__ __forceinline__ float slot_sum(float v, int lanes) {
 }
 
 // v := this slot lane's 8 elements of a row rotated by RoPE with the step's cos / sin (cs: the
-// row's token's D/2 pairs). Every lane of the warp calls it (shuffles); lanes past D compute junk
+// row's token's D/2 pairs, interleaved by 8: pair i at (i % 8) · D/16 + i / 8, so the lanes of a
+// slot read consecutive words). Every lane of the warp calls it (shuffles); lanes past D compute junk
 // that nobody stores.
 __device__ __forceinline__ void rotate_slot(float (&v)[8], const float2* cs, int slot_lane, const QkParams& p) {
   const int half = int(p.D / 2), half_lanes = half / 8;
   const bool first = slot_lane < half_lanes;
   const int partner = first ? slot_lane + half_lanes : slot_lane - half_lanes;
-  const int pair0 = first ? 8 * slot_lane : 8 * slot_lane - half;
+  const int vector = first ? slot_lane : slot_lane - half_lanes;  // pairs 8·vector … 8·vector + 7
   const bool in_row = 8 * slot_lane < p.D;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     const float other = __shfl_sync(FULL, v[e], partner, p.lanes);
-    const float2 c = in_row ? cs[pair0 + e] : make_float2(0.0f, 0.0f);
+    const float2 c = in_row ? cs[e * half_lanes + vector] : make_float2(0.0f, 0.0f);  // interleaved: no bank conflicts
     v[e] = first ? rope_first(v[e], other, c) : rope_second(other, v[e], c);
   }
 }
@@ -537,119 +543,150 @@ __device__ __forceinline__ int qk_vector_len(int slot_lane, int64_t D) {
   return int(std::max<int64_t>(0, std::min<int64_t>(8, D - 8 * int64_t(slot_lane))));
 }
 
-// Rows a slot fetches before it reduces any (memory-level parallelism: one row in flight a thread
-// is far from enough to fill HBM). The backward fetches x and dy, so half as many.
-constexpr int QK_FWD_GROUP = 4, QK_BWD_GROUP = 2;
+// A thread's rows, in order: steps of tokens_per_step tokens (grid-stride in the forward, the
+// chunk's in the backward), rows_per_slot rows of each. Rows are fetched ahead of their use (two in
+// the forward, one in the backward, which fetches x and dy), across step boundaries, so that loads
+// stay in flight while a row is reduced: one row in flight a thread is far from enough for HBM.
+struct QkRowCursor {
+  int64_t t0;  // the step's first token
+  int j;       // the row of this slot within the step
+  __device__ QkRowCursor next(int rows_per_slot, int64_t stride) const {
+    return j + 1 < rows_per_slot ? QkRowCursor{t0, j + 1} : QkRowCursor{t0 + stride, 0};
+  }
+  // The row index (token · heads + head) relative to the first token of the walk.
+  __device__ int64_t row(int64_t heads, int slots, int slot) const { return t0 * heads + int64_t(j) * slots + slot; }
+};
+
+// cos / sin of a step's tokens: [tokens_per_step][D/2] pairs, ≤ QK_THREADS · 4. Three buffers: step i
+// reads buffer i % 3 while it makes step i + 1's into the next, and one barrier a step suffices (the
+// buffer it overwrites was last read two steps ago, before the previous step's barrier).
+constexpr int QK_CS_PAIRS = QK_THREADS * 4, QK_CS_BUFFERS = 3;
+constexpr int QK_STEP_ROWS_PER_SLOT = 16;  // a step's rows per slot the host aims for
 
 template <class Fmt>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
                                                                      const __grid_constant__ QkInvFreq inv) {
-  __shared__ float2 cs[QK_THREADS * 4];  // [tokens_per_step][D/2]
+  __shared__ float2 cs[QK_CS_BUFFERS * QK_CS_PAIRS];
   const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
   const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
   const int64_t col = 8 * int64_t(slot_lane), half = p.D / 2, rows = p.T * p.heads;
+  const int64_t stride = int64_t(gridDim.x) * tps;
   const int rows_per_slot = int(tps * p.heads / slots);
   const int n = qk_vector_len(slot_lane, p.D);
+  auto fetch = [&](QkRowCursor c) {
+    const int64_t row = c.row(p.heads, slots, slot);
+    return fetch8<Fmt>(p.x, row * p.D + col, c.t0 < p.T && row < rows ? n : 0);
+  };
+  auto fill = [&](int64_t t0, int step) {
+    if (t0 < p.T)
+      rope_fill_cos_sin(cs + (step % QK_CS_BUFFERS) * QK_CS_PAIRS, p.positions, t0, std::min<int64_t>(tps, p.T - t0),
+                        half, inv.f, false, true);
+  };
+  QkRowCursor cur{int64_t(blockIdx.x) * tps, 0};
+  const QkRowCursor second = cur.next(rows_per_slot, stride);
+  Raw8 raw0 = fetch(cur), raw1 = fetch(second);
   float w[8];
   load8(p.weight, col, n, w);
-  for (int64_t t0 = int64_t(blockIdx.x) * tps; t0 < p.T; t0 += int64_t(gridDim.x) * tps) {
-    for (int g0 = 0; g0 < rows_per_slot; g0 += QK_FWD_GROUP) {
-      Raw8 raw[QK_FWD_GROUP];
-#pragma unroll
-      for (int k = 0; k < QK_FWD_GROUP; ++k) {
-        const int64_t row = t0 * p.heads + int64_t(g0 + k) * slots + slot;
-        raw[k] = fetch8<Fmt>(p.x, row * p.D + col, g0 + k < rows_per_slot && row < rows ? n : 0);
-      }
-      if (g0 == 0 && p.positions) {  // the step's cos / sin, made while the first rows load
-        rope_fill_cos_sin(cs, p.positions, t0, std::min<int64_t>(tps, p.T - t0), half, inv.f, false);
-        __syncthreads();
-      }
-#pragma unroll
-      for (int k = 0; k < QK_FWD_GROUP; ++k) {
-        if (g0 + k >= rows_per_slot) break;  // uniform across the CTA
-        const int64_t r = int64_t(g0 + k) * slots + slot, row = t0 * p.heads + r;
-        float x[8], ss = 0.0f;
-        unpack8(Fmt::of(p.x.dt), raw[k], x);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
-        const float rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
-        float y[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
-        if (p.positions) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) y[e] = round_to(Fmt::of(p.y.dt), y[e]);  // the unfused path's stored y
-          rotate_slot(y, cs + (r / p.heads) * half, slot_lane, p);
-        }
-        if (row >= rows) continue;
-        if (n > 0) store8<Fmt>(p.y, row * p.D + col, n, y);
-        if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
-      }
+  if (p.positions) fill(cur.t0, 0);
+  for (int step = 0; cur.t0 < p.T; cur = cur.next(rows_per_slot, stride)) {
+    if (cur.j == 0 && p.positions) {  // the next step's cos / sin, made while rows load
+      fill(cur.t0 + stride, step + 1);
+      __syncthreads();
     }
-    if (p.positions) __syncthreads();  // the next step rewrites cs
+    const Raw8 raw2 = fetch(cur.next(rows_per_slot, stride).next(rows_per_slot, stride));
+    const int r = cur.j * slots + slot;  // the row within the step
+    const int64_t row = cur.t0 * p.heads + r;
+    float x[8], ss = 0.0f;
+    unpack8(Fmt::of(p.x.dt), raw0, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+    const float rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+    float y[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = __fmul_rn(__fmul_rn(x[e], rstd), w[e]);
+    if (p.positions) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] = round_to(Fmt::of(p.y.dt), y[e]);  // the unfused path's stored y
+      rotate_slot(y, cs + (step % QK_CS_BUFFERS) * QK_CS_PAIRS + (int(r) / int(p.heads)) * half, slot_lane, p);
+    }
+    if (row < rows) {
+      if (n > 0) store8<Fmt>(p.y, row * p.D + col, n, y);
+      if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+    }
+    raw0 = raw1, raw1 = raw2;
+    if (cur.j + 1 == rows_per_slot) ++step;
   }
 }
 
-// A CTA per chunk of tokens (all their heads): dx, and the chunk's partial: slot s sums rows s,
-// s + slots, … of the chunk in order, then the slots' sums are added in slot order.
+// Chunks b, b + grid, … of the launch, a CTA each at a time (which CTA takes a chunk changes no
+// bit: each has its own partial): dx, and the chunk's partial: slot s sums rows s, s + slots, … of
+// the chunk in order, then the slots' sums are added in slot order.
 template <class Fmt>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __grid_constant__ QkParams p,
-                                                                      const __grid_constant__ ChunkTable chunks,
+                                                                      const __grid_constant__ QkChunkTable chunks,
                                                                       const __grid_constant__ QkInvFreq inv) {
   __shared__ float slot_dw[QK_THREADS * 8];  // [slot][lanes · 8 columns]: thread t's 8 at 8t
-  __shared__ float2 cs[QK_THREADS * 4];
+  __shared__ float2 cs[QK_CS_BUFFERS * QK_CS_PAIRS];
   const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
   const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
-  const int64_t first_token = chunks.row[blockIdx.x], n_tokens = chunks.len[blockIdx.x];
-  const int64_t n_rows = n_tokens * p.heads, half = p.D / 2;
   const int rows_per_slot = int(tps * p.heads / slots);
-  const bool sums = chunks.sums[blockIdx.x] != 0;
-  const int64_t col = 8 * int64_t(slot_lane);
+  const int64_t col = 8 * int64_t(slot_lane), half = p.D / 2;
   const int n = qk_vector_len(slot_lane, p.D);
-  float w[8], dw[8] = {};
+  float w[8];
   load8(p.weight, col, n, w);
-  for (int64_t s0 = 0; s0 < n_tokens; s0 += tps) {
-    for (int g0 = 0; g0 < rows_per_slot; g0 += QK_BWD_GROUP) {
-      Raw8 raw_x[QK_BWD_GROUP], raw_dy[QK_BWD_GROUP];
-#pragma unroll
-      for (int k = 0; k < QK_BWD_GROUP; ++k) {
-        const int64_t i = s0 * p.heads + int64_t(g0 + k) * slots + slot, row = first_token * p.heads + i;
-        const int m = g0 + k < rows_per_slot && i < n_rows ? n : 0;
-        raw_x[k] = fetch8<Fmt>(p.x, row * p.D + col, m);
-        raw_dy[k] = fetch8<Fmt>(p.dy, row * p.D + col, m);
-      }
-      if (g0 == 0 && p.positions) {
-        rope_fill_cos_sin(cs, p.positions, first_token + s0, std::min<int64_t>(tps, n_tokens - s0), half, inv.f, true);
+  for (int chunk = blockIdx.x; chunk < chunks.count; chunk += gridDim.x) {
+    const int64_t first_token = chunks.row[chunk], n_tokens = chunks.len[chunk], n_rows = n_tokens * p.heads;
+    const bool sums = chunks.sums[chunk] != 0;
+    auto fetch = [&](QkRowCursor c, Raw8& x, Raw8& dy) {
+      const int64_t i = c.row(p.heads, slots, slot), row = first_token * p.heads + i;
+      const int m = c.t0 < n_tokens && i < n_rows ? n : 0;
+      x = fetch8<Fmt>(p.x, row * p.D + col, m);
+      dy = fetch8<Fmt>(p.dy, row * p.D + col, m);
+    };
+    auto fill = [&](int64_t s0, int step) {
+      if (s0 < n_tokens)
+        rope_fill_cos_sin(cs + (step % QK_CS_BUFFERS) * QK_CS_PAIRS, p.positions, first_token + s0,
+                          std::min<int64_t>(tps, n_tokens - s0), half, inv.f, true, true);
+    };
+    QkRowCursor cur{0, 0};
+    Raw8 raw_x, raw_dy;
+    fetch(cur, raw_x, raw_dy);
+    if (p.positions) fill(0, 0);
+    float dw[8] = {};
+    for (int step = 0; cur.t0 < n_tokens; cur = cur.next(rows_per_slot, tps)) {
+      if (cur.j == 0 && p.positions) {  // the next step's cos / sin, made while rows load
+        fill(cur.t0 + tps, step + 1);
         __syncthreads();
       }
+      Raw8 next_x, next_dy;
+      fetch(cur.next(rows_per_slot, tps), next_x, next_dy);
+      const int r = cur.j * slots + slot, token = int(cur.t0) + r / int(p.heads);  // in the chunk
+      const int64_t i = cur.t0 * p.heads + r, row = first_token * p.heads + i;
+      const bool live = i < n_rows;
+      float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
+      unpack8(Fmt::of(p.x.dt), raw_x, x);
+      unpack8(Fmt::of(p.dy.dt), raw_dy, dy);
+      if (p.positions)  // kept in fp32
+        rotate_slot(dy, cs + (step % QK_CS_BUFFERS) * QK_CS_PAIRS + (token - cur.t0) * half, slot_lane, p);
 #pragma unroll
-      for (int k = 0; k < QK_BWD_GROUP; ++k) {
-        if (g0 + k >= rows_per_slot) break;  // uniform across the CTA
-        const int64_t r = int64_t(g0 + k) * slots + slot, i = s0 * p.heads + r, row = first_token * p.heads + i;
-        const bool live = i < n_rows;
-        float x[8], dy[8], g[8], ss = 0.0f, dot = 0.0f;
-        unpack8(Fmt::of(p.x.dt), raw_x[k], x);
-        unpack8(Fmt::of(p.dy.dt), raw_dy[k], dy);
-        if (p.positions) rotate_slot(dy, cs + (r / p.heads) * half, slot_lane, p);  // kept in fp32
+      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
+      float rstd;
+      if (p.rstd_in) {
+        rstd = live ? p.rstd_in[row] : 0.0f;
+      } else {
+        rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
+      }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(x[e], x[e], ss);
-        float rstd;
-        if (p.rstd_in) {
-          rstd = live ? p.rstd_in[row] : 0.0f;
-        } else {
-          rstd = rstd_of(slot_sum(ss, p.lanes), p.D, p.eps);
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          g[e] = __fmul_rn(dy[e], w[e]);
-          x[e] = __fmul_rn(x[e], rstd);
-          dot = __fmaf_rn(g[e], x[e], dot);
-        }
-        dot = slot_sum(dot, p.lanes);
-        if (!live) continue;
+      for (int e = 0; e < 8; ++e) {
+        g[e] = __fmul_rn(dy[e], w[e]);
+        x[e] = __fmul_rn(x[e], rstd);
+        dot = __fmaf_rn(g[e], x[e], dot);
+      }
+      dot = slot_sum(dot, p.lanes);
+      if (live) {
         const float mean = __fdiv_rn(dot, float(p.D));
         float d[8];
-        const bool active = sums && (p.mask == nullptr || p.mask[row / p.heads] != 0);
+        const bool active = sums && (p.mask == nullptr || p.mask[first_token + token] != 0);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           d[e] = __fmul_rn(rstd, __fsub_rn(g[e], __fmul_rn(x[e], mean)));
@@ -657,18 +694,31 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __gr
         }
         if (n > 0) store8<Fmt>(p.dx, row * p.D + col, n, d);
       }
+      raw_x = next_x, raw_dy = next_dy;
+      if (cur.j + 1 == rows_per_slot) ++step;
     }
-    if (p.positions) __syncthreads();  // the next step rewrites cs
-  }
-  if (!sums) return;  // uniform across the CTA
+    if (sums) {  // uniform across the CTA
 #pragma unroll
-  for (int e = 0; e < 8; ++e) slot_dw[threadIdx.x * 8 + e] = dw[e];
-  __syncthreads();
-  for (int c = threadIdx.x; c < p.D; c += QK_THREADS) {
-    float s = slot_dw[c];
-    for (int k = 1; k < slots; ++k) s = __fadd_rn(s, slot_dw[k * p.lanes * 8 + c]);
-    p.partials[int64_t(blockIdx.x) * p.D + c] = s;
+      for (int e = 0; e < 8; ++e) slot_dw[threadIdx.x * 8 + e] = dw[e];
+      __syncthreads();
+      for (int c = threadIdx.x; c < p.D; c += QK_THREADS) {
+        float s = slot_dw[c];
+        for (int k = 1; k < slots; ++k) s = __fadd_rn(s, slot_dw[k * p.lanes * 8 + c]);
+        p.partials[int64_t(chunk) * p.D + c] = s;
+      }
+    }
+    __syncthreads();  // the next chunk rewrites cs and slot_dw
   }
+}
+
+// CTAs of QK_THREADS of `kernel` that fit an SM at once, cached per device in `cache`.
+template <class Kernel>
+int resident_ctas(std::atomic<int> (&cache)[64], Kernel kernel, const char* op) {
+  return once_per_device(cache, op, [&] {
+    int n = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, QK_THREADS, 0), op, "occupancy");
+    return std::max(n, 1);
+  });
 }
 
 // Tokens a dweight chunk of QK-norm: ~32 KiB of rows (8 tokens of Qwen3-8B's q, 32 of its k), a
@@ -694,10 +744,11 @@ QkParams qk_params(const TensorView& x, const TensorView& positions, const char*
   p.lanes = 1;
   while (p.lanes * 8 < D) p.lanes *= 2;
   // Tokens a step: the fewest whose rows are a multiple of the slots, times as many as give each
-  // slot QK_FWD_GROUP rows (their cos / sin within the shared-memory table's QK_THREADS · 4 pairs).
+  // slot QK_STEP_ROWS_PER_SLOT rows (their cos / sin within a shared-memory buffer's pairs).
   const int64_t slots = QK_THREADS / p.lanes, half = D / 2;
   const int64_t base = slots / std::gcd(p.heads, slots), base_rows_per_slot = base * p.heads / slots;
-  const int64_t times = std::max<int64_t>(1, std::min(QK_FWD_GROUP / base_rows_per_slot, QK_THREADS * 4 / (base * std::max<int64_t>(half, 1))));
+  const int64_t times = std::max<int64_t>(1, std::min(QK_STEP_ROWS_PER_SLOT / base_rows_per_slot,
+                                                      QK_CS_PAIRS / (base * std::max<int64_t>(half, 1))));
   p.tokens_per_step = int(base * times);
   p.positions = positions.present() ? positions.as<const int32_t>() : nullptr;
   return p;
@@ -715,10 +766,13 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   p.eps = float(a.eps);
   const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
   const int64_t steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
-  const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * 8));
   const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y);
   with_shape(1, all_bf16, [&](auto fmt, auto) {
-    qk_norm_forward_kernel<decltype(fmt)><<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
+    // As many CTAs as fit at once (a grid-stride loop over the steps).
+    const auto kernel = qk_norm_forward_kernel<decltype(fmt)>;
+    static std::atomic<int> resident[64] = {};
+    const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * resident_ctas(resident, kernel, op)));
+    kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
   });
   check(cudaGetLastError(), op, "kernel launch");
 }
@@ -729,7 +783,7 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   QkParams p = qk_params(a.x, a.positions, op);
   if (T == 0 || heads == 0) return;
   const cudaStream_t stream = stream_of(ctx.stream);
-  ScratchBuffer partials(size_t(MAX_CHUNKS) * size_t(D) * sizeof(float), stream, op);
+  ScratchBuffer partials(size_t(QK_MAX_CHUNKS) * size_t(D) * sizeof(float), stream, op);
   p.x = in8(a.x, D);
   p.dy = in8(a.dy, D);
   p.weight = in8(a.weight, D);
@@ -740,9 +794,12 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   p.eps = float(a.eps);
   const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
   const bool all_bf16 = is_bf16(a.dy) && is_bf16(a.x) && is_bf16(a.dx);
-  for_chunk_batches(a.segments, T, qk_chunk_tokens(heads, D), [&](const ChunkTable& chunks, const RangeTable& ranges) {
+  for_chunk_batches<QkChunkTable>(a.segments, T, qk_chunk_tokens(heads, D), [&](const QkChunkTable& chunks, const RangeTable& ranges) {
     with_shape(1, all_bf16, [&](auto fmt, auto) {
-      qk_norm_backward_kernel<decltype(fmt)><<<unsigned(chunks.count), QK_THREADS, 0, stream>>>(p, chunks, inv);
+      const auto kernel = qk_norm_backward_kernel<decltype(fmt)>;
+      static std::atomic<int> resident[64] = {};
+      const int grid = std::min(chunks.count, current_sm_count(op) * resident_ctas(resident, kernel, op));
+      kernel<<<unsigned(grid), QK_THREADS, 0, stream>>>(p, chunks, inv);
     });
     check(cudaGetLastError(), op, "kernel launch");
     launch_chain(p.partials, ranges, D, a.dweight.as<float>(), stream, op);

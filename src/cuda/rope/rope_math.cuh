@@ -37,12 +37,17 @@ __device__ __forceinline__ float2 rope_cos_sin(int32_t position, float inv_freq,
 }
 
 // cs[j · half + i] := rope_cos_sin of token t0 + j, pair i, for the `tokens` tokens from t0; the
-// CTA's threads share the work. The caller synchronises before reading cs.
+// CTA's threads share the work. The caller synchronises before reading cs. interleave8 (half a
+// multiple of 8): pair i of a token at (i % 8) · half/8 + i / 8 instead, so that threads reading
+// pairs 8v … 8v + 7 for consecutive v read consecutive words.
 __device__ __forceinline__ void rope_fill_cos_sin(float2* cs, const int32_t* positions, int64_t t0,
                                                   int64_t tokens, int64_t half, const float* inv_freq,
-                                                  bool inverse) {
-  for (int64_t k = threadIdx.x; k < tokens * half; k += blockDim.x)
-    cs[k] = rope_cos_sin(positions[t0 + k / half], inv_freq[k % half], inverse);
+                                                  bool inverse, bool interleave8 = false) {
+  const int h = int(half), n = int(tokens) * h;  // a step's pairs: 32-bit index arithmetic
+  for (int k = threadIdx.x; k < n; k += blockDim.x) {
+    const int j = k / h, i = k - j * h;
+    cs[interleave8 ? j * h + (i % 8) * (h / 8) + i / 8 : k] = rope_cos_sin(positions[t0 + j], inv_freq[i], inverse);
+  }
 }
 
 // The rotated first (dim i) and second (dim i + D/2) element of a pair.
