@@ -196,17 +196,23 @@ int sb_residual_add(void* a_, void* b_, int dtype, int64_t n, void* y, void* str
   });
 }
 
-// RoPE on x [T, heads, D] (in place when y == x), Qwen3's theta.
-int sb_rope(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* positions, void* y, int inverse, void* stream,
-            char* err, int err_len) {
+// RoPE (Qwen3's theta) from x [T, heads, D] of dtype to y of y_dtype (in place when y == x; the
+// unfused QK-norm + RoPE backward writes fp32).
+int sb_rope_to(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* positions, void* y, int y_dtype,
+               int inverse, void* stream, char* err, int err_len) {
   return guarded(err, err_len, [&] {
     RopeArgs a;
     a.x = cuda_view(x, DType(dtype), {T, heads, D});
     a.positions = cuda_view(positions, DType::i32, {T});
-    a.y = cuda_view(y, DType(dtype), {T, heads, D});
+    a.y = cuda_view(y, DType(y_dtype), {T, heads, D});
     if (inverse) rope_backward(ctx_on(stream), a);
     else rope_forward(ctx_on(stream), a);
   });
+}
+
+int sb_rope(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* positions, void* y, int inverse, void* stream,
+            char* err, int err_len) {
+  return sb_rope_to(x, dtype, T, heads, D, positions, y, dtype, inverse, stream, err, err_len);
 }
 
 // QK-norm of x [T, heads, D] (bf16 weight [D], fp32 rstd [T, heads]), fused with RoPE (Qwen3's theta)
@@ -237,19 +243,6 @@ int sb_qk_norm_backward(void* dy, int dy_dtype, void* x, int dtype, int64_t T, i
     a.dweight = cuda_view(dweight, DType::f32, {D});
     if (positions) a.positions = cuda_view(positions, DType::i32, {T});
     qk_norm_backward(ctx_on(stream), a);
-  });
-}
-
-// RoPE from x of dtype to y of y_dtype (the unfused backward writes fp32).
-int sb_rope_to(void* x, int dtype, int64_t T, int64_t heads, int64_t D, void* positions, void* y, int y_dtype,
-               int inverse, void* stream, char* err, int err_len) {
-  return guarded(err, err_len, [&] {
-    RopeArgs a;
-    a.x = cuda_view(x, DType(dtype), {T, heads, D});
-    a.positions = cuda_view(positions, DType::i32, {T});
-    a.y = cuda_view(y, DType(y_dtype), {T, heads, D});
-    if (inverse) rope_backward(ctx_on(stream), a);
-    else rope_forward(ctx_on(stream), a);
   });
 }
 
