@@ -1,0 +1,150 @@
+// CUDA attention forward (runs where a GPU is visible; skipped elsewhere). Raw bits of a sequence's
+// rows: whole prefill = chunked prefill (chunks 1, 7, 64, 100 and the rest) = decode token by token
+// = the same sequence packed among others at another offset; rows no sequence covers get out = 0
+// and lse = −inf; accuracy against the CPU's fp64 truth within the contract's attention class.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "samebits/harness.hpp"
+#include "samebits/ops.hpp"
+#include "tests/cuda_test_util.hpp"
+
+using namespace samebits;
+using harness::Contract;
+using harness::HostTensor;
+using harness::Tolerance;
+using harness::Rng;
+using testing_cuda::cuda_ctx;
+using testing_cuda::DeviceBuffer;
+using testing_cuda::expect_same_bits;
+
+namespace {
+
+class CudaAttention : public testing_cuda::CudaTest {};
+
+struct SeqRow {
+  int32_t q_row, q_len, k_row, k_len;
+};
+
+struct Fwd {
+  HostTensor out, lse;
+};
+
+// attention_forward on the GPU over q [Tq, Hq, D] and k / v [Tk, Hkv, D] with the given sequences.
+Fwd run_gpu(const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<SeqRow>& rows) {
+  HostTensor seqs(DType::i32, {int64_t(rows.size()), 4});
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int32_t r[4] = {rows[i].q_row, rows[i].q_len, rows[i].k_row, rows[i].k_len};
+    for (int c = 0; c < 4; ++c) seqs.set(int64_t(i) * 4 + c, r[c]);
+  }
+  const DeviceBuffer dq(q), dk(k), dv(v), out(HostTensor(q.dtype(), q.shape())),
+      lse(DType::f32, {q.shape()[0], q.shape()[1]});
+  AttentionForwardArgs a;
+  a.q = dq.view();
+  a.k = dk.view();
+  a.v = dv.view();
+  a.seqs = seqs.view();
+  a.out = out.view();
+  a.lse = lse.view();
+  attention_forward(cuda_ctx(), a);
+  return {out.host(), lse.host()};
+}
+
+struct Shape {
+  DType dt;
+  int64_t hq, hkv, d, len;
+};
+
+}  // namespace
+
+// One sequence gives the same bits as a whole prefill, in chunks against a cache, token by token,
+// and packed among other sequences at another offset.
+TEST_F(CudaAttention, PrefillChunkedDecodeAndPackingGiveTheSameBits) {
+  for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 300}, Shape{DType::f16, 4, 4, 64, 200}, Shape{DType::bf16, 32, 8, 128, 1100}}) {
+    const std::string what = std::string(dtype_name(s.dt)) + " Hq=" + std::to_string(s.hq) + " D=" + std::to_string(s.d);
+    Rng r(71 + s.d + s.hq);
+    const int32_t L = int32_t(s.len);
+    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
+                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1);
+    const Fwd whole = run_gpu(q, k, v, {{0, L, 0, L}});
+    // Chunked prefill: each chunk's queries against the cache of every key so far.
+    int32_t done = 0;
+    for (int32_t c : {1, 7, 64, 100, L}) {
+      const int32_t n = std::min(c, L - done);
+      if (n <= 0) break;
+      const Fwd part = run_gpu(q.slice_rows(done, done + n), k, v, {{0, n, 0, done + n}});
+      expect_same_bits(part.out, whole.out.slice_rows(done, done + n), what + ": chunk at " + std::to_string(done));
+      expect_same_bits(part.lse, whole.lse.slice_rows(done, done + n), what + ": chunk lse at " + std::to_string(done));
+      done += n;
+    }
+    // Decode: one query against the cache.
+    for (int32_t t : {0, 1, 63, 64, 65, L / 2, L - 1}) {
+      const Fwd one = run_gpu(q.slice_rows(t, t + 1), k, v, {{0, 1, 0, t + 1}});
+      expect_same_bits(one.out, whole.out.slice_rows(t, t + 1), what + ": decode at " + std::to_string(t));
+    }
+    // Packed after a 37-token sequence and before a 5-token one, keys in the same packed layout.
+    const int32_t pre = 37, post = 5, T = pre + L + post;
+    HostTensor qp = r.tensor(s.dt, {T, s.hq, s.d}, -2, 2), kp = r.tensor(s.dt, {T, s.hkv, s.d}, -2, 2),
+               vp = r.tensor(s.dt, {T, s.hkv, s.d}, -1, 1);
+    qp.copy_rows_from(q, 0, pre, L);
+    kp.copy_rows_from(k, 0, pre, L);
+    vp.copy_rows_from(v, 0, pre, L);
+    const Fwd packed = run_gpu(qp, kp, vp, {{0, pre, 0, pre}, {pre, L, pre, L}, {pre + L, post, pre + L, post}});
+    expect_same_bits(packed.out.slice_rows(pre, pre + L), whole.out, what + ": packed");
+    expect_same_bits(packed.lse.slice_rows(pre, pre + L), whole.lse, what + ": packed lse");
+  }
+}
+
+// Rows no sequence covers: out = 0, lse = −inf (not stale memory).
+TEST_F(CudaAttention, UncoveredRowsAreZeroWithMinusInfinityLse) {
+  Rng r(73);
+  const HostTensor q = r.tensor(DType::bf16, {20, 2, 64}, -2, 2), k = r.tensor(DType::bf16, {20, 2, 64}, -2, 2),
+                   v = r.tensor(DType::bf16, {20, 2, 64}, -1, 1);
+  const Fwd f = run_gpu(q, k, v, {{3, 5, 3, 5}, {12, 4, 12, 4}});
+  for (int64_t row : {0, 2, 8, 11, 16, 19})
+    for (int64_t i = 0; i < 2 * 64; ++i) {
+      ASSERT_EQ(f.out.get(row * 128 + i), 0.0) << "row " << row;
+      if (i < 2) ASSERT_TRUE(std::isinf(f.lse.get(row * 2 + i)) && f.lse.get(row * 2 + i) < 0) << "lse row " << row;
+    }
+}
+
+// Against the CPU's fp64 truth on the same inputs: out within the contract's attention tolerance
+// for the dtype, lse within the fp32 one.
+TEST_F(CudaAttention, AccurateAgainstFp64) {
+  for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 700}, Shape{DType::f16, 4, 2, 64, 300}}) {
+    Rng r(79 + s.d);
+    const int32_t L = int32_t(s.len);
+    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
+                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1);
+    const Fwd gpu = run_gpu(q, k, v, {{0, L, 0, L}});
+    HostTensor seqs(DType::i32, {1, 4});
+    for (int c = 0; c < 4; ++c) seqs.set(c, c % 2 == 0 ? 0 : L);
+    HostTensor out(DType::f64, {L, s.hq, s.d}), lse(DType::f64, {L, s.hq});
+    Context truth;
+    truth.precision = Precision::truth_fp64;
+    AttentionForwardArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.seqs = seqs.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    attention_forward(truth, a);
+    const Tolerance tol = Contract::builtin().tolerance("attention", s.dt);
+    double worst = 0, worst_lse = 0;
+    for (int64_t i = 0; i < out.numel(); ++i)
+      worst = std::max(worst, std::fabs(gpu.out.get(i) - out.get(i)) / (tol.atol + tol.rtol * std::fabs(out.get(i))));
+    const Tolerance tol32 = Contract::builtin().tolerance("attention", DType::f32);
+    for (int64_t i = 0; i < lse.numel(); ++i)
+      worst_lse = std::max(worst_lse, std::fabs(gpu.lse.get(i) - lse.get(i)) / (tol32.atol + tol32.rtol * std::fabs(lse.get(i))));
+    std::printf("ACCURACY attention %s D=%lld: worst error / tolerance: out %.3g, lse %.3g\n", dtype_name(s.dt),
+                static_cast<long long>(s.d), worst, worst_lse);
+    EXPECT_LE(worst, 1.0) << dtype_name(s.dt);
+    EXPECT_LE(worst_lse, 1.0) << dtype_name(s.dt);
+  }
+}
