@@ -222,16 +222,17 @@ TEST(Validation, MissingRequiredArgument) {
 }
 
 TEST(Validation, CudaBackendReportsNotBuiltBeforeTouchingArguments) {
-  // Attention has no CUDA kernel yet: NotBuilt comes before any argument check.
+  // Attention's backward has no CUDA kernel yet: NotBuilt comes before any argument check (the
+  // arguments here are host pointers and would fail them).
   std::vector<float> q(4, 0.5f), out(4, 0.0f);
   std::vector<int32_t> seqs{0, 1, 0, 1};
-  AttentionForwardArgs a;
-  a.q = a.k = a.v = TensorView::of(q.data(), DType::f32, {1, 1, 4});
-  a.out = TensorView::of(out.data(), DType::f32, {1, 1, 4});
+  AttentionBackwardArgs a;
+  a.q = a.k = a.v = a.dout = a.out = TensorView::of(q.data(), DType::f32, {1, 1, 4});
+  a.dq = a.dk = a.dv = TensorView::of(out.data(), DType::f32, {1, 1, 4});
   a.seqs = TensorView::of(seqs.data(), DType::i32, {1, 4});
   Context cuda;
   cuda.backend = Backend::cuda;
-  EXPECT_THROW(attention_forward(cuda, a), NotBuilt);
+  EXPECT_THROW(attention_backward(cuda, a), NotBuilt);
   // An op the CUDA backend has checks its arguments: host pointers are refused by name.
   LinearFixture f;
   if (cuda_backend_built()) {
