@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_logprob import alternate, load_shim
+from bench_logprob import alternate, emit, load_shim
 
 
 def main():
@@ -58,11 +58,7 @@ def main():
         flops = 4 * S * S * d * hq / 2 * B
         out.append(f"| {S} × {B} | {a:.2f} ms, {flops / a / 1e9:.0f} TFLOP/s | {b:.2f} ms, {flops / b / 1e9:.0f} TFLOP/s | "
                    f"**{b / a:.2f}×** |")
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    emit(out, args.md)
 
 
 if __name__ == "__main__":

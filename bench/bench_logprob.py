@@ -139,6 +139,15 @@ def alternate(fns, reps, warm=3):
     return [statistics.median(t) for t in times]
 
 
+def emit(lines, md=None):
+    """Prints a generated table and writes it to `md` when given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if md:
+        with open(md, "w") as f:
+            f.write(text)
+
+
 def bench_logprob(sb, T, V, reps, rows):
     dev = "cuda"
     bufs = 2  # 2 x 2.5 GB: each sample reads logits that are not in L2

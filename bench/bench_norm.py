@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench_logprob import alternate, load_shim
+from bench_logprob import alternate, emit, load_shim
 
 EPS = 1e-6
 
@@ -287,11 +287,7 @@ def main():
         bench_elementwise(sb, args.reps, out)
         bench_rope(sb, args.reps, out)
     bench_qk_norm_rope(sb, args.reps, out)
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    emit(out, args.md)
 
 
 if __name__ == "__main__":
