@@ -35,23 +35,34 @@ struct Fwd {
   HostTensor out, lse;
 };
 
-// attention_forward on the GPU over q [Tq, Hq, D] and k / v [Tk, Hkv, D] with the given sequences.
-Fwd run_gpu(const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<SeqRow>& rows) {
+// The host sequence table int32 [B, 4] of `rows`.
+HostTensor seq_table(const std::vector<SeqRow>& rows) {
   HostTensor seqs(DType::i32, {int64_t(rows.size()), 4});
   for (size_t i = 0; i < rows.size(); ++i) {
     const int32_t r[4] = {rows[i].q_row, rows[i].q_len, rows[i].k_row, rows[i].k_len};
     for (int c = 0; c < 4; ++c) seqs.set(int64_t(i) * 4 + c, r[c]);
   }
+  return seqs;
+}
+
+AttentionForwardArgs forward_args(const TensorView& q, const TensorView& k, const TensorView& v, const HostTensor& seqs,
+                                  const TensorView& out, const TensorView& lse) {
+  AttentionForwardArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.seqs = seqs.view();
+  a.out = out;
+  a.lse = lse;
+  return a;
+}
+
+// attention_forward on the GPU over q [Tq, Hq, D] and k / v [Tk, Hkv, D] with the given sequences.
+Fwd run_gpu(const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<SeqRow>& rows) {
+  const HostTensor seqs = seq_table(rows);
   const DeviceBuffer dq(q), dk(k), dv(v), out(HostTensor(q.dtype(), q.shape())),
       lse(DType::f32, {q.shape()[0], q.shape()[1]});
-  AttentionForwardArgs a;
-  a.q = dq.view();
-  a.k = dk.view();
-  a.v = dv.view();
-  a.seqs = seqs.view();
-  a.out = out.view();
-  a.lse = lse.view();
-  attention_forward(cuda_ctx(), a);
+  attention_forward(cuda_ctx(), forward_args(dq.view(), dk.view(), dv.view(), seqs, out.view(), lse.view()));
   return {out.host(), lse.host()};
 }
 
@@ -122,19 +133,10 @@ TEST_F(CudaAttention, AccurateAgainstFp64) {
     const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
                      v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1);
     const Fwd gpu = run_gpu(q, k, v, {{0, L, 0, L}});
-    HostTensor seqs(DType::i32, {1, 4});
-    for (int c = 0; c < 4; ++c) seqs.set(c, c % 2 == 0 ? 0 : L);
     HostTensor out(DType::f64, {L, s.hq, s.d}), lse(DType::f64, {L, s.hq});
     Context truth;
     truth.precision = Precision::truth_fp64;
-    AttentionForwardArgs a;
-    a.q = q.view();
-    a.k = k.view();
-    a.v = v.view();
-    a.seqs = seqs.view();
-    a.out = out.view();
-    a.lse = lse.view();
-    attention_forward(truth, a);
+    attention_forward(truth, forward_args(q.view(), k.view(), v.view(), seq_table({{0, L, 0, L}}), out.view(), lse.view()));
     const Tolerance tol = Contract::builtin().tolerance("attention", s.dt);
     double worst = 0, worst_lse = 0;
     for (int64_t i = 0; i < out.numel(); ++i)

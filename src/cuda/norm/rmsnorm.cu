@@ -442,6 +442,17 @@ void with_shape(int vpt, bool all_bf16, F&& f) {
   else with_vpt(AnyDtype{});
 }
 
+// CTAs of `threads` threads of `kernel` that fit an SM at once (for grid-stride kernels sized to
+// the device), cached per device in `cache`.
+template <class Kernel>
+int resident_ctas(std::atomic<int> (&cache)[64], Kernel kernel, int threads, const char* op) {
+  return once_per_device(cache, op, [&] {
+    int n = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0), op, "occupancy");
+    return std::max(n, 1);
+  });
+}
+
 void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   const char* op = "rmsnorm_forward";
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
@@ -456,11 +467,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
     // As many CTAs as fit on the device at once (a grid-stride loop: which CTA takes a row changes
     // no bit), cached per instance (this lambda's instantiation), CTA size and device.
     static std::atomic<int> resident[MAX_THREADS / 32 + 1][64] = {};
-    const int per_sm = once_per_device(resident[threads / 32], op, [&] {
-      int n = 0;
-      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0), op, "occupancy");
-      return std::max(n, 1);
-    });
+    const int per_sm = resident_ctas(resident[threads / 32], kernel, threads, op);
     const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
     kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
   });
@@ -711,16 +718,6 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_backward_kernel(const __gr
   }
 }
 
-// CTAs of QK_THREADS of `kernel` that fit an SM at once, cached per device in `cache`.
-template <class Kernel>
-int resident_ctas(std::atomic<int> (&cache)[64], Kernel kernel, const char* op) {
-  return once_per_device(cache, op, [&] {
-    int n = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, QK_THREADS, 0), op, "occupancy");
-    return std::max(n, 1);
-  });
-}
-
 // Tokens a dweight chunk of QK-norm: ~32 KiB of rows (8 tokens of Qwen3-8B's q, 32 of its k), a
 // function of heads · head_dim only. Smaller than RMSNorm's chunks: a partial is head_dim floats,
 // while enough CTAs to fill the GPU need many chunks.
@@ -771,7 +768,7 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
     // As many CTAs as fit at once (a grid-stride loop over the steps).
     const auto kernel = qk_norm_forward_kernel<decltype(fmt)>;
     static std::atomic<int> resident[64] = {};
-    const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * resident_ctas(resident, kernel, op)));
+    const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * resident_ctas(resident, kernel, QK_THREADS, op)));
     kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
   });
   check(cudaGetLastError(), op, "kernel launch");
@@ -798,7 +795,7 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
     with_shape(1, all_bf16, [&](auto fmt, auto) {
       const auto kernel = qk_norm_backward_kernel<decltype(fmt)>;
       static std::atomic<int> resident[64] = {};
-      const int grid = std::min(chunks.count, current_sm_count(op) * resident_ctas(resident, kernel, op));
+      const int grid = std::min(chunks.count, current_sm_count(op) * resident_ctas(resident, kernel, QK_THREADS, op));
       kernel<<<unsigned(grid), QK_THREADS, 0, stream>>>(p, chunks, inv);
     });
     check(cudaGetLastError(), op, "kernel launch");
