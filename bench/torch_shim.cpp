@@ -247,21 +247,19 @@ int sb_qk_norm_backward(void* dy, int dy_dtype, void* x, int dtype, int64_t T, i
   });
 }
 
-// Causal attention forward over B packed sequences of equal length L: q [B·L, Hq, D], k / v
-// [B·L, Hkv, D], out like q, lse [B·L, Hq] fp32 (the sequence table is made here, on the host).
-int sb_attention_forward(void* q, void* k, void* v, int dtype, int64_t B, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
-                         void* out, void* lse, void* stream, char* err, int err_len) {
+// Causal attention forward: q [Tq, Hq, D], k / v [Tk, Hkv, D], out like q, lse [Tq, Hq] fp32, with
+// the host sequence table seqs int32 [B, 4] {q_row, q_len, k_row, k_len} (prefill, decode, ...).
+int sb_attention_forward(void* q, void* k, void* v, int dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,
+                         int64_t D, const int32_t* seqs, int64_t B, void* out, void* lse, void* stream, char* err,
+                         int err_len) {
   return guarded(err, err_len, [&] {
-    std::vector<int32_t> seqs;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t c = 0; c < 4; ++c) seqs.push_back(int32_t(c % 2 == 0 ? b * L : L));
     AttentionForwardArgs a;
-    a.q = cuda_view(q, DType(dtype), {B * L, Hq, D});
-    a.k = cuda_view(k, DType(dtype), {B * L, Hkv, D});
-    a.v = cuda_view(v, DType(dtype), {B * L, Hkv, D});
-    a.seqs = TensorView::of(seqs.data(), DType::i32, {B, 4});
-    a.out = cuda_view(out, DType(dtype), {B * L, Hq, D});
-    a.lse = cuda_view(lse, DType::f32, {B * L, Hq});
+    a.q = cuda_view(q, DType(dtype), {Tq, Hq, D});
+    a.k = cuda_view(k, DType(dtype), {Tk, Hkv, D});
+    a.v = cuda_view(v, DType(dtype), {Tk, Hkv, D});
+    a.seqs = TensorView::of(const_cast<int32_t*>(seqs), DType::i32, {B, 4});
+    a.out = cuda_view(out, DType(dtype), {Tq, Hq, D});
+    a.lse = cuda_view(lse, DType::f32, {Tq, Hq});
     attention_forward(ctx_on(stream), a);
   });
 }

@@ -111,6 +111,62 @@ TEST_F(CudaAttention, PrefillChunkedDecodeAndPackingGiveTheSameBits) {
   }
 }
 
+// Past 1024 keys the Hopper path combines keys in 1024-key spans, and a decode-sized call runs each
+// span in its own CTA, folded by a second kernel: decode one by one, decode batched in one call
+// (split-KV), a chunk that straddles a span boundary and the whole prefill give the same bits, for
+// a GQA group the kernel packs into rows (G = 4) and one it cannot (G = 3).
+TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
+  for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 2600}, Shape{DType::f16, 6, 2, 64, 2200}}) {
+    const std::string what = std::string(dtype_name(s.dt)) + " Hq=" + std::to_string(s.hq) + " D=" + std::to_string(s.d);
+    Rng r(83 + s.d);
+    const int32_t L = int32_t(s.len);
+    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
+                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1);
+    const Fwd whole = run_gpu(q, k, v, {{0, L, 0, L}});
+    const std::vector<int32_t> steps = {0, 1022, 1023, 1024, 1025, 2047, 2048, L - 1};
+    HostTensor qb(s.dt, {int64_t(steps.size()), s.hq, s.d});
+    std::vector<SeqRow> batch;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const int32_t t = steps[i];
+      const Fwd one = run_gpu(q.slice_rows(t, t + 1), k, v, {{0, 1, 0, t + 1}});
+      expect_same_bits(one.out, whole.out.slice_rows(t, t + 1), what + ": decode at " + std::to_string(t));
+      expect_same_bits(one.lse, whole.lse.slice_rows(t, t + 1), what + ": decode lse at " + std::to_string(t));
+      qb.copy_rows_from(q, t, int64_t(i), 1);
+      batch.push_back({int32_t(i), 1, 0, t + 1});
+    }
+    const Fwd batched = run_gpu(qb, k, v, batch);
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const int32_t t = steps[i];
+      expect_same_bits(batched.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
+                       what + ": batched decode at " + std::to_string(t));
+    }
+    for (int32_t c0 : {1000, 2040}) {  // chunks across a span boundary, and decode-sized ones (q_len · G <= 128)
+      for (int32_t n : {100, 7, 2}) {
+        const Fwd part = run_gpu(q.slice_rows(c0, c0 + n), k, v, {{0, n, 0, c0 + n}});
+        expect_same_bits(part.out, whole.out.slice_rows(c0, c0 + n), what + ": chunk of " + std::to_string(n) + " at " + std::to_string(c0));
+      }
+    }
+  }
+}
+
+// Cache rows past a sequence's keys may hold anything, NaN included (an unwritten slot): the result
+// is the same as with finite values there.
+TEST_F(CudaAttention, CacheRowsPastTheKeysNeverReachTheResult) {
+  Rng r(89);
+  const int32_t L = 300, cap = 400;
+  const HostTensor q = r.tensor(DType::bf16, {L, 8, 128}, -2, 2);
+  HostTensor k = r.tensor(DType::bf16, {cap, 2, 128}, -2, 2), v = r.tensor(DType::bf16, {cap, 2, 128}, -1, 1);
+  const Fwd clean = run_gpu(q, k, v, {{0, L, 0, L}});
+  const Fwd clean_decode = run_gpu(q.slice_rows(L - 1, L), k, v, {{0, 1, 0, L}});
+  for (int64_t i = int64_t(L) * 2 * 128; i < k.numel(); ++i) {
+    k.set(i, NAN);
+    v.set(i, NAN);
+  }
+  expect_same_bits(run_gpu(q, k, v, {{0, L, 0, L}}).out, clean.out, "prefill with NaN past the keys");
+  expect_same_bits(run_gpu(q.slice_rows(L - 1, L), k, v, {{0, 1, 0, L}}).out, clean_decode.out, "decode with NaN past the keys");
+  for (int64_t i = 0; i < clean.out.numel(); ++i) ASSERT_TRUE(std::isfinite(clean.out.get(i)));
+}
+
 // Rows no sequence covers: out = 0, lse = −inf (not stale memory).
 TEST_F(CudaAttention, UncoveredRowsAreZeroWithMinusInfinityLse) {
   Rng r(73);
@@ -127,8 +183,8 @@ TEST_F(CudaAttention, UncoveredRowsAreZeroWithMinusInfinityLse) {
 // Against the CPU's fp64 truth on the same inputs: out within the contract's attention tolerance
 // for the dtype, lse within the fp32 one.
 TEST_F(CudaAttention, AccurateAgainstFp64) {
-  for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 700}, Shape{DType::f16, 4, 2, 64, 300}}) {
-    Rng r(79 + s.d);
+  for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 700}, Shape{DType::f16, 4, 2, 64, 300}, Shape{DType::bf16, 4, 1, 128, 2600}}) {
+    Rng r(79 + s.d + s.len);
     const int32_t L = int32_t(s.len);
     const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
                      v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1);

@@ -1,6 +1,8 @@
 // CUDA causal GQA attention, forward: packed variable-length prefill, chunked prefill and decode
-// against a KV cache, one kernel for all three (the portable tensor-core path: mma.sync m16n8k16,
-// sm_80 and later; bf16 / fp16, head_dim 64 or 128).
+// against a KV cache, one kernel for all three. This file: the entry point (checks, rows no sequence
+// covers) and the portable tensor-core path (mma.sync m16n8k16, sm_80 and later; bf16 / fp16,
+// head_dim 64 or 128); a Hopper device runs attention_forward_sm90.cu instead (the device decides,
+// never the shapes, so one card always gives one set of bits).
 //
 // Why this shape. A query's result must not depend on which other queries share its launch, so
 // every reduction a query sees is fixed by its own position:
@@ -24,14 +26,19 @@
 #include <cmath>
 #include <vector>
 
+#include "cuda/attention/attention_common.cuh"
+#include "cuda/attention/attention_sm90.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
+#include "cuda/gemm/gemm.cuh"
 #include "ops/registry.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"
 
 namespace samebits::cuda {
 namespace {
+
+using attention::pack2;
 
 constexpr int WARPS = 4, THREADS = 32 * WARPS, BLOCK_Q = 16 * WARPS, BLOCK_K = 64;
 constexpr unsigned FULL = 0xffffffffu;
@@ -51,18 +58,6 @@ struct FwdParams {
   float scale;
 };
 
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 // Two 16-bit elements as one 32-bit word (lo: a).
 __device__ __forceinline__ uint32_t join2(uint16_t a, uint16_t b) { return uint32_t(a) | (uint32_t(b) << 16); }
 
@@ -229,8 +224,8 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
     throw Unsupported(op, "q", "the CUDA attention takes bf16 or fp16 (fp32 runs on the CPU backend)");
   if (a.out.dtype != a.q.dtype) throw Unsupported(op, "out", "the CUDA attention writes out in q's dtype");
   if (D != 64 && D != 128) throw Unsupported(op, "q", "the CUDA attention supports head_dim 64 and 128");
-  if (!aligned_to(a.k.data, 16) || !aligned_to(a.v.data, 16) || !aligned_to(a.q.data, 4) || !aligned_to(a.out.data, 4))
-    throw Unsupported(op, "k", "the CUDA attention needs k and v 16-byte aligned, q and out 4-byte aligned");
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}})
+    if (!aligned_to(t->data, 16)) throw Unsupported(op, name, "the CUDA attention needs q, k, v and out 16-byte aligned");
   const cudaStream_t stream = stream_of(ctx.stream);
   // The tiles (64 queries of a sequence each) and the query rows no sequence covers.
   const auto* s = a.seqs.as<const int32_t>();
@@ -259,6 +254,10 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
     next = std::max(next, e);
   }
   clear_rows(next, Tq);
+  if (sm90_path_available()) {  // chosen by the device alone, never by the shapes
+    attention::attention_forward_sm90(a, stream, op);
+    return;
+  }
   if (tiles.empty()) return;
   ScratchBuffer tile_buf(tiles.size() * sizeof(Tile), stream, op);
   check(cudaMemcpyAsync(tile_buf.as<Tile>(), tiles.data(), tiles.size() * sizeof(Tile), cudaMemcpyHostToDevice, stream), op,

@@ -44,6 +44,15 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* emp
   __syncthreads();
 }
 
+// A 3-D box (dims fastest first), as the attention kernels load a [tokens, heads, head_dim] tensor.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int32_t c0, int32_t c1, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
@@ -141,6 +150,13 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(8192 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The same with the next 64 output elements `lbo_bytes` further on (a box of more than 64 reduction
+// rows: the attention's V tile, BN keys x 64 columns a box).
+__device__ __forceinline__ uint64_t smem_desc_mn_lbo(const void* p, uint32_t lbo_bytes) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(lbo_bytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
 // The same for a 32-column (64-byte) tile with 64-byte swizzle: 8 reduction rows per 512-byte atom
 // (SBO = 512 bytes), one atom across (LBO unused).
 __device__ __forceinline__ uint64_t smem_desc_mn_64b(const void* p) {
@@ -204,6 +220,37 @@ struct Wgmma {
 #undef SB_WGMMA_BOTH
   }
 };
+// wgmma.m64nNk16 (N = 64 or 128) with A from registers (the m16n8k16 A fragment of each warp's 16
+// rows: a[0] row r cols 2q..2q+1, a[1] row r + 8, a[2] / a[3] the same 8 columns on) and B from shared
+// memory, N-major when TRANS_B (the attention's P·V: P in registers, V read along head_dim).
+#define SB_WGMMA_RS(SHAPE, TYPE, REGS, A, B, TB) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"   \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " REGS ", " A ", " B ", p, 1, 1, " TB ";\n}\n"
+template <class T, bool TRANS_B, int N>
+struct WgmmaRS {
+  static_assert(N == 64 || N == 128, "register-A wgmma widths used by the attention kernels");
+  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit inputs");
+  __device__ __forceinline__ static void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+    constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
+#define SB_WGMMA_RS_BOTH(SHAPE, REGS, D, A, B, TB)                                                               \
+  if constexpr (BF16) {                                                                                        \
+    asm volatile(SB_WGMMA_RS(SHAPE, "bf16", REGS, A, B, TB)                                                    \
+                 : D                                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int(TRANS_B)));                \
+  } else {                                                                                                     \
+    asm volatile(SB_WGMMA_RS(SHAPE, "f16", REGS, A, B, TB)                                                     \
+                 : D                                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int(TRANS_B)));                \
+  }
+    if constexpr (N == 128) {
+      SB_WGMMA_RS_BOTH("m64n128k16", SB_R64, SB_D64(0), "{%64, %65, %66, %67}", "%68", "%69")
+    } else {
+      SB_WGMMA_RS_BOTH("m64n64k16", SB_R32, SB_D32(0), "{%32, %33, %34, %35}", "%36", "%37")
+    }
+#undef SB_WGMMA_RS_BOTH
+  }
+};
+#undef SB_WGMMA_RS
 #undef SB_WGMMA
 #undef SB_R128
 #undef SB_R96

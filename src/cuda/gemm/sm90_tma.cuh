@@ -18,4 +18,10 @@ template <class T>
 CUtensorMap tma_map_2d(const T* ptr, int64_t rows, int64_t cols, int box_rows, bool promote_256 = false,
                        int box_bytes = 128);
 
+// A [d2, d1, d0] tensor with d0 contiguous (d0 % 8 == 0, 16-bit elements), e.g. q [tokens, heads,
+// head_dim], as boxes of {64, box1, box2} elements (box rows of 128 bytes, 128-byte swizzle): the box's
+// rows are (i2, i1) with i1 fastest. Out-of-range elements load as zeros.
+template <class T>
+CUtensorMap tma_map_3d(const T* ptr, int64_t d2, int64_t d1, int64_t d0, int box1, int box2);
+
 }  // namespace samebits::cuda::sm90

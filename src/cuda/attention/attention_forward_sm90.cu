@@ -1,0 +1,421 @@
+// CUDA causal GQA attention forward on Hopper (sm_90a): TMA loads, wgmma, one kernel for packed
+// prefill, chunked prefill and decode, with split-KV at fixed absolute key positions.
+//
+// Why this shape.
+//  * A CTA is three warpgroups: a producer (one warp issues the TMA loads of Q once and of K / V
+//    key blocks into a 2-stage ring) and two consumers of 64 query rows each. S = Q·Kᵀ is one
+//    wgmma m64n128k16 chain over head_dim in ascending 16-wide steps (A and B from shared memory);
+//    O += P·V is one wgmma m64nDk16 chain over the block's 128 keys with P in registers. A wgmma
+//    never mixes rows, so which rows share a CTA changes no bit.
+//  * Keys are walked in blocks of BN = 128 aligned to key position 0, ascending, with an online
+//    softmax. Every SPLIT = 1024 keys (8 blocks) the span's state (m, l, o) is folded into the
+//    running state (M, L, O) by attention_common.cuh's fold — the same fold the split-KV combine
+//    kernel applies to spans computed by separate CTAs. So a long decode can spread its keys over
+//    CTAs (one a span) and still give the bits of the prefill, which folds the same spans in order
+//    inside one CTA. A block or a span past a row's position is fully masked for it and changes no
+//    bit (p = 0, rescale 1; a span with m = −inf is not folded).
+//  * Rows of a work item are (token, head) pairs: prefill tiles are 128 tokens of one query head;
+//    decode-sized work (q_len · G ≤ 128 for a GQA group of G heads) packs the group's heads into
+//    the rows, so the group's queries read each K / V block once. The running (M, L, O) lives in
+//    registers (M, L) and in shared memory (O, one slice per thread, touched once a span).
+//  * V rows past the sequence's keys (another sequence's, or an unwritten cache slot that may hold
+//    NaN) must not reach P·V, where 0 · NaN = NaN: the block that holds the sequence's last key has
+//    its V loaded by the producer warp with plain loads, rows past the end zeroed. K rows past the
+//    end only reach masked scores, which a select replaces.
+// No atomics: every output element is written by one thread; spans are combined in a fixed order.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/attention/attention_common.cuh"
+#include "cuda/attention/attention_sm90.hpp"
+#include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
+#include "cuda/gemm/sm90_primitives.cuh"
+#include "cuda/gemm/sm90_tma.cuh"
+#include "samebits/error.hpp"
+
+namespace samebits::cuda::attention {
+namespace {
+
+using namespace sm90;
+
+constexpr int BM = 128, BN = 128, STAGES = 2, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int SPLIT_BLOCKS = ATTENTION_SPLIT_KEYS / BN;
+constexpr unsigned FULL = 0xffffffffu;
+static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
+
+// One CTA's work: `rows` rows, row i = token q_row + i / group at position first_pos + i / group,
+// query head head0 + i % group (head0 = head · group: `head` is the query head when group == 1 and
+// the key/value head otherwise), against key blocks [block_begin, block_end) of keys
+// [k_row, k_row + k_len). part < 0: the item covers all of its rows' spans and writes out / lse;
+// else it is one span, written unfolded to the partial rows part … part + rows − 1.
+struct Item {
+  int32_t q_row, rows, k_row, k_len, first_pos, head, group, block_begin, block_end, part;
+};
+// The spans of one decode-sized row set, for the combine kernel: span s of row i is partial row
+// part + s · rows + i.
+struct Combine {
+  int32_t q_row, rows, group, head0, part, spans;
+};
+
+struct Params {
+  CUtensorMap q_heads, q_groups, k, v;  // q boxes {64, 1, 64} and {64, G, 64 / G}; k, v {64, 1, BN}
+  const Item* items;
+  const uint16_t* v_raw;
+  void* out;
+  float* lse;
+  float* part_o;   // [partial rows, D]
+  float* part_ml;  // [partial rows, 2]: m, l
+  int Hq, Hkv, G;
+  float scale;
+};
+
+template <int D>
+struct Smem {
+  static constexpr int BOXES = D / 64;  // 64-column boxes of a row
+  static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, O_BYTES = BM * D * 4;
+  static constexpr int BARRIERS = CONSUMERS + 3 * STAGES;
+  static constexpr size_t BYTES = size_t(Q_BYTES) + 2 * STAGES * KV_BYTES + O_BYTES + BARRIERS * 8 + 1024;
+  static_assert(BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Smem<D>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sk = sq + S::Q_BYTES;
+  uint8_t* sv = sk + STAGES * S::KV_BYTES;
+  float* so = reinterpret_cast<float*>(sv + STAGES * S::KV_BYTES);
+  uint64_t* full_q = reinterpret_cast<uint64_t*>(so + BM * D);
+  uint64_t* full_k = full_q + CONSUMERS;
+  uint64_t* full_v = full_k + STAGES;
+  uint64_t* empty = full_v + STAGES;
+  const Item it = p.items[blockIdx.x];
+  const int consumers = it.rows > 64 ? 2 : 1;
+  const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
+  if (threadIdx.x == 0) {
+    for (int c = 0; c < CONSUMERS; ++c) mbar_init(&full_q[c], 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full_k[s], 1);
+      mbar_init(&full_v[s], 1);
+      mbar_init(&empty[s], uint32_t(consumers));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0) {  // producer: warp 0 loads, warps 1-3 leave
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+      for (int c = 0; c < consumers; ++c) {
+        mbar_expect_tx(&full_q[c], uint32_t(64 * D * 2));
+        for (int b = 0; b < S::BOXES; ++b) {
+          uint8_t* dst = sq + (c * S::BOXES + b) * 64 * 128;
+          if (group == 1) tma_load_3d(dst, &p.q_heads, b * 64, it.head, it.q_row + c * 64, &full_q[c]);
+          else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[c]);
+        }
+      }
+    }
+    for (int j = it.block_begin, n = 0; j < it.block_end; ++j, ++n) {
+      const int st = n % STAGES;
+      if (n >= STAGES) mbar_wait(&empty[st], ((n / STAGES) - 1) & 1);
+      uint8_t* kdst = sk + st * S::KV_BYTES;
+      uint8_t* vdst = sv + st * S::KV_BYTES;
+      const int key0 = j * BN;
+      if (lane == 0) {
+        mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
+        for (int b = 0; b < S::BOXES; ++b) tma_load_3d(kdst + b * BN * 128, &p.k, b * 64, hk, it.k_row + key0, &full_k[st]);
+      }
+      if (key0 + BN <= it.k_len) {
+        if (lane == 0) {
+          mbar_expect_tx(&full_v[st], uint32_t(S::KV_BYTES));
+          for (int b = 0; b < S::BOXES; ++b) tma_load_3d(vdst + b * BN * 128, &p.v, b * 64, hk, it.k_row + key0, &full_v[st]);
+        }
+      } else {  // the sequence's last block: plain loads into the 128-byte-swizzled layout, rows past the end zeroed
+        constexpr int CHUNKS = S::BOXES * 8;  // 16-byte pieces of a key's row
+        for (int idx = lane; idx < BN * CHUNKS; idx += 32) {
+          const int r = idx / CHUNKS, b = (idx % CHUNKS) / 8, ch = idx % 8, key = key0 + r;
+          uint4 val = make_uint4(0, 0, 0, 0);
+          if (key < it.k_len)
+            val = *reinterpret_cast<const uint4*>(p.v_raw + ((int64_t(it.k_row) + key) * p.Hkv + hk) * D + b * 64 + ch * 8);
+          *reinterpret_cast<uint4*>(vdst + b * BN * 128 + r * 128 + ((ch ^ (r & 7)) * 16)) = val;
+        }
+        fence_async_shared();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&full_v[st]);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int c = wg - 1;
+  if (c >= consumers) return;
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, quad_col = (lane % 4) * 2;
+  const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
+  const int pos0 = it.first_pos + row0 / group, pos1 = it.first_pos + row1 / group;
+  float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256]
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) my_o[i * 256] = 0.0f;
+  float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
+  float o[D / 2];
+  mbar_wait(&full_q[c], 0);
+  const uint8_t* qbase = sq + c * S::BOXES * 64 * 128;
+
+  int n = 0;  // blocks consumed
+  for (int span = it.block_begin; span < it.block_end;) {
+    const int span_end = std::min(it.block_end, (span / SPLIT_BLOCKS + 1) * SPLIT_BLOCKS);
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    for (int j = span; j < span_end; ++j, ++n) {
+      const int st = n % STAGES;
+      const uint32_t phase = (n / STAGES) & 1;
+      // S = Q·Kᵀ
+      float s[BN / 2];
+      mbar_wait(&full_k[st], phase);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t dq = smem_desc(qbase + (kk / 4) * 64 * 128) + uint64_t((kk % 4) * 2);
+        const uint64_t dk = smem_desc(sk + st * S::KV_BYTES + (kk / 4) * BN * 128) + uint64_t((kk % 4) * 2);
+        Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      // The previous block's P·V is done too: its stage can be refilled.
+      if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
+
+      // Scale, causal mask, the block's row maxima (a quad holds a row).
+      const int key_base = j * BN + quad_col;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_base + nt * 8 + (e & 1);
+          s[nt * 4 + e] = key <= (e < 2 ? pos0 : pos1) ? __fmul_rn(s[nt * 4 + e], p.scale) : -INFINITY;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      // A row that has seen no key of the span keeps m = −inf: its factors are then 1 and 0, not NaN.
+      const float alpha0 = mn0 == -INFINITY ? 1.0f : expf(__fsub_rn(m0, mn0));
+      const float alpha1 = mn1 == -INFINITY ? 1.0f : expf(__fsub_rn(m1, mn1));
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& x = s[nt * 4 + e];
+          x = x == -INFINITY ? 0.0f : expf(__fsub_rn(x, e < 2 ? mn0 : mn1));
+        }
+        sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
+        sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
+      }
+      l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
+      l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
+      m0 = mn0, m1 = mn1;
+#pragma unroll
+      for (int i = 0; i < D / 2; i += 4) {
+        o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
+        o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
+      }
+      // O += P·V, P rounded to the input dtype; the accumulator layout of S is P's A fragment.
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        pa[kt][0] = pack2<T>(s[kt * 8 + 0], s[kt * 8 + 1]);
+        pa[kt][1] = pack2<T>(s[kt * 8 + 2], s[kt * 8 + 3]);
+        pa[kt][2] = pack2<T>(s[kt * 8 + 4], s[kt * 8 + 5]);
+        pa[kt][3] = pack2<T>(s[kt * 8 + 6], s[kt * 8 + 7]);
+      }
+      mbar_wait(&full_v[st], phase);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt)
+        WgmmaRS<T, true, D>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::KV_BYTES + kt * 16 * 128, BN * 128));
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    }
+    // The span ends: fold it into the running state (or keep it, for a split-KV item).
+    span = span_end;
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int m = 1; m <= 2; m *= 2) {
+      l0 = __fadd_rn(l0, __shfl_xor_sync(FULL, l0, m));
+      l1 = __fadd_rn(l1, __shfl_xor_sync(FULL, l1, m));
+    }
+    if (it.part < 0) {
+      float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+      const bool f0 = fold_stats(M0, L0, m0, l0, a0, b0), f1 = fold_stats(M1, L1, m1, l1, a1, b1);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) {
+        const bool second = (i & 2) != 0;
+        if (second ? f1 : f0) my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
+      }
+    }
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+
+  // Write this thread's two rows: the final out / lse, or the span's unfolded state.
+  auto write_row = [&](int row, bool second) {
+    if (row >= it.rows) return;
+    if (it.part >= 0) {
+      const int64_t pr = int64_t(it.part) + row;
+      float2* dst = reinterpret_cast<float2*>(p.part_o + pr * D);
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        const int i = nt * 4 + (second ? 2 : 0);
+        dst[(nt * 8 + quad_col) / 2] = make_float2(o[i], o[i + 1]);
+      }
+      if (lane % 4 == 0) reinterpret_cast<float2*>(p.part_ml)[pr] = make_float2(second ? m1 : m0, second ? l1 : l0);
+      return;
+    }
+    const float L = second ? L1 : L0, M = second ? M1 : M0;
+    const int64_t token = int64_t(it.q_row) + row / group;
+    const int head = it.head * (group == 1 ? 1 : group) + row % group;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      const int i = nt * 4 + (second ? 2 : 0);
+      dst[(nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(my_o[i * 256], L), __fdiv_rn(my_o[(i + 1) * 256], L));
+    }
+    if (p.lse && lane % 4 == 0) p.lse[token * p.Hq + head] = __fadd_rn(M, logf(L));
+  };
+  write_row(row0, false);
+  write_row(row1, true);
+#endif
+}
+
+// out / lse of decode-sized rows whose spans ran as separate items: the spans folded in ascending
+// order with the fold the Hopper kernel applies inside a CTA. One CTA a row, two columns a thread.
+template <class T, int D>
+__global__ void __launch_bounds__(D / 2) attention_combine_kernel(const Combine* groups, Params p) {
+  const Combine g = groups[blockIdx.x];
+  const int row = blockIdx.y;
+  if (row >= g.rows) return;
+  float M = -INFINITY, L = 0.0f, O0 = 0.0f, O1 = 0.0f;
+  for (int s = 0; s < g.spans; ++s) {
+    const int64_t pr = int64_t(g.part) + int64_t(s) * g.rows + row;
+    const float2 ml = reinterpret_cast<const float2*>(p.part_ml)[pr];
+    float a, b;
+    if (!fold_stats(M, L, ml.x, ml.y, a, b)) continue;
+    const float2 o = reinterpret_cast<const float2*>(p.part_o + pr * D)[threadIdx.x];
+    O0 = fold_value(O0, o.x, a, b);
+    O1 = fold_value(O1, o.y, a, b);
+  }
+  const int64_t token = int64_t(g.q_row) + row / g.group;
+  const int head = g.head0 + row % g.group;
+  reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D)[threadIdx.x] =
+      pack2<T>(__fdiv_rn(O0, L), __fdiv_rn(O1, L));
+  if (p.lse && threadIdx.x == 0) p.lse[token * p.Hq + head] = __fadd_rn(M, logf(L));
+}
+
+template <class T, int D>
+void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) {
+  const int64_t Hq = a.q.shape[1], Hkv = a.k.shape[1];
+  const int G = int(Hq / Hkv);
+  const bool packable = G <= 64 && 64 % G == 0;
+  const auto* s = a.seqs.as<const int32_t>();
+  std::vector<Item> items;
+  std::vector<Combine> combines;
+  int64_t part_rows = 0;
+  for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
+    const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
+    const int32_t first = k_len - q_len, blocks = (k_len - 1) / BN + 1;
+    if (packable && int64_t(q_len) * G <= BM) {  // decode-sized: a GQA group's heads share the rows
+      const int32_t rows = q_len * G, spans = (blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;
+      for (int32_t h = 0; h < Hkv; ++h) {
+        if (spans == 1) {
+          items.push_back({q_row, rows, k_row, k_len, first, h, G, 0, blocks, -1});
+          continue;
+        }
+        combines.push_back({q_row, rows, G, h * G, int32_t(part_rows), spans});
+        for (int32_t sp = 0; sp < spans; ++sp)
+          items.push_back({q_row, rows, k_row, k_len, first, h, G, sp * SPLIT_BLOCKS,
+                           std::min(blocks, (sp + 1) * SPLIT_BLOCKS), int32_t(part_rows + int64_t(sp) * rows)});
+        part_rows += int64_t(spans) * rows;
+      }
+      continue;
+    }
+    for (int32_t t0 = 0; t0 < q_len; t0 += BM) {
+      const int32_t rows = std::min(BM, q_len - t0), pos = first + t0;
+      for (int32_t h = 0; h < Hq; ++h)
+        items.push_back({q_row + t0, rows, k_row, k_len, pos, h, 1, 0, (pos + rows - 1) / BN + 1, -1});
+    }
+  }
+  if (items.empty()) return;
+  // The longest items first, so the tail of the grid is short ones (which CTA runs an item never
+  // changes its arithmetic).
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.block_end - x.block_begin > y.block_end - y.block_begin;
+  });
+  const size_t item_bytes = items.size() * sizeof(Item), combine_bytes = combines.size() * sizeof(Combine);
+  ScratchBuffer tables(item_bytes + combine_bytes, stream, op);
+  std::vector<uint8_t> host(item_bytes + combine_bytes);
+  std::copy_n(reinterpret_cast<const uint8_t*>(items.data()), item_bytes, host.data());
+  std::copy_n(reinterpret_cast<const uint8_t*>(combines.data()), combine_bytes, host.data() + item_bytes);
+  check(cudaMemcpyAsync(tables.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice, stream), op, "work table");
+  ScratchBuffer partials(size_t(part_rows) * (D + 2) * sizeof(float), stream, op);
+
+  const T* q = a.q.as<const T>();
+  const T* k = a.k.as<const T>();
+  Params p{};
+  p.q_heads = sm90::tma_map_3d(q, a.q.shape[0], Hq, D, 1, 64);
+  p.q_groups = packable ? sm90::tma_map_3d(q, a.q.shape[0], Hq, D, G, 64 / G) : p.q_heads;
+  p.k = sm90::tma_map_3d(k, a.k.shape[0], Hkv, D, 1, BN);
+  p.v = sm90::tma_map_3d(a.v.as<const T>(), a.v.shape[0], Hkv, D, 1, BN);
+  p.items = tables.as<const Item>();
+  p.v_raw = a.v.as<const uint16_t>();
+  p.out = a.out.data;
+  p.lse = a.lse.present() ? a.lse.as<float>() : nullptr;
+  p.part_o = partials.as<float>();
+  p.part_ml = partials.as<float>() + part_rows * D;
+  p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
+  p.scale = float(a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D)));
+  static std::atomic<int> smem_allowed[64] = {};
+  allow_dynamic_smem(attention_forward_sm90_kernel<T, D>, Smem<D>::BYTES, smem_allowed, op);
+  attention_forward_sm90_kernel<T, D><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
+  check(cudaGetLastError(), op, "kernel launch");
+  if (!combines.empty()) {
+    attention_combine_kernel<T, D><<<dim3(unsigned(combines.size()), BM), D / 2, 0, stream>>>(
+        reinterpret_cast<const Combine*>(tables.as<uint8_t>() + item_bytes), p);
+    check(cudaGetLastError(), op, "combine launch");
+  }
+  // The tables and partials must outlive the kernels: ScratchBuffer frees them in stream order.
+}
+
+}  // namespace
+
+void attention_forward_sm90(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) {
+  const int64_t D = a.q.shape[2];
+  if (a.q.dtype == DType::bf16) {
+    if (D == 64) launch<__nv_bfloat16, 64>(a, stream, op);
+    else launch<__nv_bfloat16, 128>(a, stream, op);
+  } else {
+    if (D == 64) launch<__half, 64>(a, stream, op);
+    else launch<__half, 128>(a, stream, op);
+  }
+}
+
+}  // namespace samebits::cuda::attention
