@@ -74,7 +74,7 @@ struct Params {
   float* part_o;   // [partial rows, D]
   float* part_ml;  // [partial rows, 2]: m, l
   int Hq, Hkv, G;
-  float scale;
+  float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
 
 template <int D>
@@ -166,6 +166,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, quad_col = (lane % 4) * 2;
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
   const int pos0 = it.first_pos + row0 / group, pos1 = it.first_pos + row1 / group;
+  const int warp_first_pos = it.first_pos + (c * 64 + warp * 16) / group;
+  const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256]
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) my_o[i * 256] = 0.0f;
@@ -175,6 +177,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   mbar_wait(&full_q[c], 0);
   const uint8_t* qbase = sq + c * S::BOXES * 64 * 128;
 
+  // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
+  // runs its softmax while the other's MMAs hold the tensor cores. Consumer 0 goes first.
+  const bool pingpong = consumers == 2;
+  const int blocks = it.block_end - it.block_begin;
+  if (pingpong && c == 1) named_barrier_arrive(1, 256);
   int n = 0;  // blocks consumed
   for (int span = it.block_begin; span < it.block_end;) {
     const int span_end = std::min(it.block_end, (span / SPLIT_BLOCKS + 1) * SPLIT_BLOCKS);
@@ -188,6 +195,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       // S = Q·Kᵀ
       float s[BN / 2];
       mbar_wait(&full_k[st], phase);
+      if (pingpong) named_barrier_sync(1 + c, 256);
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -196,52 +204,57 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      if (pingpong && (c == 0 || n + 1 < blocks)) named_barrier_arrive(2 - c, 256);  // the other's turn
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       // The previous block's P·V is done too: its stage can be refilled.
       if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
 
-      // Scale, causal mask, the block's row maxima (a quad holds a row).
+      // Causal mask where the block reaches past the warp's first row (whole blocks below the
+    // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
+    // scores (a quad holds a row).
+    if (j * BN + BN - 1 > warp_first_pos) {
       const int key_base = j * BN + quad_col;
-      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_base + nt * 8 + (e & 1);
-          s[nt * 4 + e] = key <= (e < 2 ? pos0 : pos1) ? __fmul_rn(s[nt * 4 + e], p.scale) : -INFINITY;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
-      }
+        for (int e = 0; e < 4; ++e)
+          if (key_base + nt * 8 + (e & 1) > (e < 2 ? pos0 : pos1)) s[nt * 4 + e] = -INFINITY;
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int m = 1; m <= 2; m *= 2) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
-      }
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      // A row that has seen no key of the span keeps m = −inf: its factors are then 1 and 0, not NaN.
-      const float alpha0 = mn0 == -INFINITY ? 1.0f : expf(__fsub_rn(m0, mn0));
-      const float alpha1 = mn1 == -INFINITY ? 1.0f : expf(__fsub_rn(m1, mn1));
-      float sum0 = 0.0f, sum1 = 0.0f;
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
+    }
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+    for (int m = 1; m <= 2; m *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    // The row max in exp2 units; 0 for a row that has seen no key of the span yet (its scores are
+    // all −inf: p = 0, and its rescale factor multiplies zeros).
+    const float mc0 = mn0 == -INFINITY ? 0.0f : __fmul_rn(mn0, c2), mc1 = mn1 == -INFINITY ? 0.0f : __fmul_rn(mn1, c2);
+    // The rescale factor is exactly 1 where the max did not move (a block fully masked for the row
+    // changes no bit): both products round alike.
+    const float alpha0 = exp2_ftz(__fsub_rn(__fmul_rn(m0, c2), mc0)), alpha1 = exp2_ftz(__fsub_rn(__fmul_rn(m1, c2), mc1));
+    float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float& x = s[nt * 4 + e];
-          x = x == -INFINITY ? 0.0f : expf(__fsub_rn(x, e < 2 ? mn0 : mn1));
-        }
-        sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
-        sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
-      }
-      l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
-      l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
-      m0 = mn0, m1 = mn1;
+    for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int i = 0; i < D / 2; i += 4) {
-        o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
-        o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
-      }
-      // O += P·V, P rounded to the input dtype; the accumulator layout of S is P's A fragment.
+      for (int e = 0; e < 4; ++e) s[nt * 4 + e] = exp2_ftz(__fmaf_rn(s[nt * 4 + e], c2, e < 2 ? -mc0 : -mc1));
+      sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
+      sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
+    }
+    l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
+    l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
+    m0 = mn0, m1 = mn1;
+#pragma unroll
+    for (int i = 0; i < D / 2; i += 4) {
+      o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
+      o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
+    }
+    // O += P·V, P rounded to the input dtype; the accumulator layout of S is P's A fragment.
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) {
@@ -267,7 +280,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     }
     if (it.part < 0) {
       float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
-      const bool f0 = fold_stats(M0, L0, m0, l0, a0, b0), f1 = fold_stats(M1, L1, m1, l1, a1, b1);
+      const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) {
         const bool second = (i & 2) != 0;
@@ -300,7 +313,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const int i = nt * 4 + (second ? 2 : 0);
       dst[(nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(my_o[i * 256], L), __fdiv_rn(my_o[(i + 1) * 256], L));
     }
-    if (p.lse && lane % 4 == 0) p.lse[token * p.Hq + head] = __fadd_rn(M, logf(L));
+    if (p.lse && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
   };
   write_row(row0, false);
   write_row(row1, true);
@@ -319,7 +332,7 @@ __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const Combine*
     const int64_t pr = int64_t(g.part) + int64_t(s) * g.rows + row;
     const float2 ml = reinterpret_cast<const float2*>(p.part_ml)[pr];
     float a, b;
-    if (!fold_stats(M, L, ml.x, ml.y, a, b)) continue;
+    if (!fold_stats(M, L, ml.x, ml.y, p.scale_log2, a, b)) continue;
     const float2 o = reinterpret_cast<const float2*>(p.part_o + pr * D)[threadIdx.x];
     O0 = fold_value(O0, o.x, a, b);
     O1 = fold_value(O1, o.y, a, b);
@@ -328,7 +341,7 @@ __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const Combine*
   const int head = g.head0 + row % g.group;
   reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D)[threadIdx.x] =
       pack2<T>(__fdiv_rn(O0, L), __fdiv_rn(O1, L));
-  if (p.lse && threadIdx.x == 0) p.lse[token * p.Hq + head] = __fadd_rn(M, logf(L));
+  if (p.lse && threadIdx.x == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
 }
 
 template <class T, int D>
@@ -392,7 +405,9 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
   p.part_o = partials.as<float>();
   p.part_ml = partials.as<float>() + part_rows * D;
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
-  p.scale = float(a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D)));
+  const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
+  p.scale = float(scale);
+  p.scale_log2 = float(scale * 1.4426950408889634);
   static std::atomic<int> smem_allowed[64] = {};
   allow_dynamic_smem(attention_forward_sm90_kernel<T, D>, Smem<D>::BYTES, smem_allowed, op);
   attention_forward_sm90_kernel<T, D><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
