@@ -65,9 +65,16 @@ struct Combine {
   int32_t q_row, rows, group, head0, part, spans;
 };
 
+// Small work tables travel in the kernel parameters (no host-to-device copy before a decode step);
+// larger ones in device memory. Where the table is read from changes no arithmetic.
+constexpr int INLINE_ITEMS = 64, INLINE_COMBINES = 8;
+
 struct Params {
   CUtensorMap q_heads, q_groups, k, v;  // q boxes {64, 1, 64} and {64, G, 64 / G}; k, v {64, 1, BN}
-  const Item* items;
+  const Item* items;  // null: inline_items
+  const Combine* combines;  // null: inline_combines
+  Item inline_items[INLINE_ITEMS];
+  Combine inline_combines[INLINE_COMBINES];
   const uint16_t* v_raw;
   void* out;
   float* lse;
@@ -76,6 +83,8 @@ struct Params {
   int Hq, Hkv, G;
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
+
+static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 
 template <int D>
 struct Smem {
@@ -99,7 +108,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* full_k = full_q + CONSUMERS;
   uint64_t* full_v = full_k + STAGES;
   uint64_t* empty = full_v + STAGES;
-  const Item it = p.items[blockIdx.x];
+  const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
   const int consumers = it.rows > 64 ? 2 : 1;
   const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
@@ -323,8 +332,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 // out / lse of decode-sized rows whose spans ran as separate items: the spans folded in ascending
 // order with the fold the Hopper kernel applies inside a CTA. One CTA a row, two columns a thread.
 template <class T, int D>
-__global__ void __launch_bounds__(D / 2) attention_combine_kernel(const Combine* groups, Params p) {
-  const Combine g = groups[blockIdx.x];
+__global__ void __launch_bounds__(D / 2) attention_combine_kernel(const __grid_constant__ Params p) {
+  const Combine g = p.combines ? p.combines[blockIdx.x] : p.inline_combines[blockIdx.x];
   const int row = blockIdx.y;
   if (row >= g.rows) return;
   float M = -INFINITY, L = 0.0f, O0 = 0.0f, O1 = 0.0f;
@@ -383,22 +392,29 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
     return x.block_end - x.block_begin > y.block_end - y.block_begin;
   });
+  Params p{};
+  const bool inline_tables = items.size() <= size_t(INLINE_ITEMS) && combines.size() <= size_t(INLINE_COMBINES);
   const size_t item_bytes = items.size() * sizeof(Item), combine_bytes = combines.size() * sizeof(Combine);
-  ScratchBuffer tables(item_bytes + combine_bytes, stream, op);
-  std::vector<uint8_t> host(item_bytes + combine_bytes);
-  std::copy_n(reinterpret_cast<const uint8_t*>(items.data()), item_bytes, host.data());
-  std::copy_n(reinterpret_cast<const uint8_t*>(combines.data()), combine_bytes, host.data() + item_bytes);
-  check(cudaMemcpyAsync(tables.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice, stream), op, "work table");
+  ScratchBuffer tables(inline_tables ? 0 : item_bytes + combine_bytes, stream, op);
+  if (inline_tables) {
+    std::copy(items.begin(), items.end(), p.inline_items);
+    std::copy(combines.begin(), combines.end(), p.inline_combines);
+  } else {
+    std::vector<uint8_t> host(item_bytes + combine_bytes);
+    std::copy_n(reinterpret_cast<const uint8_t*>(items.data()), item_bytes, host.data());
+    std::copy_n(reinterpret_cast<const uint8_t*>(combines.data()), combine_bytes, host.data() + item_bytes);
+    check(cudaMemcpyAsync(tables.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice, stream), op, "work table");
+    p.items = tables.as<const Item>();
+    p.combines = reinterpret_cast<const Combine*>(tables.as<uint8_t>() + item_bytes);
+  }
   ScratchBuffer partials(size_t(part_rows) * (D + 2) * sizeof(float), stream, op);
 
   const T* q = a.q.as<const T>();
   const T* k = a.k.as<const T>();
-  Params p{};
   p.q_heads = sm90::tma_map_3d(q, a.q.shape[0], Hq, D, 1, 64);
   p.q_groups = packable ? sm90::tma_map_3d(q, a.q.shape[0], Hq, D, G, 64 / G) : p.q_heads;
   p.k = sm90::tma_map_3d(k, a.k.shape[0], Hkv, D, 1, BN);
   p.v = sm90::tma_map_3d(a.v.as<const T>(), a.v.shape[0], Hkv, D, 1, BN);
-  p.items = tables.as<const Item>();
   p.v_raw = a.v.as<const uint16_t>();
   p.out = a.out.data;
   p.lse = a.lse.present() ? a.lse.as<float>() : nullptr;
@@ -413,8 +429,7 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
   attention_forward_sm90_kernel<T, D><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
   check(cudaGetLastError(), op, "kernel launch");
   if (!combines.empty()) {
-    attention_combine_kernel<T, D><<<dim3(unsigned(combines.size()), BM), D / 2, 0, stream>>>(
-        reinterpret_cast<const Combine*>(tables.as<uint8_t>() + item_bytes), p);
+    attention_combine_kernel<T, D><<<dim3(unsigned(combines.size()), BM), D / 2, 0, stream>>>(p);
     check(cudaGetLastError(), op, "combine launch");
   }
   // The tables and partials must outlive the kernels: ScratchBuffer frees them in stream order.
