@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 
 using namespace samebits;
@@ -141,6 +142,17 @@ class WrongGradientCase : public PlantedCase {
   }
 };
 
+// A backend with the forward of an op but not its backward yet (as CUDA attention once was).
+class BackwardNotBuiltCase : public PlantedCase {
+ public:
+  std::string op() const override { return "planted_backward_not_built"; }
+  std::vector<std::pair<std::string, std::string>> grad_pairs() const override { return {{"x", "dx"}}; }
+  void run(const Context&, CaseIO& io) const override {
+    row_sums<double>(io, 1);
+    if (io.backward) throw NotBuilt("planted_backward_not_built", "planted");
+  }
+};
+
 const Drift* first_failure(const CellResult& cell) {
   for (auto& d : cell.drifts)
     if (d.count > 0) return &d;
@@ -214,6 +226,21 @@ TEST(HarnessCanFail, PlantedCasesPassWhereTheyAreCorrect) {
   CaseResult r;
   check_invariance(c, SweepOptions{}, r);
   EXPECT_EQ(r.fwd_invariance.status, Status::pass);
+}
+
+TEST(Harness, AMissingBackwardLeavesTheForwardJudged) {
+  // The forward cells are checked (and pass); only the backward cells say NOT BUILT, with the cause.
+  BackwardNotBuiltCase c;
+  CaseResult r;
+  check_invariance(c, SweepOptions{}, r);
+  check_accuracy(c, Contract::builtin(), SweepOptions{}, r);
+  EXPECT_EQ(r.fwd_invariance.status, Status::pass);
+  EXPECT_GT(r.fwd_invariance.comparisons, 0);
+  EXPECT_EQ(r.fwd_accuracy.status, Status::pass);
+  for (const CellResult* cell : {&r.bwd_invariance, &r.bwd_accuracy}) {
+    EXPECT_EQ(cell->status, Status::not_built);
+    EXPECT_NE(cell->note.find("not built yet for the planted backend"), std::string::npos) << cell->note;
+  }
 }
 
 TEST(Harness, CudaCellsWithoutADeviceAreErrorsNamingTheCause) {

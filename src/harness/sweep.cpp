@@ -218,16 +218,40 @@ void guarded(CellResult& a, CellResult& b, Fn&& fn) {
   }
 }
 
+bool has_backward(const OpCase& c) { return !c.grad_pairs().empty() || !c.trained_params().empty(); }
+
+// fn(with_backward) under guarded(), and where the backend has the forward but not the backward of
+// the case: the forward judged alone (fn(false)), the backward cell NOT BUILT.
+template <class Fn>
+void guarded_forward_first(const OpCase& c, CellResult& fwd, CellResult& bwd, Fn&& fn) {
+  std::string missing;
+  guarded(fwd, bwd, [&] {
+    try {
+      fn(has_backward(c));
+    } catch (const NotBuilt& e) {
+      if (!has_backward(c)) throw;
+      missing = e.what();
+      fwd = CellResult{};
+      bwd = CellResult{};
+      fn(false);  // NotBuilt again when the forward is missing too
+    }
+  });
+  if (!missing.empty() && bwd.status != Status::not_built && bwd.status != Status::error) {
+    bwd = CellResult{};
+    bwd.status = Status::not_built;
+    bwd.note = missing;
+  }
+}
+
 }  // namespace
 
 void check_invariance(const OpCase& c, const SweepOptions& opt, CaseResult& out) {
-  guarded(out.fwd_invariance, out.bwd_invariance, [&] {
+  guarded_forward_first(c, out.fwd_invariance, out.bwd_invariance, [&](const bool bwd) {
     require_device(opt.backend);
     Context ctx;
     ctx.backend = opt.backend;
     Rng rng(opt.seed);
     const TensorMap params = c.make_params(rng);
-    const bool bwd = !c.grad_pairs().empty() || !c.trained_params().empty();
     const auto grads0 = initial_grads(c, params, rng, DType::f32);
     const auto names = grad_names(c);
     const Sequence target = c.make_sequence(rng, rng.integer(c.min_length(), c.max_length()));
@@ -308,7 +332,7 @@ void check_invariance(const OpCase& c, const SweepOptions& opt, CaseResult& out)
         compare_into(c, fmt::format("T5 chunk={}", chunk), reference, got, names, false, out);
       }
     }
-    if (!c.trained_params().empty()) {  // weight gradients: micro-batches and padding
+    if (bwd && !c.trained_params().empty()) {  // weight gradients: micro-batches and padding
       Rng r(opt.seed + 505);
       const auto nb = make_sequences(c, r, 7);
       const auto seqs = with_target(nb, 3);
@@ -343,7 +367,7 @@ void check_invariance(const OpCase& c, const SweepOptions& opt, CaseResult& out)
 
 void check_accuracy(const OpCase& c, const Contract& contract, const SweepOptions& opt,
                     CaseResult& out) {
-  guarded(out.fwd_accuracy, out.bwd_accuracy, [&] {
+  guarded_forward_first(c, out.fwd_accuracy, out.bwd_accuracy, [&](const bool bwd) {
     require_device(opt.backend);
     Rng rng(opt.seed + 999);
     const TensorMap params = c.make_params(rng);
@@ -354,7 +378,6 @@ void check_accuracy(const OpCase& c, const Contract& contract, const SweepOption
     for (auto& s : seqs) { ptr.push_back(&s); truth_seqs.push_back(to_truth(s)); }
     std::vector<const Sequence*> truth_ptr;
     for (auto& s : truth_seqs) truth_ptr.push_back(&s);
-    const bool bwd = !c.grad_pairs().empty() || !c.trained_params().empty();
 
     Context ctx;
     ctx.backend = opt.backend;

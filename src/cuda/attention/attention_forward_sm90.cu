@@ -331,20 +331,32 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 
 // out / lse of decode-sized rows whose spans ran as separate items: the spans folded in ascending
 // order with the fold the Hopper kernel applies inside a CTA. One CTA a row, two columns a thread.
+// The partials of SPANS_AHEAD spans are loaded before they are folded (every span item writes all
+// of its rows, so the loads need no condition): the fold waits on arithmetic, not on memory.
 template <class T, int D>
 __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const __grid_constant__ Params p) {
+  constexpr int SPANS_AHEAD = 8;
   const Combine g = p.combines ? p.combines[blockIdx.x] : p.inline_combines[blockIdx.x];
   const int row = blockIdx.y;
   if (row >= g.rows) return;
   float M = -INFINITY, L = 0.0f, O0 = 0.0f, O1 = 0.0f;
-  for (int s = 0; s < g.spans; ++s) {
-    const int64_t pr = int64_t(g.part) + int64_t(s) * g.rows + row;
-    const float2 ml = reinterpret_cast<const float2*>(p.part_ml)[pr];
-    float a, b;
-    if (!fold_stats(M, L, ml.x, ml.y, p.scale_log2, a, b)) continue;
-    const float2 o = reinterpret_cast<const float2*>(p.part_o + pr * D)[threadIdx.x];
-    O0 = fold_value(O0, o.x, a, b);
-    O1 = fold_value(O1, o.y, a, b);
+  for (int s0 = 0; s0 < g.spans; s0 += SPANS_AHEAD) {
+    float2 ml[SPANS_AHEAD], o[SPANS_AHEAD];
+#pragma unroll
+    for (int i = 0; i < SPANS_AHEAD; ++i) {
+      if (s0 + i >= g.spans) break;
+      const int64_t pr = int64_t(g.part) + int64_t(s0 + i) * g.rows + row;
+      ml[i] = reinterpret_cast<const float2*>(p.part_ml)[pr];
+      o[i] = reinterpret_cast<const float2*>(p.part_o + pr * D)[threadIdx.x];
+    }
+#pragma unroll
+    for (int i = 0; i < SPANS_AHEAD; ++i) {
+      if (s0 + i >= g.spans) break;
+      float a, b;
+      if (!fold_stats(M, L, ml[i].x, ml[i].y, p.scale_log2, a, b)) continue;
+      O0 = fold_value(O0, o[i].x, a, b);
+      O1 = fold_value(O1, o[i].y, a, b);
+    }
   }
   const int64_t token = int64_t(g.q_row) + row / g.group;
   const int head = g.head0 + row % g.group;
@@ -429,7 +441,9 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
   attention_forward_sm90_kernel<T, D><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
   check(cudaGetLastError(), op, "kernel launch");
   if (!combines.empty()) {
-    attention_combine_kernel<T, D><<<dim3(unsigned(combines.size()), BM), D / 2, 0, stream>>>(p);
+    int32_t most_rows = 0;
+    for (const Combine& cb : combines) most_rows = std::max(most_rows, cb.rows);
+    attention_combine_kernel<T, D><<<dim3(unsigned(combines.size()), unsigned(most_rows)), D / 2, 0, stream>>>(p);
     check(cudaGetLastError(), op, "combine launch");
   }
   // The tables and partials must outlive the kernels: ScratchBuffer frees them in stream order.
