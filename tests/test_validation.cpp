@@ -121,6 +121,12 @@ TEST(Validation, ZeroLengthSequenceAndBadRanges) {
   expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "outside", &out);
   seqs = {0, 3, 0, 2, 3, 3, 3, 3};  // more queries than keys
   expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "shorter than q_len", &out);
+  seqs = {0, 3, 0, 7, 3, 3, 3, 3};  // a sequence longer than the cache
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "rows of k", &out);
+  seqs = {0, 3, 0, 3, 3, 3, 3, 3};
+  std::vector<float> k3(6 * 3 * 4, 0.1f);  // 2 query heads over 3 key/value heads
+  at.k = at.v = TensorView::of(k3.data(), DType::f32, {6, 3, 4});
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "k", "must be a multiple", &out);
 }
 
 TEST(Validation, TokenIdOutOfRange) {
