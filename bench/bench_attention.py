@@ -30,6 +30,8 @@ def main():
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.sb_attention_forward.argtypes = [P, P, P, I, L, L, L, L, L, P, L, P, P, P, ctypes.c_char_p, I]
     lib.sb_attention_forward.restype = I
+    lib.sb_attention_backward.argtypes = [P] * 9 + [I, L, L, L, L, L, P, L, P, ctypes.c_char_p, I]
+    lib.sb_attention_backward.restype = I
     bf16 = lib.sb_dtype_code(b"bf16")
     err = ctypes.create_string_buffer(2048)
     name = torch.cuda.get_device_name()
@@ -66,6 +68,50 @@ def main():
         flops = 4 * S * S * d * hq / 2 * B
         out.append(f"| {S} × {B} | {a:.2f} ms, {flops / a / 1e9:.0f} TFLOP/s | {b:.2f} ms, {flops / b / 1e9:.0f} TFLOP/s | "
                    f"**{b / a:.2f}×** | {diff:.3g} |")
+
+    out += ["", f"Causal backward (dq, dk, dv from out, lse and dout), bf16, Hq = {hq}, Hkv = {hkv}, D = {d}, "
+            f"{tokens} tokens a batch; SDPA: torch.autograd.grad of the flash forward's output (its backward kernel "
+            "alone is timed: the forward runs outside the timed region). TFLOP/s count 2.5× the forward's work "
+            "(five causal products).", "",
+            "| S × B | samebits | SDPA (flash) backward | samebits / SDPA throughput | max abs diff of dq, dk, dv |",
+            "| --- | --- | --- | --- | --- |"]
+    for S in (2048, 4096, 8192):
+        B = tokens // S
+        q = torch.randn(B * S, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B * S, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B * S, hkv, d, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(B * S, hq, d, device="cuda", dtype=torch.bfloat16)
+        o = torch.empty_like(q)
+        lse = torch.empty(B * S, hq, device="cuda")
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        table = [x for b in range(B) for x in (b * S, S, b * S, S)]
+        run(q, k, v, table, o, lse)
+        seqs = (ctypes.c_int32 * len(table))(*table)
+
+        def ours_bwd(i):
+            if lib.sb_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf16, q.shape[0],
+                                         k.shape[0], hq, hkv, d, seqs, B, torch.cuda.current_stream().cuda_stream,
+                                         err, len(err)) != 0:
+                raise RuntimeError(err.value.decode())
+
+        qt, kt, vt = (t.view(B, S, -1, d).transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        gt = g.view(B, S, hq, d).transpose(1, 2)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+        def theirs_bwd(i):
+            return torch.autograd.grad(ref, (qt, kt, vt), gt, retain_graph=True)
+
+        a, b = alternate([ours_bwd, theirs_bwd], args.reps)
+        rq, rk, rv = theirs_bwd(0)
+        diff = max((dq.view(B, S, hq, d).transpose(1, 2).float() - rq.float()).abs().max().item(),
+                   (dk.view(B, S, hkv, d).transpose(1, 2).float() - rk.float()).abs().max().item(),
+                   (dv.view(B, S, hkv, d).transpose(1, 2).float() - rv.float()).abs().max().item())
+        flops = 2.5 * 4 * S * S * d * hq / 2 * B
+        out.append(f"| {S} × {B} | {a:.2f} ms, {flops / a / 1e9:.0f} TFLOP/s | {b:.2f} ms, {flops / b / 1e9:.0f} TFLOP/s | "
+                   f"**{b / a:.2f}×** | {diff:.3g} |")
+        del ref, qt, kt, vt
 
     out += ["", f"Decode: B sequences, one new token each, against C cached keys each (bf16, Hq = {hq}, Hkv = {hkv}, "
             f"D = {d}); SDPA gets q [B, Hq, 1, D] and the same cache as [B, Hkv, C, D] views, is_causal=False, "

@@ -264,6 +264,27 @@ int sb_attention_forward(void* q, void* k, void* v, int dtype, int64_t Tq, int64
   });
 }
 
+// Causal attention backward on the same layout: out / lse from the forward, dout like q; dq like q,
+// dk / dv like k, in q's dtype.
+int sb_attention_backward(void* q, void* k, void* v, void* out, void* lse, void* dout, void* dq, void* dk, void* dv,
+                          int dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* seqs,
+                          int64_t B, void* stream, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    AttentionBackwardArgs a;
+    a.q = cuda_view(q, DType(dtype), {Tq, Hq, D});
+    a.k = cuda_view(k, DType(dtype), {Tk, Hkv, D});
+    a.v = cuda_view(v, DType(dtype), {Tk, Hkv, D});
+    a.seqs = TensorView::of(const_cast<int32_t*>(seqs), DType::i32, {B, 4});
+    a.out = cuda_view(out, DType(dtype), {Tq, Hq, D});
+    a.lse = cuda_view(lse, DType::f32, {Tq, Hq});
+    a.dout = cuda_view(dout, DType(dtype), {Tq, Hq, D});
+    a.dq = cuda_view(dq, DType(dtype), {Tq, Hq, D});
+    a.dk = cuda_view(dk, DType(dtype), {Tk, Hkv, D});
+    a.dv = cuda_view(dv, DType(dtype), {Tk, Hkv, D});
+    attention_backward(ctx_on(stream), a);
+  });
+}
+
 // A kernel-shape test hook (ops/tuning.hpp) for A/B timing: "norm_any_dtype" (0: the bf16 instance
 // where it applies, 1: the run-time-dtype instance).
 int sb_set_tuning(const char* name, int value) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "samebits/harness.hpp"
@@ -204,5 +205,93 @@ TEST_F(CudaAttention, AccurateAgainstFp64) {
                 static_cast<long long>(s.d), worst, worst_lse);
     EXPECT_LE(worst, 1.0) << dtype_name(s.dt);
     EXPECT_LE(worst_lse, 1.0) << dtype_name(s.dt);
+  }
+}
+
+namespace {
+
+struct Grads {
+  HostTensor dq, dk, dv;
+};
+
+// attention_backward on the GPU (dq / dk / dv in q's dtype; lse from the forward unless `recompute`).
+Grads run_gpu_backward(const HostTensor& q, const HostTensor& k, const HostTensor& v, const HostTensor& dout,
+                       const std::vector<SeqRow>& rows, bool recompute = false) {
+  const HostTensor seqs = seq_table(rows);
+  const Fwd f = run_gpu(q, k, v, rows);
+  const DeviceBuffer dq_(q), dk_(k), dv_(v), out(f.out), lse(f.lse), g(dout), dq(HostTensor(q.dtype(), q.shape())),
+      dk(HostTensor(k.dtype(), k.shape())), dv(HostTensor(v.dtype(), v.shape()));
+  AttentionBackwardArgs a;
+  a.q = dq_.view(), a.k = dk_.view(), a.v = dv_.view(), a.seqs = seqs.view(), a.out = out.view();
+  if (!recompute) a.lse = lse.view();
+  a.dout = g.view(), a.dq = dq.view(), a.dk = dk.view(), a.dv = dv.view();
+  attention_backward(cuda_ctx(), a);
+  return {dq.host(), dk.host(), dv.host()};
+}
+
+}  // namespace
+
+// dq / dk / dv of a sequence are the same bits alone, packed among other sequences at another
+// offset, with the forward's lse or a recomputed one, and run again; key rows no sequence covers
+// get dk = dv = 0.
+TEST_F(CudaAttention, BackwardIsInvariantToPackingAndRepeats) {
+  for (const Shape& s : {Shape{DType::bf16, 32, 8, 128, 300}, Shape{DType::f16, 4, 2, 64, 130}}) {
+    const std::string what = std::string(dtype_name(s.dt)) + " Hq=" + std::to_string(s.hq) + " D=" + std::to_string(s.d);
+    Rng r(97 + s.d);
+    const int32_t L = int32_t(s.len);
+    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
+                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1), g = r.tensor(s.dt, {L, s.hq, s.d}, -1, 1);
+    const Grads alone = run_gpu_backward(q, k, v, g, {{0, L, 0, L}});
+    const Grads again = run_gpu_backward(q, k, v, g, {{0, L, 0, L}}, true);
+    for (auto [x, y, name] : {std::tuple{&again.dq, &alone.dq, "dq"}, {&again.dk, &alone.dk, "dk"}, {&again.dv, &alone.dv, "dv"}})
+      expect_same_bits(*x, *y, what + ": recomputed lse, " + name);
+    const int32_t pre = 70, post = 9, gap = 3, T = pre + L + post + gap;
+    HostTensor qp = r.tensor(s.dt, {T, s.hq, s.d}, -2, 2), kp = r.tensor(s.dt, {T, s.hkv, s.d}, -2, 2),
+               vp = r.tensor(s.dt, {T, s.hkv, s.d}, -1, 1), gp = r.tensor(s.dt, {T, s.hq, s.d}, -1, 1);
+    qp.copy_rows_from(q, 0, pre, L);
+    kp.copy_rows_from(k, 0, pre, L);
+    vp.copy_rows_from(v, 0, pre, L);
+    gp.copy_rows_from(g, 0, pre, L);
+    const Grads packed = run_gpu_backward(qp, kp, vp, gp, {{0, pre, 0, pre}, {pre + L, post, pre + L, post}, {pre, L, pre, L}});
+    expect_same_bits(packed.dq.slice_rows(pre, pre + L), alone.dq, what + ": packed dq");
+    expect_same_bits(packed.dk.slice_rows(pre, pre + L), alone.dk, what + ": packed dk");
+    expect_same_bits(packed.dv.slice_rows(pre, pre + L), alone.dv, what + ": packed dv");
+    for (int64_t i = int64_t(pre + L + post) * s.hkv * s.d; i < packed.dk.numel(); ++i) {
+      ASSERT_EQ(packed.dk.get(i), 0.0) << what;
+      ASSERT_EQ(packed.dv.get(i), 0.0) << what;
+      ASSERT_EQ(packed.dq.get(i * (s.hq / s.hkv)), 0.0) << what;
+    }
+  }
+}
+
+// Against the CPU's fp64 truth: dq, dk, dv within the contract's attention tolerance.
+TEST_F(CudaAttention, BackwardAccurateAgainstFp64) {
+  for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 300}, Shape{DType::f16, 4, 2, 64, 200}}) {
+    Rng r(101 + s.d);
+    const int32_t L = int32_t(s.len);
+    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
+                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1), g = r.tensor(s.dt, {L, s.hq, s.d}, -1, 1);
+    const Grads gpu = run_gpu_backward(q, k, v, g, {{0, L, 0, L}});
+    Context truth;
+    truth.precision = Precision::truth_fp64;
+    const HostTensor seqs = seq_table({{0, L, 0, L}});
+    HostTensor out(DType::f64, {L, s.hq, s.d}), lse(DType::f64, {L, s.hq});
+    const HostTensor q64 = q.converted(DType::f64), k64 = k.converted(DType::f64), v64 = v.converted(DType::f64),
+                     g64 = g.converted(DType::f64);
+    attention_forward(truth, forward_args(q64.view(), k64.view(), v64.view(), seqs, out.view(), lse.view()));
+    HostTensor dq(DType::f64, q.shape()), dk(DType::f64, k.shape()), dv(DType::f64, v.shape());
+    AttentionBackwardArgs a;
+    a.q = q64.view(), a.k = k64.view(), a.v = v64.view(), a.seqs = seqs.view(), a.out = out.view(), a.lse = lse.view();
+    a.dout = g64.view(), a.dq = dq.view(), a.dk = dk.view(), a.dv = dv.view();
+    attention_backward(truth, a);
+    const Tolerance tol = Contract::builtin().tolerance("attention", s.dt);
+    for (auto [got, want, name] : {std::tuple{&gpu.dq, &dq, "dq"}, {&gpu.dk, &dk, "dk"}, {&gpu.dv, &dv, "dv"}}) {
+      double worst = 0;
+      for (int64_t i = 0; i < want->numel(); ++i)
+        worst = std::max(worst, std::fabs(got->get(i) - want->get(i)) / (tol.atol + tol.rtol * std::fabs(want->get(i))));
+      std::printf("ACCURACY attention backward %s D=%lld %s: worst error / tolerance %.3g\n", dtype_name(s.dt),
+                  static_cast<long long>(s.d), name, worst);
+      EXPECT_LE(worst, 1.0) << dtype_name(s.dt) << " " << name;
+    }
   }
 }

@@ -38,6 +38,8 @@
 namespace samebits::cuda {
 namespace {
 
+using attention::join2;
+using attention::mma16816;
 using attention::pack2;
 
 constexpr int WARPS = 4, THREADS = 32 * WARPS, BLOCK_Q = 16 * WARPS, BLOCK_K = 64;
@@ -57,23 +59,6 @@ struct FwdParams {
   int Hq, Hkv;
   float scale;
 };
-
-// Two 16-bit elements as one 32-bit word (lo: a).
-__device__ __forceinline__ uint32_t join2(uint16_t a, uint16_t b) { return uint32_t(a) | (uint32_t(b) << 16); }
-
-// c += a · b for one m16n8k16 tile, fp32 accumulators.
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
 
 template <class T, int D>
 __global__ void __launch_bounds__(THREADS) attention_forward_kernel(const __grid_constant__ FwdParams p) {
