@@ -129,8 +129,13 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
   const int qoff = t.k_len - t.q_len;
   const int qb_begin = max(0, t.first - qoff) / BLOCK * BLOCK;  // the first block with a query that sees the keys
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  const uint16_t* krow = ks + (warp * 16 + r) * STRIDE + qd;
-  const uint16_t* vrow = vs + (warp * 16 + r) * STRIDE + qd;
+  // ldmatrix row addresses of this lane: A fragments of the warp's 16 rows (a_row, a_col), B
+  // fragments of two n-tiles of an [n, k] tile (b_row, b_col) and of a [k, n] tile (t_row, t_col).
+  const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
+  const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;
+  const int t_row = a_row, t_col = a_col;
+  const uint16_t* krow = ks + (warp * 16 + a_row) * STRIDE + a_col;
+  const uint16_t* vrow = vs + (warp * 16 + a_row) * STRIDE + a_col;
 
   for (int h = hk * G; h < hk * G + G; ++h) {
     for (int qb = qb_begin; qb < t.q_len; qb += BLOCK) {
@@ -147,14 +152,16 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
       __syncthreads();
       // Sᵀ = K·Qᵀ: the warp's 16 keys × the block's 64 queries.
       float s[BLOCK / 8][4] = {};
-#pragma unroll
+#pragma unroll 2
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t a[4] = {word(krow + kk * 16), word(krow + 8 * STRIDE + kk * 16), word(krow + kk * 16 + 8),
-                               word(krow + 8 * STRIDE + kk * 16 + 8)};
+        uint32_t a[4];
+        ldsm_x4(a, krow + kk * 16);
 #pragma unroll
-        for (int nt = 0; nt < BLOCK / 8; ++nt) {
-          const uint16_t* qrow = qs + (nt * 8 + r) * STRIDE + kk * 16 + qd;
-          mma16816<T>(s[nt], a, word(qrow), word(qrow + 8));
+        for (int nt = 0; nt < BLOCK / 8; nt += 2) {
+          uint32_t b[4];
+          ldsm_x4(b, qs + (nt * 8 + b_row) * STRIDE + kk * 16 + b_col);
+          mma16816<T>(s[nt], a, b[0], b[1]);
+          mma16816<T>(s[nt + 1], a, b[2], b[3]);
         }
       }
       // Pᵀ = 2^(s·c − lse·log2 e) where the query sees the key, else 0.
@@ -168,14 +175,16 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
         }
       // dPᵀ = V·dOᵀ
       float dp[BLOCK / 8][4] = {};
-#pragma unroll
+#pragma unroll 2
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t a[4] = {word(vrow + kk * 16), word(vrow + 8 * STRIDE + kk * 16), word(vrow + kk * 16 + 8),
-                               word(vrow + 8 * STRIDE + kk * 16 + 8)};
+        uint32_t a[4];
+        ldsm_x4(a, vrow + kk * 16);
 #pragma unroll
-        for (int nt = 0; nt < BLOCK / 8; ++nt) {
-          const uint16_t* drow = dos + (nt * 8 + r) * STRIDE + kk * 16 + qd;
-          mma16816<T>(dp[nt], a, word(drow), word(drow + 8));
+        for (int nt = 0; nt < BLOCK / 8; nt += 2) {
+          uint32_t b[4];
+          ldsm_x4(b, dos + (nt * 8 + b_row) * STRIDE + kk * 16 + b_col);
+          mma16816<T>(dp[nt], a, b[0], b[1]);
+          mma16816<T>(dp[nt + 1], a, b[2], b[3]);
         }
       }
       // dSᵀ = Pᵀ ∘ (dPᵀ − δ), then dV += Pᵀ·dO and dK += dSᵀ·Q over the block's queries.
@@ -192,14 +201,15 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
         const uint32_t da[4] = {pack2<T>(dp[2 * ks16][0], dp[2 * ks16][1]), pack2<T>(dp[2 * ks16][2], dp[2 * ks16][3]),
                                 pack2<T>(dp[2 * ks16 + 1][0], dp[2 * ks16 + 1][1]),
                                 pack2<T>(dp[2 * ks16 + 1][2], dp[2 * ks16 + 1][3])};
-        const int q0 = ks16 * 16 + qd;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-          const int col = dn * 8 + r;
-          mma16816<T>(dv[dn], pa, join2(dos[q0 * STRIDE + col], dos[(q0 + 1) * STRIDE + col]),
-                      join2(dos[(q0 + 8) * STRIDE + col], dos[(q0 + 9) * STRIDE + col]));
-          mma16816<T>(dk[dn], da, join2(qs[q0 * STRIDE + col], qs[(q0 + 1) * STRIDE + col]),
-                      join2(qs[(q0 + 8) * STRIDE + col], qs[(q0 + 9) * STRIDE + col]));
+        for (int dn = 0; dn < D / 8; dn += 2) {
+          uint32_t b[4];
+          ldsm_x4_trans(b, dos + (ks16 * 16 + t_row) * STRIDE + dn * 8 + t_col);
+          mma16816<T>(dv[dn], pa, b[0], b[1]);
+          mma16816<T>(dv[dn + 1], pa, b[2], b[3]);
+          ldsm_x4_trans(b, qs + (ks16 * 16 + t_row) * STRIDE + dn * 8 + t_col);
+          mma16816<T>(dk[dn], da, b[0], b[1]);
+          mma16816<T>(dk[dn + 1], da, b[2], b[3]);
         }
       }
     }
@@ -226,6 +236,8 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
   const Tile t = p.tiles[blockIdx.x];
   const int h = blockIdx.y, hk = h / (p.Hq / p.Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, qd = (lane % 4) * 2;
+  const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;  // ldmatrix rows (as dK/dV)
+  const int t_row = (lane % 8) + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8;
   const int qoff = t.k_len - t.q_len;
   const int ia = t.first + warp * 16 + r, ib = ia + 8;  // this thread's two queries (index in the sequence)
   const bool live_a = ia < t.q_len, live_b = ib < t.q_len;
@@ -257,11 +269,14 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-      for (int nt = 0; nt < BLOCK / 8; ++nt) {
-        const uint16_t* krow = ks + (nt * 8 + r) * STRIDE + kk * 16 + qd;
-        const uint16_t* vrow = vs + (nt * 8 + r) * STRIDE + kk * 16 + qd;
-        mma16816<T>(s[nt], qa[kk], word(krow), word(krow + 8));
-        mma16816<T>(dp[nt], ga[kk], word(vrow), word(vrow + 8));
+      for (int nt = 0; nt < BLOCK / 8; nt += 2) {
+        uint32_t b[4];
+        ldsm_x4(b, ks + (nt * 8 + b_row) * STRIDE + kk * 16 + b_col);
+        mma16816<T>(s[nt], qa[kk], b[0], b[1]);
+        mma16816<T>(s[nt + 1], qa[kk], b[2], b[3]);
+        ldsm_x4(b, vs + (nt * 8 + b_row) * STRIDE + kk * 16 + b_col);
+        mma16816<T>(dp[nt], ga[kk], b[0], b[1]);
+        mma16816<T>(dp[nt + 1], ga[kk], b[2], b[3]);
       }
     // dS = P ∘ (dP − δ), P = 2^(s·c − lse·log2 e) where the query sees the key.
 #pragma unroll
@@ -280,12 +295,12 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
       const uint32_t da[4] = {pack2<T>(dp[2 * ks16][0], dp[2 * ks16][1]), pack2<T>(dp[2 * ks16][2], dp[2 * ks16][3]),
                               pack2<T>(dp[2 * ks16 + 1][0], dp[2 * ks16 + 1][1]),
                               pack2<T>(dp[2 * ks16 + 1][2], dp[2 * ks16 + 1][3])};
-      const int k0 = ks16 * 16 + qd;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const int col = dn * 8 + r;
-        mma16816<T>(dq[dn], da, join2(ks[k0 * STRIDE + col], ks[(k0 + 1) * STRIDE + col]),
-                    join2(ks[(k0 + 8) * STRIDE + col], ks[(k0 + 9) * STRIDE + col]));
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, ks + (ks16 * 16 + t_row) * STRIDE + dn * 8 + t_col);
+        mma16816<T>(dq[dn], da, b[0], b[1]);
+        mma16816<T>(dq[dn + 1], da, b[2], b[3]);
       }
     }
   }

@@ -39,6 +39,21 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   }
 }
 
+// ldmatrix: four 8×8 16-bit matrices from shared memory, lane l giving the address of row l % 8 of
+// matrix l / 8. Without .trans lane l receives row l / 4, columns 2(l % 4) and +1 of each matrix
+// (an A fragment, or a B fragment of an [n, k] tile); with .trans, column l / 4, rows 2(l % 4) and
+// +1 (a B fragment of a [k, n] tile).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+
 // 2^x by the hardware's ex2 (flush-to-zero; ex2(−inf) = 0): the exponentials of the softmax are
 // 2^(s·c − m·c) with c = scale·log2(e), one FFMA and one ex2 a score.
 __device__ __forceinline__ float exp2_ftz(float x) {
