@@ -67,6 +67,26 @@ __device__ __forceinline__ void stage_rows(uint16_t* dst, const uint16_t* src, i
   }
 }
 
+// The same with cp.async (16 bytes a copy, bypassing L1); the caller commits and waits.
+template <int D>
+__device__ __forceinline__ void stage_rows_async(uint16_t* dst, const uint16_t* src, int64_t row0, int valid, int H, int h) {
+  constexpr int CHUNKS = D / 8, STRIDE = D + 8;
+  for (int c = threadIdx.x; c < BLOCK * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+    uint16_t* d = dst + r * STRIDE + col;
+    if (r < valid) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(d))),
+                   "l"(src + ((row0 + r) * H + h) * D + col)
+                   : "memory");
+    } else {
+      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 __device__ __forceinline__ uint32_t word(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // An [n, D] gradient row pair (columns col, col + 1) in its dtype (16-bit T or fp32).
@@ -106,19 +126,26 @@ __global__ void attention_delta_kernel(const uint16_t* out, const uint16_t* dout
   }
 }
 
+// Shared memory of the dK/dV kernel: K, V, and two buffers of Q, dO, lse, δ (the next query block
+// loads while this one is used); of the dQ kernel: two buffers of K and V.
 template <int D>
 struct DkdvSmem {
   static constexpr int STRIDE = D + 8, TILE = BLOCK * STRIDE;
-  static constexpr size_t BYTES = size_t(4) * TILE * 2 + 2 * BLOCK * sizeof(float);
+  static constexpr size_t BYTES = size_t(6) * TILE * 2 + 4 * BLOCK * sizeof(float);
+};
+template <int D>
+struct DqSmem {
+  static constexpr int STRIDE = D + 8, TILE = BLOCK * STRIDE;
+  static constexpr size_t BYTES = size_t(4) * TILE * 2;
 };
 
 template <class T, int D>
 __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_constant__ Params p) {
   constexpr int STRIDE = D + 8, TILE = BLOCK * STRIDE;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t *ks = smem, *vs = ks + TILE, *qs = vs + TILE, *dos = qs + TILE;
-  float* lse_s = reinterpret_cast<float*>(dos + TILE);
-  float* delta_s = lse_s + BLOCK;
+  uint16_t *ks = smem, *vs = ks + TILE, *qs2 = vs + TILE, *dos2 = qs2 + 2 * TILE;
+  float* lse_s2 = reinterpret_cast<float*>(dos2 + 2 * TILE);
+  float* delta_s2 = lse_s2 + 2 * BLOCK;
   const Tile t = p.tiles[blockIdx.x];
   const int hk = blockIdx.y, G = p.Hq / p.Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, qd = (lane % 4) * 2;
@@ -137,19 +164,36 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
   const uint16_t* krow = ks + (warp * 16 + a_row) * STRIDE + a_col;
   const uint16_t* vrow = vs + (warp * 16 + a_row) * STRIDE + a_col;
 
-  for (int h = hk * G; h < hk * G + G; ++h) {
-    for (int qb = qb_begin; qb < t.q_len; qb += BLOCK) {
-      const int valid_q = min(BLOCK, t.q_len - qb);
-      __syncthreads();  // the previous block's readers are done
-      stage_rows<D>(qs, p.q, int64_t(t.q_row) + qb, valid_q, p.Hq, h);
-      stage_rows<D>(dos, p.dout, int64_t(t.q_row) + qb, valid_q, p.Hq, h);
-      if (threadIdx.x < BLOCK) {
-        const bool live = int(threadIdx.x) < valid_q;
-        const int64_t at = (int64_t(t.q_row) + qb + threadIdx.x) * p.Hq + h;
-        lse_s[threadIdx.x] = live ? p.lse2[at] : 0.0f;
-        delta_s[threadIdx.x] = live ? p.delta[at] : 0.0f;
+  // Steps n = 0 … steps − 1: query head hk·G + n / blocks, query block qb_begin + 64 · (n % blocks).
+  const int blocks = (t.q_len - qb_begin + BLOCK - 1) / BLOCK, steps = G * blocks;
+  auto load = [&](int n) {  // step n's Q, dO, lse, δ into buffer n % 2
+    const int buf = n % 2, h = hk * G + n / blocks, qb = qb_begin + (n % blocks) * BLOCK;
+    const int valid_q = min(BLOCK, t.q_len - qb);
+    stage_rows_async<D>(qs2 + buf * TILE, p.q, int64_t(t.q_row) + qb, valid_q, p.Hq, h);
+    stage_rows_async<D>(dos2 + buf * TILE, p.dout, int64_t(t.q_row) + qb, valid_q, p.Hq, h);
+    if (threadIdx.x < BLOCK) {
+      const bool live = int(threadIdx.x) < valid_q;
+      const int64_t at = (int64_t(t.q_row) + qb + threadIdx.x) * p.Hq + h;
+      lse_s2[buf * BLOCK + threadIdx.x] = live ? p.lse2[at] : 0.0f;
+      delta_s2[buf * BLOCK + threadIdx.x] = live ? p.delta[at] : 0.0f;
+    }
+    cp_async_commit();
+  };
+  load(0);
+  for (int n = 0; n < steps; ++n) {
+    {
+      if (n + 1 < steps) {
+        load(n + 1);  // the buffer step n − 1 used: free since the barrier that ended it
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
       }
       __syncthreads();
+      const int buf = n % 2, qb = qb_begin + (n % blocks) * BLOCK;
+      const uint16_t* qs = qs2 + buf * TILE;
+      const uint16_t* dos = dos2 + buf * TILE;
+      const float* lse_s = lse_s2 + buf * BLOCK;
+      const float* delta_s = delta_s2 + buf * BLOCK;
       // Sᵀ = K·Qᵀ: the warp's 16 keys × the block's 64 queries.
       float s[BLOCK / 8][4] = {};
 #pragma unroll 2
@@ -213,6 +257,7 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
         }
       }
     }
+    __syncthreads();  // step n's buffer is read by all before step n + 2 reloads it
   }
   auto store_key = [&](int key, bool second) {
     if (key >= t.k_len) return;
@@ -231,8 +276,9 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
 
 template <class T, int D>
 __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_constant__ Params p) {
-  constexpr int STRIDE = D + 8;
-  __shared__ __align__(16) uint16_t ks[BLOCK * STRIDE], vs[BLOCK * STRIDE];
+  constexpr int STRIDE = D + 8, TILE = BLOCK * STRIDE;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t *ks2 = smem, *vs2 = ks2 + 2 * TILE;
   const Tile t = p.tiles[blockIdx.x];
   const int h = blockIdx.y, hk = h / (p.Hq / p.Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, qd = (lane % 4) * 2;
@@ -259,12 +305,24 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
   const float del_a = live_a ? p.delta[at_row(ia)] : 0.0f, del_b = live_b ? p.delta[at_row(ib)] : 0.0f;
   float dq[D / 8][4] = {};
   const int last_pos = qoff + min(t.first + BLOCK, t.q_len) - 1;
-  for (int kb = 0; kb * BLOCK <= last_pos; ++kb) {
-    __syncthreads();
+  const int steps = last_pos / BLOCK + 1;  // key blocks 0 … steps − 1
+  auto load = [&](int kb) {  // key block kb into buffer kb % 2
     const int valid = min(BLOCK, t.k_len - kb * BLOCK);
-    stage_rows<D>(ks, p.k, int64_t(t.k_row) + kb * BLOCK, valid, p.Hkv, hk);
-    stage_rows<D>(vs, p.v, int64_t(t.k_row) + kb * BLOCK, valid, p.Hkv, hk);
+    stage_rows_async<D>(ks2 + (kb % 2) * TILE, p.k, int64_t(t.k_row) + kb * BLOCK, valid, p.Hkv, hk);
+    stage_rows_async<D>(vs2 + (kb % 2) * TILE, p.v, int64_t(t.k_row) + kb * BLOCK, valid, p.Hkv, hk);
+    cp_async_commit();
+  };
+  load(0);
+  for (int kb = 0; kb < steps; ++kb) {
+    if (kb + 1 < steps) {
+      load(kb + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
+    const uint16_t* ks = ks2 + (kb % 2) * TILE;
+    const uint16_t* vs = vs2 + (kb % 2) * TILE;
     float s[BLOCK / 8][4] = {}, dp[BLOCK / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
@@ -303,6 +361,7 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
         mma16816<T>(dq[dn + 1], da, b[2], b[3]);
       }
     }
+    __syncthreads();  // block kb's buffer is read by all before block kb + 2 reloads it
   }
   auto store_query = [&](int i, bool live, bool second) {
     if (!live) return;
@@ -404,7 +463,9 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
   attention_dkdv_kernel<T, D><<<dim3(unsigned(kv_tiles.size()), unsigned(Hkv)), THREADS, DkdvSmem<D>::BYTES, stream>>>(p);
   check(cudaGetLastError(), op, "dK/dV kernel launch");
   p.tiles = table.as<const Tile>() + kv_tiles.size();
-  attention_dq_kernel<T, D><<<dim3(unsigned(q_tiles.size()), unsigned(Hq)), THREADS, 0, stream>>>(p);
+  static std::atomic<int> dq_smem_allowed[64] = {};
+  allow_dynamic_smem(attention_dq_kernel<T, D>, DqSmem<D>::BYTES, dq_smem_allowed, op);
+  attention_dq_kernel<T, D><<<dim3(unsigned(q_tiles.size()), unsigned(Hq)), THREADS, DqSmem<D>::BYTES, stream>>>(p);
   check(cudaGetLastError(), op, "dQ kernel launch");
   // The scratch buffers are freed in stream order, after the kernels.
 }
