@@ -247,36 +247,40 @@ int sb_qk_norm_backward(void* dy, int dy_dtype, void* x, int dtype, int64_t T, i
   });
 }
 
-// Causal attention forward: q [Tq, Hq, D], k / v [Tk, Hkv, D], out like q, lse [Tq, Hq] fp32, with
-// the host sequence table seqs int32 [B, 4] {q_row, q_len, k_row, k_len} (prefill, decode, ...).
+// The tensors attention's forward and backward share: q [Tq, Hq, D], k / v [Tk, Hkv, D], out like q,
+// lse [Tq, Hq] fp32, and the host sequence table seqs int32 [B, 4] {q_row, q_len, k_row, k_len}.
+}  // extern "C"
+template <class Args>
+void attention_views(Args& a, void* q, void* k, void* v, void* out, void* lse, int dtype, int64_t Tq, int64_t Tk,
+                     int64_t Hq, int64_t Hkv, int64_t D, const int32_t* seqs, int64_t B) {
+  a.q = cuda_view(q, DType(dtype), {Tq, Hq, D});
+  a.k = cuda_view(k, DType(dtype), {Tk, Hkv, D});
+  a.v = cuda_view(v, DType(dtype), {Tk, Hkv, D});
+  a.seqs = TensorView::of(const_cast<int32_t*>(seqs), DType::i32, {B, 4});
+  a.out = cuda_view(out, DType(dtype), {Tq, Hq, D});
+  a.lse = cuda_view(lse, DType::f32, {Tq, Hq});
+}
+extern "C" {
+
+// Causal attention forward (prefill, decode, ...: the sequence table says which).
 int sb_attention_forward(void* q, void* k, void* v, int dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,
                          int64_t D, const int32_t* seqs, int64_t B, void* out, void* lse, void* stream, char* err,
                          int err_len) {
   return guarded(err, err_len, [&] {
     AttentionForwardArgs a;
-    a.q = cuda_view(q, DType(dtype), {Tq, Hq, D});
-    a.k = cuda_view(k, DType(dtype), {Tk, Hkv, D});
-    a.v = cuda_view(v, DType(dtype), {Tk, Hkv, D});
-    a.seqs = TensorView::of(const_cast<int32_t*>(seqs), DType::i32, {B, 4});
-    a.out = cuda_view(out, DType(dtype), {Tq, Hq, D});
-    a.lse = cuda_view(lse, DType::f32, {Tq, Hq});
+    attention_views(a, q, k, v, out, lse, dtype, Tq, Tk, Hq, Hkv, D, seqs, B);
     attention_forward(ctx_on(stream), a);
   });
 }
 
-// Causal attention backward on the same layout: out / lse from the forward, dout like q; dq like q,
-// dk / dv like k, in q's dtype.
+// Causal attention backward: out / lse from the forward, dout like q; dq like q, dk / dv like k, in
+// q's dtype.
 int sb_attention_backward(void* q, void* k, void* v, void* out, void* lse, void* dout, void* dq, void* dk, void* dv,
                           int dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, const int32_t* seqs,
                           int64_t B, void* stream, char* err, int err_len) {
   return guarded(err, err_len, [&] {
     AttentionBackwardArgs a;
-    a.q = cuda_view(q, DType(dtype), {Tq, Hq, D});
-    a.k = cuda_view(k, DType(dtype), {Tk, Hkv, D});
-    a.v = cuda_view(v, DType(dtype), {Tk, Hkv, D});
-    a.seqs = TensorView::of(const_cast<int32_t*>(seqs), DType::i32, {B, 4});
-    a.out = cuda_view(out, DType(dtype), {Tq, Hq, D});
-    a.lse = cuda_view(lse, DType::f32, {Tq, Hq});
+    attention_views(a, q, k, v, out, lse, dtype, Tq, Tk, Hq, Hkv, D, seqs, B);
     a.dout = cuda_view(dout, DType(dtype), {Tq, Hq, D});
     a.dq = cuda_view(dq, DType(dtype), {Tq, Hq, D});
     a.dk = cuda_view(dk, DType(dtype), {Tk, Hkv, D});

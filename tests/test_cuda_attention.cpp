@@ -72,6 +72,18 @@ struct Shape {
   int64_t hq, hkv, d, len;
 };
 
+// Random q, k, v and an upstream gradient g of one sequence of s.len tokens.
+struct Inputs {
+  HostTensor q, k, v, g;
+};
+Inputs random_inputs(const Shape& s, Rng& r) {
+  return {r.tensor(s.dt, {s.len, s.hq, s.d}, -2, 2), r.tensor(s.dt, {s.len, s.hkv, s.d}, -2, 2),
+          r.tensor(s.dt, {s.len, s.hkv, s.d}, -1, 1), r.tensor(s.dt, {s.len, s.hq, s.d}, -1, 1)};
+}
+std::string describe(const Shape& s) {
+  return std::string(dtype_name(s.dt)) + " Hq=" + std::to_string(s.hq) + " D=" + std::to_string(s.d);
+}
+
 }  // namespace
 
 // One sequence gives the same bits as a whole prefill, in chunks against a cache, token by token,
@@ -236,11 +248,10 @@ Grads run_gpu_backward(const HostTensor& q, const HostTensor& k, const HostTenso
 // get dk = dv = 0.
 TEST_F(CudaAttention, BackwardIsInvariantToPackingAndRepeats) {
   for (const Shape& s : {Shape{DType::bf16, 32, 8, 128, 300}, Shape{DType::f16, 4, 2, 64, 130}}) {
-    const std::string what = std::string(dtype_name(s.dt)) + " Hq=" + std::to_string(s.hq) + " D=" + std::to_string(s.d);
+    const std::string what = describe(s);
     Rng r(97 + s.d);
     const int32_t L = int32_t(s.len);
-    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
-                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1), g = r.tensor(s.dt, {L, s.hq, s.d}, -1, 1);
+    const auto [q, k, v, g] = random_inputs(s, r);
     const Grads alone = run_gpu_backward(q, k, v, g, {{0, L, 0, L}});
     const Grads again = run_gpu_backward(q, k, v, g, {{0, L, 0, L}}, true);
     for (auto [x, y, name] : {std::tuple{&again.dq, &alone.dq, "dq"}, {&again.dk, &alone.dk, "dk"}, {&again.dv, &alone.dv, "dv"}})
@@ -269,8 +280,7 @@ TEST_F(CudaAttention, BackwardAccurateAgainstFp64) {
   for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 300}, Shape{DType::f16, 4, 2, 64, 200}}) {
     Rng r(101 + s.d);
     const int32_t L = int32_t(s.len);
-    const HostTensor q = r.tensor(s.dt, {L, s.hq, s.d}, -2, 2), k = r.tensor(s.dt, {L, s.hkv, s.d}, -2, 2),
-                     v = r.tensor(s.dt, {L, s.hkv, s.d}, -1, 1), g = r.tensor(s.dt, {L, s.hq, s.d}, -1, 1);
+    const auto [q, k, v, g] = random_inputs(s, r);
     const Grads gpu = run_gpu_backward(q, k, v, g, {{0, L, 0, L}});
     Context truth;
     truth.precision = Precision::truth_fp64;

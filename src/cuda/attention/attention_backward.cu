@@ -89,6 +89,47 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 __device__ __forceinline__ uint32_t word(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// acc = A·Bᵀ for one warp: A the warp's 16 rows of an smem tile (ldmatrix row address a_rows, as
+// set up by the caller), B the 64 rows of another (b_tile at this lane's b_row / b_col), over D.
+template <class T, int D>
+__device__ __forceinline__ void rows_times_tile(float (&acc)[BLOCK / 8][4], const uint16_t* a_rows,
+                                                const uint16_t* b_tile) {
+#pragma unroll 2
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    ldsm_x4(a, a_rows + kk * 16);
+#pragma unroll
+    for (int nt = 0; nt < BLOCK / 8; nt += 2) {
+      uint32_t b[4];
+      ldsm_x4(b, b_tile + nt * 8 * (D + 8) + kk * 16);
+      mma16816<T>(acc[nt], a, b[0], b[1]);
+      mma16816<T>(acc[nt + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The A fragment of k-step ks16 (16 columns) of a warp's accumulator tile, rounded to T.
+template <class T>
+__device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&x)[BLOCK / 8][4], int ks16) {
+  a[0] = pack2<T>(x[2 * ks16][0], x[2 * ks16][1]);
+  a[1] = pack2<T>(x[2 * ks16][2], x[2 * ks16][3]);
+  a[2] = pack2<T>(x[2 * ks16 + 1][0], x[2 * ks16 + 1][1]);
+  a[3] = pack2<T>(x[2 * ks16 + 1][2], x[2 * ks16 + 1][3]);
+}
+
+// acc += a·B for one 16-row k-step of a [k, D] smem tile: a the warp's A fragment, b_rows the step's
+// first row at this lane's ldmatrix row / column (t_row, t_col).
+template <class T, int D>
+__device__ __forceinline__ void fragment_times_rows(float (&acc)[D / 8][4], const uint32_t (&a)[4], const uint16_t* b_rows) {
+#pragma unroll
+  for (int dn = 0; dn < D / 8; dn += 2) {
+    uint32_t b[4];
+    ldsm_x4_trans(b, b_rows + dn * 8);
+    mma16816<T>(acc[dn], a, b[0], b[1]);
+    mma16816<T>(acc[dn + 1], a, b[2], b[3]);
+  }
+}
+
 // An [n, D] gradient row pair (columns col, col + 1) in its dtype (16-bit T or fp32).
 template <class T>
 __device__ __forceinline__ void store_pair(void* base, bool f32, int64_t at, float a, float b) {
@@ -196,18 +237,7 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
       const float* delta_s = delta_s2 + buf * BLOCK;
       // Sᵀ = K·Qᵀ: the warp's 16 keys × the block's 64 queries.
       float s[BLOCK / 8][4] = {};
-#pragma unroll 2
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, krow + kk * 16);
-#pragma unroll
-        for (int nt = 0; nt < BLOCK / 8; nt += 2) {
-          uint32_t b[4];
-          ldsm_x4(b, qs + (nt * 8 + b_row) * STRIDE + kk * 16 + b_col);
-          mma16816<T>(s[nt], a, b[0], b[1]);
-          mma16816<T>(s[nt + 1], a, b[2], b[3]);
-        }
-      }
+      rows_times_tile<T, D>(s, krow, qs + b_row * STRIDE + b_col);
       // Pᵀ = 2^(s·c − lse·log2 e) where the query sees the key, else 0.
 #pragma unroll
       for (int nt = 0; nt < BLOCK / 8; ++nt)
@@ -219,18 +249,7 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
         }
       // dPᵀ = V·dOᵀ
       float dp[BLOCK / 8][4] = {};
-#pragma unroll 2
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, vrow + kk * 16);
-#pragma unroll
-        for (int nt = 0; nt < BLOCK / 8; nt += 2) {
-          uint32_t b[4];
-          ldsm_x4(b, dos + (nt * 8 + b_row) * STRIDE + kk * 16 + b_col);
-          mma16816<T>(dp[nt], a, b[0], b[1]);
-          mma16816<T>(dp[nt + 1], a, b[2], b[3]);
-        }
-      }
+      rows_times_tile<T, D>(dp, vrow, dos + b_row * STRIDE + b_col);
       // dSᵀ = Pᵀ ∘ (dPᵀ − δ), then dV += Pᵀ·dO and dK += dSᵀ·Q over the block's queries.
 #pragma unroll
       for (int nt = 0; nt < BLOCK / 8; ++nt)
@@ -239,22 +258,11 @@ __global__ void __launch_bounds__(THREADS) attention_dkdv_kernel(const __grid_co
           dp[nt][e] = __fmul_rn(s[nt][e], __fsub_rn(dp[nt][e], delta_s[nt * 8 + qd + (e & 1)]));
 #pragma unroll
       for (int ks16 = 0; ks16 < BLOCK / 16; ++ks16) {
-        const uint32_t pa[4] = {pack2<T>(s[2 * ks16][0], s[2 * ks16][1]), pack2<T>(s[2 * ks16][2], s[2 * ks16][3]),
-                                pack2<T>(s[2 * ks16 + 1][0], s[2 * ks16 + 1][1]),
-                                pack2<T>(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3])};
-        const uint32_t da[4] = {pack2<T>(dp[2 * ks16][0], dp[2 * ks16][1]), pack2<T>(dp[2 * ks16][2], dp[2 * ks16][3]),
-                                pack2<T>(dp[2 * ks16 + 1][0], dp[2 * ks16 + 1][1]),
-                                pack2<T>(dp[2 * ks16 + 1][2], dp[2 * ks16 + 1][3])};
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn += 2) {
-          uint32_t b[4];
-          ldsm_x4_trans(b, dos + (ks16 * 16 + t_row) * STRIDE + dn * 8 + t_col);
-          mma16816<T>(dv[dn], pa, b[0], b[1]);
-          mma16816<T>(dv[dn + 1], pa, b[2], b[3]);
-          ldsm_x4_trans(b, qs + (ks16 * 16 + t_row) * STRIDE + dn * 8 + t_col);
-          mma16816<T>(dk[dn], da, b[0], b[1]);
-          mma16816<T>(dk[dn + 1], da, b[2], b[3]);
-        }
+        uint32_t pa[4], da[4];
+        a_fragment<T>(pa, s, ks16);
+        a_fragment<T>(da, dp, ks16);
+        fragment_times_rows<T, D>(dv, pa, dos + (ks16 * 16 + t_row) * STRIDE + t_col);
+        fragment_times_rows<T, D>(dk, da, qs + (ks16 * 16 + t_row) * STRIDE + t_col);
       }
     }
     __syncthreads();  // step n's buffer is read by all before step n + 2 reloads it
@@ -350,16 +358,9 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
     // dQ += dS·K over the block's keys.
 #pragma unroll
     for (int ks16 = 0; ks16 < BLOCK / 16; ++ks16) {
-      const uint32_t da[4] = {pack2<T>(dp[2 * ks16][0], dp[2 * ks16][1]), pack2<T>(dp[2 * ks16][2], dp[2 * ks16][3]),
-                              pack2<T>(dp[2 * ks16 + 1][0], dp[2 * ks16 + 1][1]),
-                              pack2<T>(dp[2 * ks16 + 1][2], dp[2 * ks16 + 1][3])};
-#pragma unroll
-      for (int dn = 0; dn < D / 8; dn += 2) {
-        uint32_t b[4];
-        ldsm_x4_trans(b, ks + (ks16 * 16 + t_row) * STRIDE + dn * 8 + t_col);
-        mma16816<T>(dq[dn], da, b[0], b[1]);
-        mma16816<T>(dq[dn + 1], da, b[2], b[3]);
-      }
+      uint32_t da[4];
+      a_fragment<T>(da, dp, ks16);
+      fragment_times_rows<T, D>(dq, da, ks + (ks16 * 16 + t_row) * STRIDE + t_col);
     }
     __syncthreads();  // block kb's buffer is read by all before block kb + 2 reloads it
   }
