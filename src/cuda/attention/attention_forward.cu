@@ -212,16 +212,10 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}})
     if (!aligned_to(t->data, 16)) throw Unsupported(op, name, "the CUDA attention needs q, k, v and out 16-byte aligned");
   const cudaStream_t stream = stream_of(ctx.stream);
-  // The tiles (64 queries of a sequence each) and the query rows no sequence covers.
+  // The query rows no sequence covers: out = 0, lse = −inf.
   const auto* s = a.seqs.as<const int32_t>();
-  std::vector<Tile> tiles;
   std::vector<std::pair<int64_t, int64_t>> covered;
-  for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
-    const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
-    for (int32_t t0 = 0; t0 < q_len; t0 += BLOCK_Q)
-      tiles.push_back({q_row + t0, std::min(BLOCK_Q, q_len - t0), k_row, k_len, k_len - q_len + t0});
-    covered.emplace_back(q_row, int64_t(q_row) + q_len);
-  }
+  for (int64_t b = 0; b < a.seqs.shape[0]; ++b) covered.emplace_back(s[4 * b], int64_t(s[4 * b]) + s[4 * b + 1]);
   std::sort(covered.begin(), covered.end());
   int64_t next = 0;
   auto clear_rows = [&](int64_t begin, int64_t end) {  // out = 0, lse = −inf
@@ -242,6 +236,12 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   if (sm90_path_available()) {  // chosen by the device alone, never by the shapes
     attention::attention_forward_sm90(a, stream, op);
     return;
+  }
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
+    const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
+    for (int32_t t0 = 0; t0 < q_len; t0 += BLOCK_Q)
+      tiles.push_back({q_row + t0, std::min(BLOCK_Q, q_len - t0), k_row, k_len, k_len - q_len + t0});
   }
   if (tiles.empty()) return;
   ScratchBuffer tile_buf(tiles.size() * sizeof(Tile), stream, op);
