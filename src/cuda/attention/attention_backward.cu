@@ -12,6 +12,9 @@
 //    from key 0 in ascending order up to its last query: dQ += dS·K.
 //  * P = 2^(s·c − lse·log2 e) (c = scale·log2 e) is recomputed from the forward's lse; dS = P ∘ (dP −
 //    δ) with δ = Σ dO ∘ O per row, from a small kernel (one warp a row, a fixed butterfly).
+// Fragments come by ldmatrix (.trans for the [k, n] operands); the next query block (dK/dV) or key
+// block (dQ) loads by cp.async while this one is used. The price of no atomics: S and dP are
+// computed in both passes (7 products against FlashAttention's 5).
 // P and dS are rounded to the input dtype for their MMAs (as FlashAttention does). Rows past a
 // sequence's keys or queries are zero-filled when staged and masked, so cache junk (even NaN) never
 // reaches a gradient. Rows no sequence covers get dq = 0 / dk = dv = 0.
