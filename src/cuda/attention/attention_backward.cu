@@ -26,9 +26,11 @@
 #include <cmath>
 #include <vector>
 
+#include "cuda/attention/attention_backward.cuh"
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
+#include "cuda/gemm/gemm.cuh"
 #include "ops/registry.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"
@@ -40,22 +42,8 @@ constexpr int WARPS = 4, THREADS = 32 * WARPS, BLOCK = 64;
 constexpr unsigned FULL = 0xffffffffu;
 constexpr float LOG2E = 1.4426950408889634f;
 
-// 64 keys (dK/dV) or 64 queries (dQ) of a sequence, from index `first` of the sequence's keys /
-// queries; the sequence's query i sits at position k_len − q_len + i.
-struct Tile {
-  int32_t q_row, q_len, k_row, k_len, first;
-};
-
-struct Params {
-  const uint16_t *q, *k, *v, *dout;
-  const float* lse2;   // [Tq, Hq]: lse·log2(e)
-  const float* delta;  // [Tq, Hq]: Σ dO ∘ O
-  void *dq, *dk, *dv;
-  bool dq_f32, dk_f32, dv_f32;
-  const Tile* tiles;
-  int Hq, Hkv;
-  float scale, c2;  // c2 = scale·log2(e)
-};
+using Tile = BwdTile;
+using Params = BwdParams;
 
 // Rows [row0, row0 + valid) of head h of a [rows, H, D] tensor into a [BLOCK, D + 8] tile; rows past
 // `valid` are zeros.
@@ -427,11 +415,15 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
   check(cudaGetLastError(), op, "delta kernel launch");
 
   const auto* s = a.seqs.as<const int32_t>();
+  // The dK/dV pass: the Hopper kernel (128-key tiles) where the device has it, else the portable
+  // one (64-key tiles); the device decides, never the shapes.
+  const bool hopper = sm90_path_available();
+  const int kv_keys = hopper ? DKDV_SM90_KEYS : BLOCK;
   std::vector<Tile> kv_tiles, q_tiles;
   std::vector<std::pair<int64_t, int64_t>> q_cover, k_cover;
   for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
     const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
-    for (int32_t f = 0; f < k_len; f += BLOCK) kv_tiles.push_back({q_row, q_len, k_row, k_len, f});
+    for (int32_t f = 0; f < k_len; f += kv_keys) kv_tiles.push_back({q_row, q_len, k_row, k_len, f});
     for (int32_t f = 0; f < q_len; f += BLOCK) q_tiles.push_back({q_row, q_len, k_row, k_len, f});
     q_cover.emplace_back(q_row, int64_t(q_row) + q_len);
     k_cover.emplace_back(k_row, int64_t(k_row) + k_len);
@@ -462,10 +454,14 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale), p.c2 = float(scale * 1.4426950408889634);
   p.tiles = table.as<const Tile>();
-  static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(attention_dkdv_kernel<T, D>, DkdvSmem<D>::BYTES, smem_allowed, op);
-  attention_dkdv_kernel<T, D><<<dim3(unsigned(kv_tiles.size()), unsigned(Hkv)), THREADS, DkdvSmem<D>::BYTES, stream>>>(p);
-  check(cudaGetLastError(), op, "dK/dV kernel launch");
+  if (hopper) {
+    attention_dkdv_sm90(a, p, int(kv_tiles.size()), stream, op);
+  } else {
+    static std::atomic<int> smem_allowed[64] = {};
+    allow_dynamic_smem(attention_dkdv_kernel<T, D>, DkdvSmem<D>::BYTES, smem_allowed, op);
+    attention_dkdv_kernel<T, D><<<dim3(unsigned(kv_tiles.size()), unsigned(Hkv)), THREADS, DkdvSmem<D>::BYTES, stream>>>(p);
+    check(cudaGetLastError(), op, "dK/dV kernel launch");
+  }
   p.tiles = table.as<const Tile>() + kv_tiles.size();
   static std::atomic<int> dq_smem_allowed[64] = {};
   allow_dynamic_smem(attention_dq_kernel<T, D>, DqSmem<D>::BYTES, dq_smem_allowed, op);
