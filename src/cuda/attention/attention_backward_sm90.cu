@@ -67,8 +67,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (threadIdx.x == 0) {
     mbar_init(full_kv, 1);
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 2);  // the Q / dO bytes (or the producer's own stores) and lse / δ
-      mbar_init(&empty[s], uint32_t(consumers));
+      // full: the Q / dO bytes (or the producer's own stores), then each producer lane's lse / δ;
+      // empty: every consumer thread, after its last read of the stage (plain loads of lse / δ too).
+      mbar_init(&full[s], 1 + 32);
+      mbar_init(&empty[s], uint32_t(consumers * 128));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -126,8 +128,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         ls[r] = live ? p.lse2[at] : 0.0f;
         ls[BQ + r] = live ? p.delta[at] : 0.0f;
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&full[st]);
+      mbar_arrive(&full[st]);
     }
     return;
   }
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int kt = 0; kt < BQ / 16; ++kt) WgmmaRS<T, true, D>::mma(dk, da[kt], smem_desc_mn(sq + kt * 16 * 128));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (tid == 0) mbar_arrive(&empty[st]);
+    mbar_arrive(&empty[st]);
   }
 
   auto store_key = [&](int key, int half) {
