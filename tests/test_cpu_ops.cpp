@@ -308,6 +308,47 @@ TEST(CpuOps, DecodeEqualsPrefillBitwise) {
   EXPECT_EQ(std::memcmp(prefill.data(), decode.data(), prefill.size() * 4), 0);
 }
 
+TEST(CpuOps, PagedCacheEqualsContiguousBitwise) {
+  // Two sequences' keys scattered over a pool of 4-row pages in shuffled order (junk in the rows no
+  // sequence uses): the same bits as the keys laid out contiguously.
+  const int Hq = 4, Hkv = 2, D = 16, P = 4, L0 = 9, L1 = 6, pool_pages = 7;
+  Rng r(11);
+  auto q = random_floats(r, (L0 + L1) * Hq * D, -2, 2), k = random_floats(r, (L0 + L1) * Hkv * D, -2, 2),
+       v = random_floats(r, (L0 + L1) * Hkv * D, -1, 1);
+  std::vector<float> contiguous((L0 + L1) * Hq * D), paged((L0 + L1) * Hq * D);
+  AttentionForwardArgs a;
+  a.q = view(q, DType::f32, {L0 + L1, Hq, D});
+  a.k = view(k, DType::f32, {L0 + L1, Hkv, D});
+  a.v = view(v, DType::f32, {L0 + L1, Hkv, D});
+  std::vector<int32_t> seqs{0, L0, 0, L0, L0, L1, L0, L1};
+  a.seqs = view(seqs, DType::i32, {2, 4});
+  a.out = view(contiguous, DType::f32, {L0 + L1, Hq, D});
+  attention_forward(Context{}, a);
+  // Sequence 0 in pool pages 5, 1, 3; sequence 1 in pages 0, 6.
+  std::vector<int32_t> table{5, 1, 3, 0, 6, 2};
+  std::vector<float> pk(pool_pages * P * Hkv * D, 1e4f), pv(pk.size(), -1e4f);
+  auto place = [&](int seq_row0, int len, const int32_t* pages) {
+    for (int j = 0; j < len; ++j)
+      for (int i = 0; i < Hkv * D; ++i) {
+        const int64_t dst = (int64_t(pages[j / P]) * P + j % P) * Hkv * D + i, src = int64_t(seq_row0 + j) * Hkv * D + i;
+        pk[dst] = k[src];
+        pv[dst] = v[src];
+      }
+  };
+  place(0, L0, &table[0]);
+  place(L0, L1, &table[3]);
+  std::vector<int32_t> paged_seqs{0, L0, 0, L0, L0, L1, 0, L1};
+  AttentionForwardArgs b = a;
+  b.k = view(pk, DType::f32, {pool_pages * P, Hkv, D});
+  b.v = view(pv, DType::f32, {pool_pages * P, Hkv, D});
+  b.seqs = view(paged_seqs, DType::i32, {2, 4});
+  b.block_table = view(table, DType::i32, {2, 3});
+  b.page_size = P;
+  b.out = view(paged, DType::f32, {L0 + L1, Hq, D});
+  attention_forward(Context{}, b);
+  EXPECT_EQ(std::memcmp(contiguous.data(), paged.data(), paged.size() * 4), 0);
+}
+
 TEST(CpuOps, UncoveredQueryRowsAreZeroWithMinusInfinityLse) {
   const int T = 5, H = 1, D = 4;
   std::vector<float> q(T * H * D, 0.5f), out(T * H * D, 9.0f), lse(T * H, 9.0f);

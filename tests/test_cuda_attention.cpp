@@ -59,11 +59,18 @@ AttentionForwardArgs forward_args(const TensorView& q, const TensorView& k, cons
 }
 
 // attention_forward on the GPU over q [Tq, Hq, D] and k / v [Tk, Hkv, D] with the given sequences.
-Fwd run_gpu(const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<SeqRow>& rows) {
+// With `table` (int32 [B, pages] on the host), k / v are a pool of pages of page_size rows.
+Fwd run_gpu(const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<SeqRow>& rows,
+            const HostTensor* table = nullptr, int64_t page_size = 0) {
   const HostTensor seqs = seq_table(rows);
   const DeviceBuffer dq(q), dk(k), dv(v), out(HostTensor(q.dtype(), q.shape())),
       lse(DType::f32, {q.shape()[0], q.shape()[1]});
-  attention_forward(cuda_ctx(), forward_args(dq.view(), dk.view(), dv.view(), seqs, out.view(), lse.view()));
+  AttentionForwardArgs a = forward_args(dq.view(), dk.view(), dv.view(), seqs, out.view(), lse.view());
+  if (table) {
+    a.block_table = table->view();
+    a.page_size = page_size;
+  }
+  attention_forward(cuda_ctx(), a);
   return {out.host(), lse.host()};
 }
 
@@ -178,6 +185,57 @@ TEST_F(CudaAttention, CacheRowsPastTheKeysNeverReachTheResult) {
   expect_same_bits(run_gpu(q, k, v, {{0, L, 0, L}}).out, clean.out, "prefill with NaN past the keys");
   expect_same_bits(run_gpu(q.slice_rows(L - 1, L), k, v, {{0, 1, 0, L}}).out, clean_decode.out, "decode with NaN past the keys");
   for (int64_t i = 0; i < clean.out.numel(); ++i) ASSERT_TRUE(std::isfinite(clean.out.get(i)));
+}
+
+// A paged KV cache gives the bits of the contiguous one: the sequence's pages shuffled over a pool
+// (NaN in the pages it does not use), page sizes below, at and above the 128-key block, for a
+// whole prefill, a chunk straddling a span boundary, and decode steps batched in one call (split-KV
+// over spans, every sequence sharing the same pages).
+TEST_F(CudaAttention, PagedCacheGivesTheSameBits) {
+  const Shape s{DType::bf16, 8, 2, 128, 1100};
+  Rng r(103);
+  const auto [q, k, v, g] = random_inputs(s, r);
+  const int32_t L = int32_t(s.len);
+  const Fwd whole = run_gpu(q, k, v, {{0, L, 0, L}});
+  const std::vector<int32_t> steps = {0, 127, 128, 1023, 1024, L - 1};
+  HostTensor qb(s.dt, {int64_t(steps.size()), s.hq, s.d});
+  for (size_t i = 0; i < steps.size(); ++i) qb.copy_rows_from(q, steps[i], int64_t(i), 1);
+  for (int32_t ps : {16, 64, 128, 256}) {
+    const std::string what = "page size " + std::to_string(ps);
+    const int32_t pages = (L + ps - 1) / ps, pool = pages + 3;
+    HostTensor pk(s.dt, {int64_t(pool) * ps, s.hkv, s.d}), pv(s.dt, {int64_t(pool) * ps, s.hkv, s.d});
+    for (int64_t i = 0; i < pk.numel(); ++i) {
+      pk.set(i, NAN);
+      pv.set(i, NAN);
+    }
+    // Page i of the sequence in pool page (5 i + 2) mod pool (pool is never a multiple of 5 here).
+    ASSERT_NE(pool % 5, 0);
+    std::vector<int32_t> page_of(static_cast<size_t>(pages));
+    for (int32_t i = 0; i < pages; ++i) {
+      page_of[size_t(i)] = (5 * i + 2) % pool;
+      const int32_t n = std::min(ps, L - i * ps);
+      pk.copy_rows_from(k, int64_t(i) * ps, int64_t(page_of[size_t(i)]) * ps, n);
+      pv.copy_rows_from(v, int64_t(i) * ps, int64_t(page_of[size_t(i)]) * ps, n);
+    }
+    auto table_for = [&](size_t n_seqs) {
+      HostTensor t(DType::i32, {int64_t(n_seqs), pages});
+      for (size_t b = 0; b < n_seqs; ++b)
+        for (int32_t i = 0; i < pages; ++i) t.set(int64_t(b) * pages + i, page_of[size_t(i)]);
+      return t;
+    };
+    const HostTensor one = table_for(1), many = table_for(steps.size());
+    const Fwd paged = run_gpu(q, pk, pv, {{0, L, 0, L}}, &one, ps);
+    expect_same_bits(paged.out, whole.out, what + ": prefill");
+    expect_same_bits(paged.lse, whole.lse, what + ": prefill lse");
+    const Fwd chunk = run_gpu(q.slice_rows(1000, 1100), pk, pv, {{0, 100, 0, 1100}}, &one, ps);
+    expect_same_bits(chunk.out, whole.out.slice_rows(1000, 1100), what + ": chunk at 1000");
+    std::vector<SeqRow> batch;
+    for (size_t i = 0; i < steps.size(); ++i) batch.push_back({int32_t(i), 1, 0, steps[i] + 1});
+    const Fwd decode = run_gpu(qb, pk, pv, batch, &many, ps);
+    for (size_t i = 0; i < steps.size(); ++i)
+      expect_same_bits(decode.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(steps[i], steps[i] + 1),
+                       what + ": decode at " + std::to_string(steps[i]));
+  }
 }
 
 // Rows no sequence covers: out = 0, lse = −inf (not stale memory).

@@ -129,6 +129,35 @@ TEST(Validation, ZeroLengthSequenceAndBadRanges) {
   expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "k", "must be a multiple", &out);
 }
 
+TEST(Validation, PagedCacheTableErrorsNameTheirCause) {
+  std::vector<float> q(6 * 2 * 4, 0.1f), kv(8 * 2 * 4, 0.2f), out(6 * 2 * 4, 3.0f);
+  AttentionForwardArgs at;
+  at.q = TensorView::of(q.data(), DType::f32, {6, 2, 4});
+  at.k = at.v = TensorView::of(kv.data(), DType::f32, {8, 2, 4});
+  at.out = TensorView::of(out.data(), DType::f32, {6, 2, 4});
+  std::vector<int32_t> seqs{0, 3, 0, 3, 3, 3, 0, 5};
+  at.seqs = TensorView::of(seqs.data(), DType::i32, {2, 4});
+  std::vector<int32_t> table{1, 0, 0, 1};
+  at.block_table = TensorView::of(table.data(), DType::i32, {2, 2});
+  at.page_size = 4;
+  attention_forward(Context{}, at);  // well formed: runs
+  at.page_size = 3;
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "k", "whole pages", &out);
+  at.page_size = 2;  // sequence 1 needs 3 pages of 2 rows, the table has 2 columns
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "block_table", "needs 3 pages", &out);
+  at.page_size = 4;
+  table = {1, 0, 4, 1};  // page 4 of a 2-page pool
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "block_table", "outside the 2 pages", &out);
+  table = {1, 0, 1, 0};
+  seqs[2] = 1;  // k_row with a block table
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "seqs", "k_row must be 0", &out);
+  seqs[2] = 0;
+  at.block_table = TensorView::of(table.data(), DType::i32, {1, 4});
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "block_table", "one row per sequence", &out);
+  at.block_table = TensorView{};
+  expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "page_size", "no block_table", &out);
+}
+
 TEST(Validation, TokenIdOutOfRange) {
   std::vector<float> table(10 * 4, 1.0f), y(3 * 4, 5.0f);
   for (int32_t bad : {10, -1}) {

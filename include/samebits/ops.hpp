@@ -157,9 +157,15 @@ void embedding_backward(const Context&, const EmbeddingBackwardArgs&);
 // position, so prefill, chunked prefill and decode walk the same order.
 // Query rows covered by no sequence (padding, a fully masked row) get out = 0 and lse = -inf.
 // q, out: [Tq, Hq, D]; k, v: [Tk, Hkv, D] with Hq % Hkv == 0; lse: [Tq, Hq] fp32 (optional).
+// Paged KV cache (optional): with block_table (int32 [B, pages], on the host), k / v are a pool of
+// pages of page_size rows ([pages · page_size, Hkv, D], e.g. vLLM's [pages, page_size, Hkv, D]) and
+// sequence b's key j is row block_table[b, j / page_size] · page_size + j % page_size; its k_row
+// must be 0. Where the keys live changes no bit: paged and contiguous give the same result.
 struct AttentionForwardArgs {
   TensorView q, k, v, seqs, out, lse;
   double scale = 0.0;  // 0: 1/sqrt(D)
+  TensorView block_table;
+  int64_t page_size = 0;
 };
 // dq, dk, dv: same shapes as q, k, v. Key rows covered by no sequence get dk = dv = 0; key ranges
 // of different sequences must not overlap. dk/dv sum over the query heads of their group in

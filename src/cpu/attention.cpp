@@ -24,16 +24,25 @@ std::vector<Seq> read_seqs(const TensorView& seqs) {
   return out;
 }
 
+// Where sequence b's key j lives: row k_row + j, or in its pages of a paged cache.
+struct KeyRows {
+  const int32_t* table = nullptr;
+  int64_t cols = 0, page_size = 0;
+  int64_t operator()(int64_t b, const Seq& s, int64_t j) const {
+    return table ? int64_t(table[b * cols + j / page_size]) * page_size + j % page_size : s.k_row + j;
+  }
+};
+
 template <class Acc>
 Acc scale_of(double scale, int64_t d) { return scale > 0 ? Acc(scale) : Acc(1) / std::sqrt(Acc(d)); }
 
 // Scores s_j = (q·k_j)·scale of one query against keys 0..last_key; returns their maximum.
 template <class Acc>
-Acc scores(const Acc* qi, const std::vector<Acc>& k, int64_t k_row, int64_t last_key, int64_t hkv,
-           int64_t hk, int64_t d, Acc scale, std::vector<Acc>& s) {
+Acc scores(const Acc* qi, const std::vector<Acc>& k, const KeyRows& rows, int64_t b, const Seq& sq, int64_t last_key,
+           int64_t hkv, int64_t hk, int64_t d, Acc scale, std::vector<Acc>& s) {
   Acc m = -std::numeric_limits<Acc>::infinity();
   for (int64_t j = 0; j <= last_key; ++j) {
-    s[j] = dot_fixed(qi, &k[((k_row + j) * hkv + hk) * d], d) * scale;
+    s[j] = dot_fixed(qi, &k[(rows(b, sq, j) * hkv + hk) * d], d) * scale;
     if (s[j] > m) m = s[j];
   }
   return m;
@@ -46,24 +55,27 @@ void forward(const AttentionForwardArgs& a) {
   const Acc scale = scale_of<Acc>(a.scale, D);
   const auto q = load_all<Acc>(a.q), k = load_all<Acc>(a.k), v = load_all<Acc>(a.v);
   const auto seqs = read_seqs(a.seqs);
+  KeyRows rows;
+  if (a.block_table.present()) rows = {a.block_table.as<const int32_t>(), a.block_table.shape[1], a.page_size};
   std::vector<Acc> out(static_cast<size_t>(Tq * Hq * D), Acc(0));
   std::vector<Acc> lse(static_cast<size_t>(Tq * Hq), -std::numeric_limits<Acc>::infinity());
   const int64_t jobs = int64_t(seqs.size()) * Hq;
 #pragma omp parallel for schedule(dynamic)
   for (int64_t job = 0; job < jobs; ++job) {
-    const Seq& sq = seqs[size_t(job / Hq)];
+    const int64_t b = job / Hq;
+    const Seq& sq = seqs[size_t(b)];
     const int64_t h = job % Hq, hk = h / group;
     std::vector<Acc> s(static_cast<size_t>(sq.k_len));
     for (int64_t i = 0; i < sq.q_len; ++i) {
       const int64_t row = sq.q_row + i, last_key = sq.k_len - sq.q_len + i;
       const Acc* qi = &q[(row * Hq + h) * D];
-      const Acc m = scores(qi, k, sq.k_row, last_key, Hkv, hk, D, scale, s);
+      const Acc m = scores(qi, k, rows, b, sq, last_key, Hkv, hk, D, scale, s);
       Acc l = 0;
       Acc* o = &out[(row * Hq + h) * D];
       for (int64_t j = 0; j <= last_key; ++j) {
         const Acc p = exp_acc(s[j] - m);
         l += p;
-        const Acc* vj = &v[((sq.k_row + j) * Hkv + hk) * D];
+        const Acc* vj = &v[(rows(b, sq, j) * Hkv + hk) * D];
         for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= l;
@@ -99,7 +111,7 @@ void backward(const AttentionBackwardArgs& a) {
         const Acc* qi = &q[(row * Hq + h) * D];
         const Acc* doi = &dout[(row * Hq + h) * D];
         // Softmax statistics, recomputed exactly as the forward computes them.
-        const Acc m = scores(qi, k, sq.k_row, last_key, Hkv, hk, D, scale, s);
+        const Acc m = scores(qi, k, KeyRows{}, 0, sq, last_key, Hkv, hk, D, scale, s);
         Acc l = 0;
         for (int64_t j = 0; j <= last_key; ++j) l += exp_acc(s[j] - m);
         const Acc lse = m + log_acc(l);

@@ -25,8 +25,12 @@ static void check_ranges(const Validator& v, const char* what, std::vector<std::
   }
 }
 
+// keys: "disjoint" (backward: each key row belongs to one sequence), "inside" (forward: the ranges
+// lie inside k and may overlap) or "paged" (forward: a block table says where keys live).
+enum class KeyRanges { disjoint, inside, paged };
+
 static void check_attention(const Validator& v, const TensorView& q, const TensorView& k,
-                            const TensorView& vv, const TensorView& seqs, bool keys_disjoint) {
+                            const TensorView& vv, const TensorView& seqs, KeyRanges keys) {
   check_float_input(v, "q", q, 3);
   check_float_input(v, "k", k, 3);
   check_float_input(v, "v", vv, 3);
@@ -58,13 +62,43 @@ static void check_attention(const Validator& v, const TensorView& q, const Tenso
     kr.emplace_back(k_row, int64_t(k_row) + k_len);
   }
   check_ranges(v, "query", qr, q.shape[0]);
-  if (keys_disjoint) {
+  if (keys == KeyRanges::disjoint) {
     check_ranges(v, "key", kr, k.shape[0]);
-  } else {
+  } else if (keys == KeyRanges::inside) {
     for (auto& r : kr)
       if (r.first < 0 || r.second > k.shape[0])
         v.fail("seqs", "key rows [" + std::to_string(r.first) + ", " + std::to_string(r.second) +
                            ") fall outside the " + std::to_string(k.shape[0]) + " rows of k");
+  }
+}
+
+// The block table of a paged KV cache: one row per sequence, enough pages for its keys, each page
+// inside the pool k / v.
+static void check_pages(const Validator& v, const TensorView& table, int64_t page_size, const TensorView& seqs,
+                        const TensorView& k) {
+  if (table.device != Device::cpu) v.fail("block_table", "the block table lives on the host (cpu)");
+  if (table.ndim != 2 || table.shape[0] != seqs.shape[0])
+    v.fail("block_table", "expected int32 [B, pages] with one row per sequence (B = " + std::to_string(seqs.shape[0]) +
+                              "), got shape " + table.shape_string());
+  v.dtype("block_table", table, DType::i32);
+  if (!table.is_contiguous()) v.fail("block_table", "must be contiguous");
+  if (page_size <= 0) v.fail("page_size", "must be > 0 with a block table, got " + std::to_string(page_size));
+  if (k.shape[0] % page_size != 0)
+    v.fail("k", "rows (" + std::to_string(k.shape[0]) + ") must be whole pages of page_size " + std::to_string(page_size));
+  const int64_t pages = k.shape[0] / page_size, cols = table.shape[1];
+  const auto* s = seqs.as<const int32_t>();
+  const auto* t = table.as<const int32_t>();
+  for (int64_t b = 0; b < seqs.shape[0]; ++b) {
+    const std::string at = "sequence " + std::to_string(b) + ": ";
+    if (s[4 * b + 2] != 0) v.fail("seqs", at + "k_row must be 0 with a block table (its keys come from its pages)");
+    const int64_t needed = (int64_t(s[4 * b + 3]) + page_size - 1) / page_size;
+    if (needed > cols)
+      v.fail("block_table", at + "k_len " + std::to_string(s[4 * b + 3]) + " needs " + std::to_string(needed) +
+                                " pages, the table has " + std::to_string(cols) + " columns");
+    for (int64_t i = 0; i < needed; ++i)
+      if (t[b * cols + i] < 0 || t[b * cols + i] >= pages)
+        v.fail("block_table", at + "page " + std::to_string(i) + " is " + std::to_string(t[b * cols + i]) +
+                                  ", outside the " + std::to_string(pages) + " pages of k / v");
   }
 }
 
@@ -85,7 +119,10 @@ static void check_out(const Validator& v, const char* name, const TensorView& t,
 void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   auto v = begin_op<OpId::attention_forward>("attention_forward", ctx, a);
   if (a.scale < 0) v.fail("scale", "must be >= 0 (0 selects 1/sqrt(head_dim))");
-  check_attention(v, a.q, a.k, a.v, a.seqs, false);
+  const bool paged = a.block_table.present();
+  if (!paged && a.page_size != 0) v.fail("page_size", "is set but no block_table was given");
+  check_attention(v, a.q, a.k, a.v, a.seqs, paged ? KeyRanges::paged : KeyRanges::inside);
+  if (paged) check_pages(v, a.block_table, a.page_size, a.seqs, a.k);
   check_out(v, "out", a.out, a.q);
   v.no_alias("out", a.out, "q", a.q);
   check_lse(v, a.lse, a.q, false);
@@ -95,7 +132,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
 void attention_backward(const Context& ctx, const AttentionBackwardArgs& a) {
   auto v = begin_op<OpId::attention_backward>("attention_backward", ctx, a);
   if (a.scale < 0) v.fail("scale", "must be >= 0 (0 selects 1/sqrt(head_dim))");
-  check_attention(v, a.q, a.k, a.v, a.seqs, true);
+  check_attention(v, a.q, a.k, a.v, a.seqs, KeyRanges::disjoint);
   check_float_input(v, "out", a.out, 3);
   v.same_shape("out", a.out, "q", a.q);
   check_float_input(v, "dout", a.dout, 3);

@@ -39,6 +39,18 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   }
 }
 
+// Where a sequence's keys live: rows k_row + j of k / v, or (table set: a paged cache) row
+// table[seq · cols + j / page_size] · page_size + j % page_size. The table is a device copy of
+// the caller's host block table.
+struct KeyPages {
+  const int32_t* table = nullptr;
+  int cols = 0, page_size = 0;
+  __device__ __forceinline__ int64_t row(int seq, int k_row, int key) const {
+    return table ? int64_t(table[int64_t(seq) * cols + key / page_size]) * page_size + key % page_size
+                 : int64_t(k_row) + key;
+  }
+};
+
 // ldmatrix: four 8×8 16-bit matrices from shared memory, lane l giving the address of row l % 8 of
 // matrix l / 8. Without .trans lane l receives row l / 4, columns 2(l % 4) and +1 of each matrix
 // (an A fragment, or a B fragment of an [n, k] tile); with .trans, column l / 4, rows 2(l % 4) and

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "cuda/attention/attention_common.cuh"
@@ -46,9 +47,9 @@ constexpr int WARPS = 4, THREADS = 32 * WARPS, BLOCK_Q = 16 * WARPS, BLOCK_K = 6
 constexpr unsigned FULL = 0xffffffffu;
 
 // One tile of a sequence's queries: rows [q_row, q_row + rows), the first at absolute position
-// first_pos, against keys [k_row, k_row + k_len).
+// first_pos, against the k_len keys of sequence `seq` (rows k_row … or its pages).
 struct Tile {
-  int32_t q_row, rows, k_row, k_len, first_pos;
+  int32_t q_row, rows, k_row, k_len, first_pos, seq;
 };
 
 struct FwdParams {
@@ -56,6 +57,7 @@ struct FwdParams {
   void* out;
   float* lse;
   const Tile* tiles;
+  attention::KeyPages pages;
   int Hq, Hkv;
   float scale;
 };
@@ -100,7 +102,7 @@ __global__ void __launch_bounds__(THREADS) attention_forward_kernel(const __grid
       const int r = c / CHUNKS, col = (c % CHUNKS) * 8, key = kb * BLOCK_K + r;
       uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
       if (key < tile.k_len) {
-        const int64_t at = ((int64_t(tile.k_row) + key) * p.Hkv + hk) * D + col;
+        const int64_t at = (p.pages.row(tile.seq, tile.k_row, key) * p.Hkv + hk) * D + col;
         kv = *reinterpret_cast<const uint4*>(kg + at);
         vv = *reinterpret_cast<const uint4*>(vg + at);
       }
@@ -233,22 +235,35 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
     next = std::max(next, e);
   }
   clear_rows(next, Tq);
+  // A paged cache: the kernels read a device copy of the block table.
+  attention::KeyPages pages;
+  const bool paged = a.block_table.present();
+  ScratchBuffer table_buf(paged ? size_t(a.block_table.numel()) * sizeof(int32_t) : 0, stream, op);
+  if (paged) {
+    if (a.page_size % 8 != 0 || (a.page_size % 128 != 0 && 128 % a.page_size != 0))
+      throw Unsupported(op, "page_size", "the CUDA attention takes page sizes that are multiples of 8 and divide 128 "
+                                         "or are multiples of it (got " + std::to_string(a.page_size) + ")");
+    check(cudaMemcpyAsync(table_buf.as<int32_t>(), a.block_table.data, size_t(a.block_table.numel()) * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, stream),
+          op, "block table");
+    pages = {table_buf.as<const int32_t>(), int(a.block_table.shape[1]), int(a.page_size)};
+  }
   if (sm90_path_available()) {  // chosen by the device alone, never by the shapes
-    attention::attention_forward_sm90(a, stream, op);
+    attention::attention_forward_sm90(a, pages, stream, op);
     return;
   }
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
     const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
     for (int32_t t0 = 0; t0 < q_len; t0 += BLOCK_Q)
-      tiles.push_back({q_row + t0, std::min(BLOCK_Q, q_len - t0), k_row, k_len, k_len - q_len + t0});
+      tiles.push_back({q_row + t0, std::min(BLOCK_Q, q_len - t0), k_row, k_len, k_len - q_len + t0, int32_t(b)});
   }
   if (tiles.empty()) return;
   ScratchBuffer tile_buf(tiles.size() * sizeof(Tile), stream, op);
   check(cudaMemcpyAsync(tile_buf.as<Tile>(), tiles.data(), tiles.size() * sizeof(Tile), cudaMemcpyHostToDevice, stream), op,
         "tile table");
   const FwdParams p{a.q.data, a.k.data, a.v.data, a.out.data, a.lse.present() ? a.lse.as<float>() : nullptr,
-                    tile_buf.as<const Tile>(), int(Hq), int(Hkv),
+                    tile_buf.as<const Tile>(), pages, int(Hq), int(Hkv),
                     float(a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D)))};
   const dim3 grid(unsigned(tiles.size()), unsigned(Hq));
   auto launch = [&](auto t) {

@@ -54,10 +54,10 @@ static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
 // One CTA's work: `rows` rows, row i = token q_row + i / group at position first_pos + i / group,
 // query head head0 + i % group (head0 = head · group: `head` is the query head when group == 1 and
 // the key/value head otherwise), against key blocks [block_begin, block_end) of keys
-// [k_row, k_row + k_len). part < 0: the item covers all of its rows' spans and writes out / lse;
+// [k_row, k_row + k_len) of sequence `seq` (or its pages). part < 0: the item covers all of its rows' spans and writes out / lse;
 // else it is one span, written unfolded to the partial rows part … part + rows − 1.
 struct Item {
-  int32_t q_row, rows, k_row, k_len, first_pos, head, group, block_begin, block_end, part;
+  int32_t q_row, rows, k_row, k_len, first_pos, head, group, block_begin, block_end, part, seq;
 };
 // The spans of one decode-sized row set, for the combine kernel: span s of row i is partial row
 // part + s · rows + i.
@@ -76,6 +76,8 @@ struct Params {
   Item inline_items[INLINE_ITEMS];
   Combine inline_combines[INLINE_COMBINES];
   const uint16_t* v_raw;
+  KeyPages pages;
+  int kv_box;  // key rows a K / V load brings: BN, or the page size where pages are smaller
   void* out;
   float* lse;
   float* part_o;   // [partial rows, D]
@@ -143,14 +145,23 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       uint8_t* kdst = sk + st * S::KV_BYTES;
       uint8_t* vdst = sv + st * S::KV_BYTES;
       const int key0 = j * BN;
+      // The first row of each kv_box-row piece of the block (one piece unless pages are smaller);
+      // a piece wholly past the keys loads row 0 (its scores are masked, its V zeroed below).
+      auto piece_row = [&](int r0) {
+        return key0 + r0 < it.k_len ? int32_t(p.pages.row(it.seq, it.k_row, key0 + r0)) : 0;
+      };
       if (lane == 0) {
         mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
-        for (int b = 0; b < S::BOXES; ++b) tma_load_3d(kdst + b * BN * 128, &p.k, b * 64, hk, it.k_row + key0, &full_k[st]);
+        for (int r0 = 0; r0 < BN; r0 += p.kv_box)
+          for (int b = 0; b < S::BOXES; ++b)
+            tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
       }
       if (key0 + BN <= it.k_len) {
         if (lane == 0) {
           mbar_expect_tx(&full_v[st], uint32_t(S::KV_BYTES));
-          for (int b = 0; b < S::BOXES; ++b) tma_load_3d(vdst + b * BN * 128, &p.v, b * 64, hk, it.k_row + key0, &full_v[st]);
+          for (int r0 = 0; r0 < BN; r0 += p.kv_box)
+            for (int b = 0; b < S::BOXES; ++b)
+              tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), &full_v[st]);
         }
       } else {  // the sequence's last block: plain loads into the 128-byte-swizzled layout, rows past the end zeroed
         constexpr int CHUNKS = S::BOXES * 8;  // 16-byte pieces of a key's row
@@ -158,7 +169,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           const int r = idx / CHUNKS, b = (idx % CHUNKS) / 8, ch = idx % 8, key = key0 + r;
           uint4 val = make_uint4(0, 0, 0, 0);
           if (key < it.k_len)
-            val = *reinterpret_cast<const uint4*>(p.v_raw + ((int64_t(it.k_row) + key) * p.Hkv + hk) * D + b * 64 + ch * 8);
+            val = *reinterpret_cast<const uint4*>(p.v_raw + (p.pages.row(it.seq, it.k_row, key) * p.Hkv + hk) * D + b * 64 + ch * 8);
           *reinterpret_cast<uint4*>(vdst + b * BN * 128 + r * 128 + ((ch ^ (r & 7)) * 16)) = val;
         }
         fence_async_shared();
@@ -366,7 +377,7 @@ __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const __grid_c
 }
 
 template <class T, int D>
-void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) {
+void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t stream, const char* op) {
   const int64_t Hq = a.q.shape[1], Hkv = a.k.shape[1];
   const int G = int(Hq / Hkv);
   const bool packable = G <= 64 && 64 % G == 0;
@@ -381,13 +392,13 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
       const int32_t rows = q_len * G, spans = (blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;
       for (int32_t h = 0; h < Hkv; ++h) {
         if (spans == 1) {
-          items.push_back({q_row, rows, k_row, k_len, first, h, G, 0, blocks, -1});
+          items.push_back({q_row, rows, k_row, k_len, first, h, G, 0, blocks, -1, int32_t(b)});
           continue;
         }
         combines.push_back({q_row, rows, G, h * G, int32_t(part_rows), spans});
         for (int32_t sp = 0; sp < spans; ++sp)
           items.push_back({q_row, rows, k_row, k_len, first, h, G, sp * SPLIT_BLOCKS,
-                           std::min(blocks, (sp + 1) * SPLIT_BLOCKS), int32_t(part_rows + int64_t(sp) * rows)});
+                           std::min(blocks, (sp + 1) * SPLIT_BLOCKS), int32_t(part_rows + int64_t(sp) * rows), int32_t(b)});
         part_rows += int64_t(spans) * rows;
       }
       continue;
@@ -395,7 +406,7 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
     for (int32_t t0 = 0; t0 < q_len; t0 += BM) {
       const int32_t rows = std::min(BM, q_len - t0), pos = first + t0;
       for (int32_t h = 0; h < Hq; ++h)
-        items.push_back({q_row + t0, rows, k_row, k_len, pos, h, 1, 0, (pos + rows - 1) / BN + 1, -1});
+        items.push_back({q_row + t0, rows, k_row, k_len, pos, h, 1, 0, (pos + rows - 1) / BN + 1, -1, int32_t(b)});
     }
   }
   if (items.empty()) return;
@@ -425,8 +436,10 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
   const T* k = a.k.as<const T>();
   p.q_heads = sm90::tma_map_3d(q, a.q.shape[0], Hq, D, 1, 64);
   p.q_groups = packable ? sm90::tma_map_3d(q, a.q.shape[0], Hq, D, G, 64 / G) : p.q_heads;
-  p.k = sm90::tma_map_3d(k, a.k.shape[0], Hkv, D, 1, BN);
-  p.v = sm90::tma_map_3d(a.v.as<const T>(), a.v.shape[0], Hkv, D, 1, BN);
+  p.pages = pages;
+  p.kv_box = pages.table && pages.page_size < BN ? pages.page_size : BN;
+  p.k = sm90::tma_map_3d(k, a.k.shape[0], Hkv, D, 1, p.kv_box);
+  p.v = sm90::tma_map_3d(a.v.as<const T>(), a.v.shape[0], Hkv, D, 1, p.kv_box);
   p.v_raw = a.v.as<const uint16_t>();
   p.out = a.out.data;
   p.lse = a.lse.present() ? a.lse.as<float>() : nullptr;
@@ -451,14 +464,14 @@ void launch(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) 
 
 }  // namespace
 
-void attention_forward_sm90(const AttentionForwardArgs& a, cudaStream_t stream, const char* op) {
+void attention_forward_sm90(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t stream, const char* op) {
   const int64_t D = a.q.shape[2];
   if (a.q.dtype == DType::bf16) {
-    if (D == 64) launch<__nv_bfloat16, 64>(a, stream, op);
-    else launch<__nv_bfloat16, 128>(a, stream, op);
+    if (D == 64) launch<__nv_bfloat16, 64>(a, pages, stream, op);
+    else launch<__nv_bfloat16, 128>(a, pages, stream, op);
   } else {
-    if (D == 64) launch<__half, 64>(a, stream, op);
-    else launch<__half, 128>(a, stream, op);
+    if (D == 64) launch<__half, 64>(a, pages, stream, op);
+    else launch<__half, 128>(a, pages, stream, op);
   }
 }
 
