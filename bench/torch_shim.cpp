@@ -263,12 +263,17 @@ void attention_views(Args& a, void* q, void* k, void* v, void* out, void* lse, i
 extern "C" {
 
 // Causal attention forward (prefill, decode, ...: the sequence table says which).
+// With block_table (host int32 [B, cols]) k / v are a pool of pages of page_size rows.
 int sb_attention_forward(void* q, void* k, void* v, int dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv,
-                         int64_t D, const int32_t* seqs, int64_t B, void* out, void* lse, void* stream, char* err,
-                         int err_len) {
+                         int64_t D, const int32_t* seqs, int64_t B, const int32_t* block_table, int64_t cols,
+                         int64_t page_size, void* out, void* lse, void* stream, char* err, int err_len) {
   return guarded(err, err_len, [&] {
     AttentionForwardArgs a;
     attention_views(a, q, k, v, out, lse, dtype, Tq, Tk, Hq, Hkv, D, seqs, B);
+    if (block_table) {
+      a.block_table = TensorView::of(const_cast<int32_t*>(block_table), DType::i32, {B, cols});
+      a.page_size = page_size;
+    }
     attention_forward(ctx_on(stream), a);
   });
 }
