@@ -150,20 +150,22 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       auto piece_row = [&](int r0) {
         return key0 + r0 < it.k_len ? int32_t(p.pages.row(it.seq, it.k_row, key0 + r0)) : 0;
       };
+      // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
+      // the bytes the stage expects.
+      const bool tail = key0 + BN > it.k_len;
       if (lane == 0) {
         mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
-        for (int r0 = 0; r0 < BN; r0 += p.kv_box)
-          for (int b = 0; b < S::BOXES; ++b)
-            tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
+        if (!tail) mbar_expect_tx(&full_v[st], uint32_t(S::KV_BYTES));
       }
-      if (key0 + BN <= it.k_len) {
-        if (lane == 0) {
-          mbar_expect_tx(&full_v[st], uint32_t(S::KV_BYTES));
-          for (int r0 = 0; r0 < BN; r0 += p.kv_box)
-            for (int b = 0; b < S::BOXES; ++b)
-              tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), &full_v[st]);
+      __syncwarp();
+      for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box) {
+        const int32_t row = piece_row(r0);
+        for (int b = 0; b < S::BOXES; ++b) {
+          tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, row, &full_k[st]);
+          if (!tail) tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, row, &full_v[st]);
         }
-      } else {  // the sequence's last block: plain loads into the 128-byte-swizzled layout, rows past the end zeroed
+      }
+      if (tail) {  // the sequence's last block: V by plain loads into the 128-byte-swizzled layout, rows past the end zeroed
         constexpr int CHUNKS = S::BOXES * 8;  // 16-byte pieces of a key's row
         for (int idx = lane; idx < BN * CHUNKS; idx += 32) {
           const int r = idx / CHUNKS, b = (idx % CHUNKS) / 8, ch = idx % 8, key = key0 + r;
