@@ -158,13 +158,14 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         if (!tail) mbar_expect_tx(&full_v[st], uint32_t(S::KV_BYTES));
       }
       __syncwarp();
-      for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box) {
-        const int32_t row = piece_row(r0);
-        for (int b = 0; b < S::BOXES; ++b) {
-          tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, row, &full_k[st]);
-          if (!tail) tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, row, &full_v[st]);
-        }
-      }
+      // K before V: the consumers need K first (S = Q·Kᵀ), and a small decode waits on it.
+      for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
+        for (int b = 0; b < S::BOXES; ++b)
+          tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
+      if (!tail)
+        for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
+          for (int b = 0; b < S::BOXES; ++b)
+            tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), &full_v[st]);
       if (tail) {  // the sequence's last block: V by plain loads into the 128-byte-swizzled layout, rows past the end zeroed
         constexpr int CHUNKS = S::BOXES * 8;  // 16-byte pieces of a key's row
         for (int idx = lane; idx < BN * CHUNKS; idx += 32) {
