@@ -25,6 +25,7 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--md")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", choices=["prefill", "backward", "decode", "paged"], help="one table alone")
     args = ap.parse_args()
     lib = load_shim(args.build)
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -53,7 +54,10 @@ def main():
                                     torch.cuda.current_stream().cuda_stream, err, len(err)) != 0:
             raise RuntimeError(err.value.decode())
 
-    for S in (2048, 4096, 8192):
+    def wanted(name):
+        return args.only in (None, name)
+
+    for S in (2048, 4096, 8192) if wanted("prefill") else ():
         B = tokens // S
         q = torch.randn(B * S, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B * S, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -79,7 +83,7 @@ def main():
             "(five causal products).", "",
             "| S × B | samebits | SDPA (flash) backward | samebits / SDPA throughput | max abs diff of dq, dk, dv |",
             "| --- | --- | --- | --- | --- |"]
-    for S in (2048, 4096, 8192):
+    for S in (2048, 4096, 8192) if wanted("backward") else ():
         B = tokens // S
         q = torch.randn(B * S, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B * S, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -122,7 +126,7 @@ def main():
             "enable_gqa=True. KV GB/s: key and value bytes read once over the time.", "",
             "| B | C | samebits | SDPA (flash) | samebits time / SDPA time | max abs diff of out |",
             "| --- | --- | --- | --- | --- | --- |"]
-    for B in (1, 8, 64):
+    for B in (1, 8, 64) if wanted("decode") else ():
         for C in (1024, 4096, 16384, 32768):
             q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(B * C, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -149,7 +153,7 @@ def main():
             "| B | C | P | samebits paged | samebits contiguous | SDPA (flash) | paged / SDPA time |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     gen = torch.Generator().manual_seed(0)
-    for B in (8, 64):
+    for B in (8, 64) if wanted("paged") else ():
         for C in (4096, 32768):
             q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(B * C, hkv, d, device="cuda", dtype=torch.bfloat16)
