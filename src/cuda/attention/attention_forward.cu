@@ -213,6 +213,9 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   if (D != 64 && D != 128) throw Unsupported(op, "q", "the CUDA attention supports head_dim 64 and 128");
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}})
     if (!aligned_to(t->data, 16)) throw Unsupported(op, name, "the CUDA attention needs q, k, v and out 16-byte aligned");
+  if (a.block_table.present() && (a.page_size % 8 != 0 || (a.page_size % 128 != 0 && 128 % a.page_size != 0)))
+    throw Unsupported(op, "page_size", "the CUDA attention takes page sizes that are multiples of 8 and divide 128 "
+                                       "or are multiples of it (got " + std::to_string(a.page_size) + ")");
   const cudaStream_t stream = stream_of(ctx.stream);
   // The query rows no sequence covers: out = 0, lse = −inf.
   const auto* s = a.seqs.as<const int32_t>();
@@ -240,9 +243,6 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   const bool paged = a.block_table.present();
   ScratchBuffer table_buf(paged ? size_t(a.block_table.numel()) * sizeof(int32_t) : 0, stream, op);
   if (paged) {
-    if (a.page_size % 8 != 0 || (a.page_size % 128 != 0 && 128 % a.page_size != 0))
-      throw Unsupported(op, "page_size", "the CUDA attention takes page sizes that are multiples of 8 and divide 128 "
-                                         "or are multiples of it (got " + std::to_string(a.page_size) + ")");
     check(cudaMemcpyAsync(table_buf.as<int32_t>(), a.block_table.data, size_t(a.block_table.numel()) * sizeof(int32_t),
                           cudaMemcpyHostToDevice, stream),
           op, "block table");
