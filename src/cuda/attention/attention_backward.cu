@@ -28,6 +28,7 @@
 
 #include "cuda/attention/attention_backward.cuh"
 #include "cuda/attention/attention_common.cuh"
+#include "cuda/attention/attention_host.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/gemm/gemm.cuh"
@@ -368,25 +369,15 @@ __global__ void __launch_bounds__(THREADS) attention_dq_kernel(const __grid_cons
   store_query(ib, live_b, true);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Zeroes rows [begin, end) of a [rows, H, D] tensor.
-void clear_rows(const TensorView& t, int64_t begin, int64_t end, cudaStream_t stream, const char* op) {
-  if (end <= begin) return;
-  const size_t row_bytes = size_t(t.shape[1] * t.shape[2]) * dtype_size(t.dtype);
-  check(cudaMemsetAsync(static_cast<char*>(t.data) + size_t(begin) * row_bytes, 0, size_t(end - begin) * row_bytes, stream),
-        op, "clear rows");
-}
-// Zeroes the rows of t outside the (sorted, disjoint or overlapping) ranges.
-void clear_uncovered(const TensorView& t, std::vector<std::pair<int64_t, int64_t>> ranges, cudaStream_t stream,
+// Zeroes the rows of t ([rows, H, D]) outside the ranges.
+void clear_uncovered(const TensorView& t, const std::vector<std::pair<int64_t, int64_t>>& ranges, cudaStream_t stream,
                      const char* op) {
-  std::sort(ranges.begin(), ranges.end());
-  int64_t next = 0;
-  for (auto [b, e] : ranges) {
-    clear_rows(t, next, b, stream, op);
-    next = std::max(next, e);
-  }
-  clear_rows(t, next, t.shape[0], stream, op);
+  const size_t row_bytes = size_t(t.shape[1] * t.shape[2]) * dtype_size(t.dtype);
+  for_each_uncovered(ranges, t.shape[0], [&](int64_t begin, int64_t end) {
+    check(cudaMemsetAsync(static_cast<char*>(t.data) + size_t(begin) * row_bytes, 0, size_t(end - begin) * row_bytes,
+                          stream),
+          op, "clear rows");
+  });
 }
 
 template <class T, int D>
@@ -472,26 +463,17 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
 
 void attention_backward(const Context& ctx, const AttentionBackwardArgs& a) {
   const char* op = "attention_backward";
-  const int64_t D = a.q.shape[2];
-  if (a.q.dtype != DType::bf16 && a.q.dtype != DType::f16)
-    throw Unsupported(op, "q", "the CUDA attention takes bf16 or fp16 (fp32 runs on the CPU backend)");
-  if (D != 64 && D != 128) throw Unsupported(op, "q", "the CUDA attention supports head_dim 64 and 128");
+  require_kernel_shapes(op, a.q, {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}, {"dout", &a.dout},
+                                  {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv}});
   if (a.out.dtype != a.q.dtype || a.dout.dtype != a.q.dtype)
     throw Unsupported(op, "dout", "the CUDA attention backward takes out and dout in q's dtype");
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv}})
     if (t->dtype != a.q.dtype && t->dtype != DType::f32)
       throw Unsupported(op, name, "the CUDA attention backward writes gradients in q's dtype or fp32");
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v},
-                                {"out", &a.out}, {"dout", &a.dout}, {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv}})
-    if (!aligned16(t->data)) throw Unsupported(op, name, "the CUDA attention needs its tensors 16-byte aligned");
   const cudaStream_t stream = stream_of(ctx.stream);
-  if (a.q.dtype == DType::bf16) {
-    if (D == 64) run_backward<__nv_bfloat16, 64>(ctx, a, stream, op);
-    else run_backward<__nv_bfloat16, 128>(ctx, a, stream, op);
-  } else {
-    if (D == 64) run_backward<__half, 64>(ctx, a, stream, op);
-    else run_backward<__half, 128>(ctx, a, stream, op);
-  }
+  dispatch_type_and_head_dim(a.q.dtype, a.q.shape[2], [&](auto t, auto d) {
+    run_backward<decltype(t), decltype(d)::value>(ctx, a, stream, op);
+  });
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include "cuda/attention/attention_backward.cuh"
 #include "cuda/attention/attention_common.cuh"
+#include "cuda/attention/attention_host.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/gemm/sm90_primitives.cuh"
 #include "cuda/gemm/sm90_tma.cuh"
@@ -242,14 +243,9 @@ void launch(const AttentionBackwardArgs& a, const BwdParams& p, int tiles, cudaS
 
 void attention_dkdv_sm90(const AttentionBackwardArgs& a, const BwdParams& p, int tiles, cudaStream_t stream,
                          const char* op) {
-  const int64_t D = a.q.shape[2];
-  if (a.q.dtype == DType::bf16) {
-    if (D == 64) launch<__nv_bfloat16, 64>(a, p, tiles, stream, op);
-    else launch<__nv_bfloat16, 128>(a, p, tiles, stream, op);
-  } else {
-    if (D == 64) launch<__half, 64>(a, p, tiles, stream, op);
-    else launch<__half, 128>(a, p, tiles, stream, op);
-  }
+  dispatch_type_and_head_dim(a.q.dtype, a.q.shape[2], [&](auto t, auto d) {
+    launch<decltype(t), decltype(d)::value>(a, p, tiles, stream, op);
+  });
 }
 
 }  // namespace samebits::cuda::attention

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cuda/attention/attention_common.cuh"
+#include "cuda/attention/attention_host.hpp"
 #include "cuda/attention/attention_sm90.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
@@ -198,8 +199,6 @@ __global__ void __launch_bounds__(THREADS) attention_forward_kernel(const __grid
   store_row(rb, live_b, true, l_b, m_b);
 }
 
-bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 __global__ void fill_kernel(float* p, int64_t n, float value) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) p[i] = value;
 }
@@ -207,12 +206,8 @@ __global__ void fill_kernel(float* p, int64_t n, float value) {
 void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   const char* op = "attention_forward";
   const int64_t Tq = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2], Hkv = a.k.shape[1];
-  if (a.q.dtype != DType::bf16 && a.q.dtype != DType::f16)
-    throw Unsupported(op, "q", "the CUDA attention takes bf16 or fp16 (fp32 runs on the CPU backend)");
+  attention::require_kernel_shapes(op, a.q, {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}});
   if (a.out.dtype != a.q.dtype) throw Unsupported(op, "out", "the CUDA attention writes out in q's dtype");
-  if (D != 64 && D != 128) throw Unsupported(op, "q", "the CUDA attention supports head_dim 64 and 128");
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}})
-    if (!aligned_to(t->data, 16)) throw Unsupported(op, name, "the CUDA attention needs q, k, v and out 16-byte aligned");
   if (a.block_table.present() && (a.page_size % 8 != 0 || (a.page_size % 128 != 0 && 128 % a.page_size != 0)))
     throw Unsupported(op, "page_size", "the CUDA attention takes page sizes that are multiples of 8 and divide 128 "
                                        "or are multiples of it (got " + std::to_string(a.page_size) + ")");
@@ -221,10 +216,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   const auto* s = a.seqs.as<const int32_t>();
   std::vector<std::pair<int64_t, int64_t>> covered;
   for (int64_t b = 0; b < a.seqs.shape[0]; ++b) covered.emplace_back(s[4 * b], int64_t(s[4 * b]) + s[4 * b + 1]);
-  std::sort(covered.begin(), covered.end());
-  int64_t next = 0;
-  auto clear_rows = [&](int64_t begin, int64_t end) {  // out = 0, lse = −inf
-    if (end <= begin) return;
+  attention::for_each_uncovered(covered, Tq, [&](int64_t begin, int64_t end) {
     const size_t row_bytes = size_t(Hq * D) * dtype_size(a.out.dtype);
     check(cudaMemsetAsync(static_cast<char*>(a.out.data) + size_t(begin) * row_bytes, 0, size_t(end - begin) * row_bytes, stream), op, "clear rows");
     if (a.lse.present()) {
@@ -232,12 +224,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
           a.lse.as<float>() + begin * Hq, (end - begin) * Hq, -INFINITY);
       check(cudaGetLastError(), op, "kernel launch");
     }
-  };
-  for (auto [b, e] : covered) {
-    clear_rows(next, b);
-    next = std::max(next, e);
-  }
-  clear_rows(next, Tq);
+  });
   // A paged cache: the kernels read a device copy of the block table.
   attention::KeyPages pages;
   const bool paged = a.block_table.present();
@@ -266,13 +253,9 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
                     tile_buf.as<const Tile>(), pages, int(Hq), int(Hkv),
                     float(a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D)))};
   const dim3 grid(unsigned(tiles.size()), unsigned(Hq));
-  auto launch = [&](auto t) {
-    using T = decltype(t);
-    if (D == 64) attention_forward_kernel<T, 64><<<grid, THREADS, 0, stream>>>(p);
-    else attention_forward_kernel<T, 128><<<grid, THREADS, 0, stream>>>(p);
-  };
-  if (a.q.dtype == DType::bf16) launch(__nv_bfloat16{});
-  else launch(__half{});
+  attention::dispatch_type_and_head_dim(a.q.dtype, D, [&](auto t, auto d) {
+    attention_forward_kernel<decltype(t), decltype(d)::value><<<grid, THREADS, 0, stream>>>(p);
+  });
   check(cudaGetLastError(), op, "kernel launch");
   // The tile table must outlive the kernel: ScratchBuffer frees it in stream order.
 }

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cuda/attention/attention_common.cuh"
+#include "cuda/attention/attention_host.hpp"
 #include "cuda/attention/attention_sm90.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
@@ -468,14 +469,9 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
 }  // namespace
 
 void attention_forward_sm90(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t stream, const char* op) {
-  const int64_t D = a.q.shape[2];
-  if (a.q.dtype == DType::bf16) {
-    if (D == 64) launch<__nv_bfloat16, 64>(a, pages, stream, op);
-    else launch<__nv_bfloat16, 128>(a, pages, stream, op);
-  } else {
-    if (D == 64) launch<__half, 64>(a, pages, stream, op);
-    else launch<__half, 128>(a, pages, stream, op);
-  }
+  dispatch_type_and_head_dim(a.q.dtype, a.q.shape[2], [&](auto t, auto d) {
+    launch<decltype(t), decltype(d)::value>(a, pages, stream, op);
+  });
 }
 
 }  // namespace samebits::cuda::attention
