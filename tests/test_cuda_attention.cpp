@@ -105,7 +105,7 @@ TEST_F(CudaAttention, PrefillChunkedDecodeAndPackingGiveTheSameBits) {
     const Fwd whole = run_gpu(q, k, v, {{0, L, 0, L}});
     // Chunked prefill: each chunk's queries against the cache of every key so far.
     int32_t done = 0;
-    for (int32_t c : {1, 7, 64, 100, L}) {
+    for (int32_t c : {1, 7, 12, 64, 100, L}) {
       const int32_t n = std::min(c, L - done);
       if (n <= 0) break;
       const Fwd part = run_gpu(q.slice_rows(done, done + n), k, v, {{0, n, 0, done + n}});
@@ -161,7 +161,7 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
                        what + ": batched decode at " + std::to_string(t));
     }
     for (int32_t c0 : {1000, 2040}) {  // chunks across a span boundary, and decode-sized ones (q_len · G <= 128)
-      for (int32_t n : {100, 7, 2}) {
+      for (int32_t n : {100, 7, 4, 3, 2}) {  // G = 4: 400, 28, 16, 12 and 8 rows (wide, wide, narrow N = 16, 16, 8)
         const Fwd part = run_gpu(q.slice_rows(c0, c0 + n), k, v, {{0, n, 0, c0 + n}});
         expect_same_bits(part.out, whole.out.slice_rows(c0, c0 + n), what + ": chunk of " + std::to_string(n) + " at " + std::to_string(c0));
       }
