@@ -118,6 +118,18 @@ TEST_F(CudaAttention, PrefillChunkedDecodeAndPackingGiveTheSameBits) {
       const Fwd one = run_gpu(q.slice_rows(t, t + 1), k, v, {{0, 1, 0, t + 1}});
       expect_same_bits(one.out, whole.out.slice_rows(t, t + 1), what + ": decode at " + std::to_string(t));
     }
+    // Every third token decoded in one call: a grid larger than the GPU (no head_dim split), and
+    // cache lengths that end inside a key block.
+    {
+      std::vector<SeqRow> steps;
+      for (int32_t t = 0; t < L; t += 3) steps.push_back({int32_t(steps.size()), 1, 0, t + 1});
+      HostTensor qs(s.dt, {int64_t(steps.size()), s.hq, s.d});
+      for (size_t i = 0; i < steps.size(); ++i) qs.copy_rows_from(q, int64_t(i) * 3, int64_t(i), 1);
+      const Fwd batch = run_gpu(qs, k, v, steps);
+      for (size_t i = 0; i < steps.size(); ++i)
+        expect_same_bits(batch.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(int64_t(i) * 3, int64_t(i) * 3 + 1),
+                         what + ": batched decode at " + std::to_string(i * 3));
+    }
     // Packed after a 37-token sequence and before a 5-token one, keys in the same packed layout.
     const int32_t pre = 37, post = 5, T = pre + L + post;
     HostTensor qp = r.tensor(s.dt, {T, s.hq, s.d}, -2, 2), kp = r.tensor(s.dt, {T, s.hkv, s.d}, -2, 2),
@@ -161,7 +173,7 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
                        what + ": batched decode at " + std::to_string(t));
     }
     for (int32_t c0 : {1000, 2040}) {  // chunks across a span boundary, and decode-sized ones (q_len · G <= 128)
-      for (int32_t n : {100, 7, 4, 3, 2}) {  // G = 4: 400, 28, 16, 12 and 8 rows (wide, wide, narrow N = 16, 16, 8)
+      for (int32_t n : {100, 7, 4, 3, 2}) {
         const Fwd part = run_gpu(q.slice_rows(c0, c0 + n), k, v, {{0, n, 0, c0 + n}});
         expect_same_bits(part.out, whole.out.slice_rows(c0, c0 + n), what + ": chunk of " + std::to_string(n) + " at " + std::to_string(c0));
       }

@@ -20,8 +20,9 @@
 //    registers (M, L) and in shared memory (O, one slice per thread, touched once a span).
 //  * V rows past the sequence's keys (another sequence's, or an unwritten cache slot that may hold
 //    NaN) must not reach P·V, where 0 · NaN = NaN: the block that holds the sequence's last key has
-//    its V loaded by the producer warp with plain loads, rows past the end zeroed. K rows past the
-//    end only reach masked scores, which a select replaces.
+//    its V rows past the end zeroed by the producer warp (after its own wait for the TMA) before
+//    the consumers are told the stage is full. K rows past the end only reach masked scores, which
+//    a select replaces.
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -79,8 +80,6 @@ struct Params {
   const Combine* combines;  // null: inline_combines
   Item inline_items[INLINE_ITEMS];
   Combine inline_combines[INLINE_COMBINES];
-  const uint16_t* q_raw;
-  const uint16_t* v_raw;
   KeyPages pages;
   int kv_box;  // key rows a K / V load brings: BN, or the page size where pages are smaller
   void* out;
@@ -93,222 +92,15 @@ struct Params {
 
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 
-constexpr int NARROW_ROWS = 16;
-struct NarrowSmem {  // inside the Q region of the CTA's shared memory
-  static constexpr int Q_BOX = NARROW_ROWS * 128;           // Q: 64-column boxes of NARROW_ROWS rows
-  static constexpr int P_BOX = NARROW_ROWS * 128;           // Pᵀ (16-bit): 64-key boxes of NARROW_ROWS rows
-  template <int D>
-  static constexpr int bytes() {
-    return (D / 64) * Q_BOX + (BN / 64) * P_BOX + NARROW_ROWS * BN * 4 + 5 * NARROW_ROWS * 4;
-  }
-};
-
 template <int D>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, O_BYTES = BM * D * 4;
-  static constexpr int BARRIERS = CONSUMERS + 3 * ONE_SPAN_STAGES;
+  static constexpr int BARRIERS = CONSUMERS + 3 * ONE_SPAN_STAGES + 1;
   static_assert(2 * STAGES * KV_BYTES + O_BYTES == 2 * ONE_SPAN_STAGES * KV_BYTES, "the third stage takes O's bytes");
   static constexpr size_t BYTES = size_t(Q_BYTES) + 2 * STAGES * KV_BYTES + O_BYTES + BARRIERS * 8 + 1024;
   static_assert(BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
-  static_assert(NarrowSmem::bytes<D>() <= Q_BYTES, "a narrow item's Q, P and row state fit in the Q region");
 };
-
-// A narrow item (decode: at most NARROW_ROWS query rows, one span) computes Sᵀ = K·Qᵀ and
-// Oᵀ += Vᵀ·Pᵀ: the keys and head_dim fill wgmma's 64-row side and the few query rows its N = 8 or 16
-// side, so the tensor cores do 8–16× less work than with 64 query rows of which 4 are real. wgmma
-// forms every element from the same products in the same k order whichever operand is A (tested:
-// Sᵀ and Oᵀ equal S and O bit for bit), and the softmax below keeps the wide path's arithmetic: the
-// same maxima, the same exp2 of each score, and each row's sum built as the wide path's four quad
-// threads build theirs (pairs of columns 8nt + 2q, 8nt + 2q + 1, nt ascending), butterflied at the
-// end. So a narrow item gives the bits a wide one would.
-// Byte offset of element (r, c) of a 128-byte-swizzled box of 64 16-bit columns (TMA's layout).
-__device__ __forceinline__ int swizzled(int r, int c) { return r * 128 + (((c / 8) ^ (r % 8)) * 16) + (c % 8) * 2; }
-
-template <class T>
-__device__ __forceinline__ uint16_t to16(float x) {
-  return uint16_t(pack2<T>(x, 0.0f) & 0xffffu);
-}
-
-// The narrow item's consumer warpgroup (N: query rows rounded up to a wgmma width).
-template <class T, int D, int N>
-__device__ __forceinline__ void narrow_consumer(const Params& p, const Item& it, uint8_t* sq, const uint8_t* sk,
-                                                const uint8_t* sv, uint64_t* full_q, uint64_t* full_k,
-                                                uint64_t* full_v, uint64_t* empty, int stages) {
-  constexpr int NT = N / 8, DCH = D / 64, KV_BYTES = BN * D * 2;
-  constexpr float NEG_INF = -INFINITY;
-  uint8_t* sp = sq + DCH * NarrowSmem::Q_BOX;                                // Pᵀ, K-major: row n, keys along
-  float* ps = reinterpret_cast<float*>(sp + (BN / 64) * NarrowSmem::P_BOX);  // p in fp32, [row][key]
-  float* red = ps + NARROW_ROWS * BN;                                        // [warp][row] block maxima
-  float* row_l = red + 4 * NARROW_ROWS;                                      // [row] the span's l
-  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, qc = (lane % 4) * 2;
-  const int key_in_half = warp * 16 + lane / 4;  // this thread's accumulator rows: key_in_half (+8), per 64-row half
-  const float c2 = p.scale_log2;
-  // Column state (this thread's query columns n = 8nt + qc + e): the running max.
-  float m_col[NT][2];
-  // Row-sum state: thread t < 4N plays the wide path's quad thread q = t % 4 of row t / 4.
-  const bool summer = t < 4 * N;
-  const int sum_row = t / 4, sum_quad = t % 4;
-  float m_row = NEG_INF, l_part = 0.0f;
-  float o[DCH][N / 2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) m_col[nt][0] = m_col[nt][1] = NEG_INF;
-#pragma unroll
-  for (int h = 0; h < DCH; ++h)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) o[h][i] = 0.0f;
-  mbar_wait(&full_q[0], 0);
-  for (int j = it.block_begin, n = 0; j < it.block_end; ++j, ++n) {
-    const int st = n % stages;
-    const uint32_t phase = (n / stages) & 1;
-    // Sᵀ = K·Qᵀ: two 64-key halves, head_dim in ascending 16-wide steps.
-    float s[BN / 64][N / 2];
-    mbar_wait(&full_k[st], phase);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int h = 0; h < BN / 64; ++h)
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        Wgmma<T, false, false, N>::mma(s[h], smem_desc(sk + st * KV_BYTES + (kk / 4) * BN * 128 + h * 64 * 128) + uint64_t((kk % 4) * 2),
-                                       smem_desc(sq + (kk / 4) * NarrowSmem::Q_BOX) + uint64_t((kk % 4) * 2), kk > 0);
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % stages]);  // the previous block's Oᵀ += Vᵀ·Pᵀ is done too
-
-    // Causal mask (keys past a row's position), then each column's maximum over the block.
-    const int key0 = j * BN;
-    if (key0 + BN - 1 > it.first_pos) {
-#pragma unroll
-      for (int h = 0; h < BN / 64; ++h)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (key0 + h * 64 + key_in_half + (e / 2) * 8 > it.first_pos + (nt * 8 + qc + (e & 1)) / it.group)
-              s[h][nt * 4 + e] = NEG_INF;
-    }
-    float mx[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        float v = NEG_INF;
-#pragma unroll
-        for (int h = 0; h < BN / 64; ++h) v = fmaxf(v, fmaxf(s[h][nt * 4 + e1], s[h][nt * 4 + 2 + e1]));
-#pragma unroll
-        for (int m = 4; m <= 16; m *= 2) v = fmaxf(v, __shfl_xor_sync(FULL, v, m));
-        mx[nt][e1] = v;
-      }
-    if (lane < 4)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) red[warp * NARROW_ROWS + nt * 8 + qc + e1] = mx[nt][e1];
-    named_barrier_sync(3, 128);
-    // The new maxima (exact, so every thread holding a column agrees), the shift in exp2 units and
-    // the rescale factor, as the wide path forms them.
-    auto block_max = [&](int col) {
-      return fmaxf(fmaxf(red[col], red[NARROW_ROWS + col]), fmaxf(red[2 * NARROW_ROWS + col], red[3 * NARROW_ROWS + col]));
-    };
-    float mc[NT][2], alpha[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const float mn = fmaxf(m_col[nt][e1], block_max(nt * 8 + qc + e1));
-        mc[nt][e1] = mn == NEG_INF ? 0.0f : __fmul_rn(mn, c2);
-        alpha[nt][e1] = exp2_ftz(__fsub_rn(__fmul_rn(m_col[nt][e1], c2), mc[nt][e1]));
-        m_col[nt][e1] = mn;
-      }
-    float alpha_row = 1.0f;
-    if (summer) {
-      const float mn = fmaxf(m_row, block_max(sum_row));
-      const float mcr = mn == NEG_INF ? 0.0f : __fmul_rn(mn, c2);
-      alpha_row = exp2_ftz(__fsub_rn(__fmul_rn(m_row, c2), mcr));
-      m_row = mn;
-    }
-    // p = 2^(s·c − m·c): fp32 for the row sums, rounded to 16 bits as Pᵀ for the value product.
-#pragma unroll
-    for (int h = 0; h < BN / 64; ++h)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nt * 8 + qc + (e & 1), key = h * 64 + key_in_half + (e / 2) * 8;
-          const float pv = exp2_ftz(__fmaf_rn(s[h][nt * 4 + e], c2, -mc[nt][e & 1]));
-          ps[col * BN + key] = pv;
-          *reinterpret_cast<uint16_t*>(sp + h * NarrowSmem::P_BOX + swizzled(col, key % 64)) = to16<T>(pv);
-        }
-#pragma unroll
-    for (int h = 0; h < DCH; ++h)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          o[h][nt * 4 + e] = __fmul_rn(o[h][nt * 4 + e], alpha[nt][e & 1]);
-          asm volatile("" : "+f"(o[h][nt * 4 + e])::"memory");  // scaled before the wgmma fence, not sunk past it
-        }
-    fence_async_shared();
-    named_barrier_sync(3, 128);
-    // Oᵀ += Vᵀ·Pᵀ: head_dim in 64-row halves, the block's keys in ascending 16-wide steps.
-    mbar_wait(&full_v[st], phase);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int h = 0; h < DCH; ++h)
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)
-        Wgmma<T, true, false, N>::mma(o[h], smem_desc_mn_lbo(sv + st * KV_BYTES + h * BN * 128 + kt * 16 * 128, BN * 128),
-                                      smem_desc(sp + (kt / 4) * NarrowSmem::P_BOX) + uint64_t((kt % 4) * 2), 1);
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    // The row sums, in the wide path's order: this quad thread's column pairs, nt ascending.
-    if (summer) {
-      const float* pr = ps + sum_row * BN + 2 * sum_quad;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) sum = __fadd_rn(sum, __fadd_rn(pr[nt * 8], pr[nt * 8 + 1]));
-      l_part = __fadd_rn(__fmul_rn(l_part, alpha_row), sum);
-    }
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  if (summer) {
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) l_part = __fadd_rn(l_part, __shfl_xor_sync(FULL, l_part, m));
-    if (sum_quad == 0) row_l[sum_row] = l_part;
-  }
-  named_barrier_sync(3, 128);
-
-  // Write: the span's unfolded state (split-KV) or, folded from (−inf, 0, 0), out and lse.
-  const int head0 = it.head * (it.group == 1 ? 1 : it.group);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e1 = 0; e1 < 2; ++e1) {
-      const int col = nt * 8 + qc + e1;
-      if (col >= it.rows) continue;
-      const float l = row_l[col];
-      float M = NEG_INF, L = 0.0f, a = 0.0f, b = 0.0f;
-      const bool folds = it.part < 0 && fold_stats(M, L, m_col[nt][e1], l, c2, a, b);
-      const int64_t token = int64_t(it.q_row) + col / it.group;
-      const int head = head0 + col % it.group;
-#pragma unroll
-      for (int h = 0; h < DCH; ++h)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int d = h * 64 + key_in_half + r * 8;
-          const float v = o[h][nt * 4 + r * 2 + e1];
-          if (it.part >= 0) {
-            p.part_o[(int64_t(it.part) + col) * D + d] = v;
-          } else {
-            const float out = folds ? fold_value(0.0f, v, a, b) : 0.0f;
-            static_cast<uint16_t*>(p.out)[(token * p.Hq + head) * D + d] = to16<T>(__fdiv_rn(out, L));
-          }
-        }
-      if (warp == 0 && lane < 4) {  // one writer a column
-        if (it.part >= 0) reinterpret_cast<float2*>(p.part_ml)[int64_t(it.part) + col] = make_float2(m_col[nt][e1], l);
-        else if (p.lse) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
-      }
-    }
-}
 
 template <class T, int D>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
@@ -320,7 +112,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // One span: a split-KV item, or an item whose blocks all lie in the first span.
   const bool one_span = it.part >= 0 || it.block_end <= SPLIT_BLOCKS;
   const int stages = one_span ? ONE_SPAN_STAGES : STAGES;
-  const bool narrow = one_span && it.rows <= NARROW_ROWS;
   uint8_t* sk = sq + S::Q_BYTES;
   uint8_t* sv = sk + stages * S::KV_BYTES;
   float* so = reinterpret_cast<float*>(sv + stages * S::KV_BYTES);  // running O: items of several spans only
@@ -328,6 +119,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* full_k = full_q + CONSUMERS;
   uint64_t* full_v = full_k + ONE_SPAN_STAGES;
   uint64_t* empty = full_v + ONE_SPAN_STAGES;
+  uint64_t* tail_v = empty + ONE_SPAN_STAGES;  // the producer's own wait for the last block's V
   const int consumers = it.rows > 64 ? 2 : 1;
   const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
@@ -337,6 +129,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       mbar_init(&full_v[s], 1);
       mbar_init(&empty[s], uint32_t(consumers));
     }
+    mbar_init(tail_v, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -346,20 +139,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
-    if (narrow) {  // Q by plain loads into NARROW_ROWS-row boxes, rows past the item's zeroed
-      constexpr int CHUNKS = D / 8;  // 16-byte pieces of a row
-      const int head0 = it.head * (group == 1 ? 1 : group);
-      for (int idx = lane; idx < NARROW_ROWS * CHUNKS; idx += 32) {
-        const int r = idx / CHUNKS, ch = idx % CHUNKS;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < it.rows)
-          val = *reinterpret_cast<const uint4*>(p.q_raw + ((int64_t(it.q_row) + r / group) * p.Hq + head0 + r % group) * D + ch * 8);
-        *reinterpret_cast<uint4*>(sq + (ch / 8) * NarrowSmem::Q_BOX + swizzled(r, (ch % 8) * 8)) = val;
-      }
-      fence_async_shared();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&full_q[0]);
-    } else if (lane == 0) {
+    if (lane == 0) {
       for (int c = 0; c < consumers; ++c) {
         mbar_expect_tx(&full_q[c], uint32_t(64 * D * 2));
         for (int b = 0; b < S::BOXES; ++b) {
@@ -385,26 +165,22 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const bool tail = key0 + BN > it.k_len;
       if (lane == 0) {
         mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
-        if (!tail) mbar_expect_tx(&full_v[st], uint32_t(S::KV_BYTES));
+        mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(S::KV_BYTES));
       }
       __syncwarp();
       // K before V: the consumers need K first (S = Q·Kᵀ), and a small decode waits on it.
       for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
         for (int b = 0; b < S::BOXES; ++b)
           tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
-      if (!tail)
-        for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
-          for (int b = 0; b < S::BOXES; ++b)
-            tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), &full_v[st]);
-      if (tail) {  // the sequence's last block: V by plain loads into the 128-byte-swizzled layout, rows past the end zeroed
-        constexpr int CHUNKS = S::BOXES * 8;  // 16-byte pieces of a key's row
-        for (int idx = lane; idx < BN * CHUNKS; idx += 32) {
-          const int r = idx / CHUNKS, b = (idx % CHUNKS) / 8, ch = idx % 8, key = key0 + r;
-          uint4 val = make_uint4(0, 0, 0, 0);
-          if (key < it.k_len)
-            val = *reinterpret_cast<const uint4*>(p.v_raw + (p.pages.row(it.seq, it.k_row, key) * p.Hkv + hk) * D + b * 64 + ch * 8);
-          *reinterpret_cast<uint4*>(vdst + b * BN * 128 + r * 128 + ((ch ^ (r & 7)) * 16)) = val;
-        }
+      for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
+        for (int b = 0; b < S::BOXES; ++b)
+          tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
+      if (tail) {  // the sequence's last block (one an item): its V rows past the end zeroed before the consumers see it
+        mbar_wait(tail_v, 0);
+        const int valid = it.k_len - key0, chunks = (BN - valid) * 8;  // 16-byte pieces of a box past the end
+        for (int b = 0; b < S::BOXES; ++b)
+          for (int idx = lane; idx < chunks; idx += 32)
+            *reinterpret_cast<uint4*>(vdst + b * BN * 128 + (valid + idx / 8) * 128 + (idx % 8) * 16) = make_uint4(0, 0, 0, 0);
         fence_async_shared();
         __syncwarp();
         if (lane == 0) mbar_arrive(&full_v[st]);
@@ -416,11 +192,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;
   if (c >= consumers) return;
-  if (narrow) {
-    if (it.rows <= 8) narrow_consumer<T, D, 8>(p, it, sq, sk, sv, full_q, full_k, full_v, empty, stages);
-    else narrow_consumer<T, D, 16>(p, it, sq, sk, sv, full_q, full_k, full_v, empty, stages);
-    return;
-  }
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, quad_col = (lane % 4) * 2;
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
   const int pos0 = it.first_pos + row0 / group, pos1 = it.first_pos + row1 / group;
@@ -684,8 +455,6 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.kv_box = pages.table && pages.page_size < BN ? pages.page_size : BN;
   p.k = sm90::tma_map_3d(k, a.k.shape[0], Hkv, D, 1, p.kv_box);
   p.v = sm90::tma_map_3d(a.v.as<const T>(), a.v.shape[0], Hkv, D, 1, p.kv_box);
-  p.q_raw = a.q.as<const uint16_t>();
-  p.v_raw = a.v.as<const uint16_t>();
   p.out = a.out.data;
   p.lse = a.lse.present() ? a.lse.as<float>() : nullptr;
   p.part_o = partials.as<float>();

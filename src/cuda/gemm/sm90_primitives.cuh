@@ -173,15 +173,12 @@ __device__ __forceinline__ uint64_t smem_desc_mn_64b(const void* p) {
 // Inline PTX takes one operand per accumulator register: the operand lists come from the SB_D*
 // macros and the register-name lists are spelled out once per size.
 #define SB_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define SB_D8(i) SB_D4(i), SB_D4(i + 4)
 #define SB_D16(i) SB_D4(i), SB_D4(i + 4), SB_D4(i + 8), SB_D4(i + 12)
 #define SB_D24(i) SB_D16(i), SB_D4(i + 16), SB_D4(i + 20)
 #define SB_D32(i) SB_D16(i), SB_D16(i + 16)
 #define SB_D64(i) SB_D32(i), SB_D32(i + 32)
 #define SB_D96(i) SB_D64(i), SB_D32(i + 64)
 #define SB_D128(i) SB_D64(i), SB_D64(i + 64)
-#define SB_R4 "{%0, %1, %2, %3}"
-#define SB_R8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define SB_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define SB_R24 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}"
 #define SB_R32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -196,8 +193,7 @@ __device__ __forceinline__ uint64_t smem_desc_mn_64b(const void* p) {
   ", " TB ";\n}\n"
 template <class T, bool TRANS_A, bool TRANS_B, int N>
 struct Wgmma {
-  static_assert(N == 8 || N == 16 || N == 32 || N == 48 || N == 64 || N == 128 || N == 192 || N == 256,
-                "wgmma widths used by the GEMM and attention kernels");
+  static_assert(N == 32 || N == 48 || N == 64 || N == 128 || N == 192 || N == 256, "wgmma widths used by the GEMM kernels");
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit inputs");
   __device__ __forceinline__ static void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
@@ -222,12 +218,8 @@ struct Wgmma {
       SB_WGMMA_BOTH("m64n64k16", SB_R32, SB_D32(0), "%32", "%33", "%34", "%35", "%36")
     } else if constexpr (N == 48) {
       SB_WGMMA_BOTH("m64n48k16", SB_R24, SB_D24(0), "%24", "%25", "%26", "%27", "%28")
-    } else if constexpr (N == 32) {
-      SB_WGMMA_BOTH("m64n32k16", SB_R16, SB_D16(0), "%16", "%17", "%18", "%19", "%20")
-    } else if constexpr (N == 16) {
-      SB_WGMMA_BOTH("m64n16k16", SB_R8, SB_D8(0), "%8", "%9", "%10", "%11", "%12")
     } else {
-      SB_WGMMA_BOTH("m64n8k16", SB_R4, SB_D4(0), "%4", "%5", "%6", "%7", "%8")
+      SB_WGMMA_BOTH("m64n32k16", SB_R16, SB_D16(0), "%16", "%17", "%18", "%19", "%20")
     }
 #undef SB_WGMMA_BOTH
   }
@@ -269,8 +261,6 @@ struct WgmmaRS {
 #undef SB_R64
 #undef SB_R32
 #undef SB_R16
-#undef SB_R8
-#undef SB_R4
 #undef SB_R24
 #undef SB_D128
 #undef SB_D96
@@ -278,7 +268,6 @@ struct WgmmaRS {
 #undef SB_D32
 #undef SB_D16
 #undef SB_D24
-#undef SB_D8
 #undef SB_D4
 
 }  // namespace samebits::cuda::sm90
