@@ -48,10 +48,7 @@ namespace {
 
 using namespace sm90;
 
-// An item whose keys lie in one span needs no running O in shared memory: its bytes hold a third
-// K / V stage instead (2·2 stages + O = 3·2 stages of K / V for every D), so a decode's producer
-// keeps two blocks in flight, not one.
-constexpr int BM = 128, BN = 128, STAGES = 2, ONE_SPAN_STAGES = 3, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int BM = 128, BN = 128, STAGES = 2, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
 constexpr int SPLIT_BLOCKS = ATTENTION_SPLIT_KEYS / BN;
 constexpr unsigned FULL = 0xffffffffu;
 static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
@@ -96,8 +93,7 @@ template <int D>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, O_BYTES = BM * D * 4;
-  static constexpr int BARRIERS = CONSUMERS + 3 * ONE_SPAN_STAGES + 1;
-  static_assert(2 * STAGES * KV_BYTES + O_BYTES == 2 * ONE_SPAN_STAGES * KV_BYTES, "the third stage takes O's bytes");
+  static constexpr int BARRIERS = CONSUMERS + 3 * STAGES + 1;
   static constexpr size_t BYTES = size_t(Q_BYTES) + 2 * STAGES * KV_BYTES + O_BYTES + BARRIERS * 8 + 1024;
   static_assert(BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
 };
@@ -108,23 +104,20 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   using S = Smem<D>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
-  // One span: a split-KV item, or an item whose blocks all lie in the first span.
-  const bool one_span = it.part >= 0 || it.block_end <= SPLIT_BLOCKS;
-  const int stages = one_span ? ONE_SPAN_STAGES : STAGES;
   uint8_t* sk = sq + S::Q_BYTES;
-  uint8_t* sv = sk + stages * S::KV_BYTES;
-  float* so = reinterpret_cast<float*>(sv + stages * S::KV_BYTES);  // running O: items of several spans only
-  uint64_t* full_q = reinterpret_cast<uint64_t*>(sq + S::Q_BYTES + 2 * STAGES * S::KV_BYTES + S::O_BYTES);
+  uint8_t* sv = sk + STAGES * S::KV_BYTES;
+  float* so = reinterpret_cast<float*>(sv + STAGES * S::KV_BYTES);
+  uint64_t* full_q = reinterpret_cast<uint64_t*>(so + BM * D);
   uint64_t* full_k = full_q + CONSUMERS;
-  uint64_t* full_v = full_k + ONE_SPAN_STAGES;
-  uint64_t* empty = full_v + ONE_SPAN_STAGES;
-  uint64_t* tail_v = empty + ONE_SPAN_STAGES;  // the producer's own wait for the last block's V
+  uint64_t* full_v = full_k + STAGES;
+  uint64_t* empty = full_v + STAGES;
+  uint64_t* tail_v = empty + STAGES;  // the producer's own wait for the last block's V
+  const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
   const int consumers = it.rows > 64 ? 2 : 1;
   const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
     for (int c = 0; c < CONSUMERS; ++c) mbar_init(&full_q[c], 1);
-    for (int s = 0; s < stages; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
       mbar_init(&empty[s], uint32_t(consumers));
@@ -150,8 +143,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       }
     }
     for (int j = it.block_begin, n = 0; j < it.block_end; ++j, ++n) {
-      const int st = n % stages;
-      if (n >= stages) mbar_wait(&empty[st], ((n / stages) - 1) & 1);
+      const int st = n % STAGES;
+      if (n >= STAGES) mbar_wait(&empty[st], ((n / STAGES) - 1) & 1);
       uint8_t* kdst = sk + st * S::KV_BYTES;
       uint8_t* vdst = sv + st * S::KV_BYTES;
       const int key0 = j * BN;
@@ -198,10 +191,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int warp_first_pos = it.first_pos + (c * 64 + warp * 16) / group;
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256]
-  if (!one_span) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) my_o[i * 256] = 0.0f;
-  }
+  for (int i = 0; i < D / 2; ++i) my_o[i * 256] = 0.0f;
   float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
   float o[D / 2];
@@ -221,8 +212,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     for (int j = span; j < span_end; ++j, ++n) {
-      const int st = n % stages;
-      const uint32_t phase = (n / stages) & 1;
+      const int st = n % STAGES;
+      const uint32_t phase = (n / STAGES) & 1;
       // S = Q·Kᵀ
       float s[BN / 2];
       mbar_wait(&full_k[st], phase);
@@ -238,7 +229,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       if (pingpong && (c == 0 || n + 1 < blocks)) named_barrier_arrive(2 - c, 256);  // the other's turn
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       // The previous block's P·V is done too: its stage can be refilled.
-      if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % stages]);
+      if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
 
       // Causal mask where the block reaches past the warp's first row (whole blocks below the
     // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
@@ -314,11 +305,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) {
-        const bool second = (i & 2) != 0, folds = second ? f1 : f0;
-        if (one_span)  // the only fold, from O = 0, kept in registers
-          o[i] = folds ? fold_value(0.0f, o[i], second ? a1 : a0, second ? b1 : b0) : 0.0f;
-        else if (folds)
-          my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
+        const bool second = (i & 2) != 0;
+        if (second ? f1 : f0) my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
       }
     }
   }
@@ -345,8 +333,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
       const int i = nt * 4 + (second ? 2 : 0);
-      const float x = one_span ? o[i] : my_o[i * 256], y = one_span ? o[i + 1] : my_o[(i + 1) * 256];
-      dst[(nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(x, L), __fdiv_rn(y, L));
+      dst[(nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(my_o[i * 256], L), __fdiv_rn(my_o[(i + 1) * 256], L));
     }
     if (p.lse && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
   };
