@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -58,8 +59,10 @@ static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
 // the key/value head otherwise), against key blocks [block_begin, block_end) of keys
 // [k_row, k_row + k_len) of sequence `seq` (or its pages). part < 0: the item covers all of its rows' spans and writes out / lse;
 // else it is one span, written unfolded to the partial rows part … part + rows − 1.
+// d_split (kernels with HALF_D only): 1 / 2 = the item computes the first / second half of O's
+// columns (and reads that half of V).
 struct Item {
-  int32_t q_row, rows, k_row, k_len, first_pos, head, group, block_begin, block_end, part, seq;
+  int32_t q_row, rows, k_row, k_len, first_pos, head, group, block_begin, block_end, part, seq, d_split;
 };
 // The spans of one decode-sized row set, for the combine kernel: span s of row i is partial row
 // part + s · rows + i.
@@ -98,7 +101,10 @@ struct Smem {
   static_assert(BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
 };
 
-template <class T, int D>
+// HALF_D: a small grid (fewer CTAs than SMs) of one-span items runs each item as two CTAs, each
+// computing half of O's columns: P·V is the larger share of a decode CTA's tensor work, and every
+// element of O is formed by the same products in the same order whichever N the wgmma has.
+template <class T, int D, bool HALF_D>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Smem<D>;
@@ -114,6 +120,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* tail_v = empty + STAGES;  // the producer's own wait for the last block's V
   const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
   const int consumers = it.rows > 64 ? 2 : 1;
+  constexpr int ON = HALF_D ? D / 2 : D;  // O's columns this CTA computes
+  const int d0 = HALF_D ? (it.d_split - 1) * ON : 0;  // the first of them
+  const bool writes_stats = !HALF_D || it.d_split == 1;
   const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
     for (int c = 0; c < CONSUMERS; ++c) mbar_init(&full_q[c], 1);
@@ -156,9 +165,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
       // the bytes the stage expects.
       const bool tail = key0 + BN > it.k_len;
+      const int vb_lo = d0 / 64, vb_hi = (d0 + ON) / 64;  // V: the 64-column boxes of this CTA's columns
       if (lane == 0) {
         mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
-        mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(S::KV_BYTES));
+        mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(vb_hi - vb_lo) * BN * 128);
       }
       __syncwarp();
       // K before V: the consumers need K first (S = Q·Kᵀ), and a small decode waits on it.
@@ -166,12 +176,12 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         for (int b = 0; b < S::BOXES; ++b)
           tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
       for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
-        for (int b = 0; b < S::BOXES; ++b)
+        for (int b = vb_lo; b < vb_hi; ++b)
           tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
       if (tail) {  // the sequence's last block (one an item): its V rows past the end zeroed before the consumers see it
         mbar_wait(tail_v, 0);
         const int valid = it.k_len - key0, chunks = (BN - valid) * 8;  // 16-byte pieces of a box past the end
-        for (int b = 0; b < S::BOXES; ++b)
+        for (int b = vb_lo; b < vb_hi; ++b)
           for (int idx = lane; idx < chunks; idx += 32)
             *reinterpret_cast<uint4*>(vdst + b * BN * 128 + (valid + idx / 8) * 128 + (idx % 8) * 16) = make_uint4(0, 0, 0, 0);
         fence_async_shared();
@@ -192,10 +202,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256]
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) my_o[i * 256] = 0.0f;
+  for (int i = 0; i < ON / 2; ++i) my_o[i * 256] = 0.0f;
   float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
-  float o[D / 2];
+  float o[ON / 2];
   mbar_wait(&full_q[c], 0);
   const uint8_t* qbase = sq + c * S::BOXES * 64 * 128;
 
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     m0 = m1 = -INFINITY;
     l0 = l1 = 0.0f;
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    for (int i = 0; i < ON / 2; ++i) o[i] = 0.0f;
     for (int j = span; j < span_end; ++j, ++n) {
       const int st = n % STAGES;
       const uint32_t phase = (n / STAGES) & 1;
@@ -272,7 +282,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
     m0 = mn0, m1 = mn1;
 #pragma unroll
-    for (int i = 0; i < D / 2; i += 4) {
+    for (int i = 0; i < ON / 2; i += 4) {
       o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
       o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
     }
@@ -289,7 +299,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)
-        WgmmaRS<T, true, D>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::KV_BYTES + kt * 16 * 128, BN * 128));
+        WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::KV_BYTES + (d0 / 64) * BN * 128 + kt * 16 * 128, BN * 128));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }
     // The span ends: fold it into the running state (or keep it, for a split-KV item).
@@ -304,7 +314,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
       const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
 #pragma unroll
-      for (int i = 0; i < D / 2; ++i) {
+      for (int i = 0; i < ON / 2; ++i) {
         const bool second = (i & 2) != 0;
         if (second ? f1 : f0) my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
       }
@@ -319,11 +329,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const int64_t pr = int64_t(it.part) + row;
       float2* dst = reinterpret_cast<float2*>(p.part_o + pr * D);
 #pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
+      for (int nt = 0; nt < ON / 8; ++nt) {
         const int i = nt * 4 + (second ? 2 : 0);
-        dst[(nt * 8 + quad_col) / 2] = make_float2(o[i], o[i + 1]);
+        dst[(d0 + nt * 8 + quad_col) / 2] = make_float2(o[i], o[i + 1]);
       }
-      if (lane % 4 == 0) reinterpret_cast<float2*>(p.part_ml)[pr] = make_float2(second ? m1 : m0, second ? l1 : l0);
+      if (writes_stats && lane % 4 == 0) reinterpret_cast<float2*>(p.part_ml)[pr] = make_float2(second ? m1 : m0, second ? l1 : l0);
       return;
     }
     const float L = second ? L1 : L0, M = second ? M1 : M0;
@@ -331,11 +341,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     const int head = it.head * (group == 1 ? 1 : group) + row % group;
     uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D);
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
+    for (int nt = 0; nt < ON / 8; ++nt) {
       const int i = nt * 4 + (second ? 2 : 0);
-      dst[(nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(my_o[i * 256], L), __fdiv_rn(my_o[(i + 1) * 256], L));
+      dst[(d0 + nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(my_o[i * 256], L), __fdiv_rn(my_o[(i + 1) * 256], L));
     }
-    if (p.lse && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
+    if (p.lse && writes_stats && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
   };
   write_row(row0, false);
   write_row(row1, true);
@@ -412,6 +422,20 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
     }
   }
   if (items.empty()) return;
+  // A grid of one-span items smaller than half the GPU (a small decode): each item as two CTAs, one
+  // a half of O's columns. Which CTA computes an element never changes its arithmetic.
+  const bool half_d = D == 128 && items.size() * 2 <= size_t(current_sm_count(op)) && !getenv("SB_NO_HALF_D") &&
+                      std::all_of(items.begin(), items.end(), [](const Item& x) { return x.part >= 0 || x.block_end <= SPLIT_BLOCKS; });
+  if (half_d) {
+    std::vector<Item> halves;
+    for (Item x : items) {
+      x.d_split = 1;
+      halves.push_back(x);
+      x.d_split = 2;
+      halves.push_back(x);
+    }
+    items.swap(halves);
+  }
   // The longest items first, so the tail of the grid is short ones (which CTA runs an item never
   // changes its arithmetic).
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
@@ -450,9 +474,18 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
-  static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(attention_forward_sm90_kernel<T, D>, Smem<D>::BYTES, smem_allowed, op);
-  attention_forward_sm90_kernel<T, D><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
+  if constexpr (D == 128) {
+    if (half_d) {
+      static std::atomic<int> smem_allowed[64] = {};
+      allow_dynamic_smem(attention_forward_sm90_kernel<T, D, true>, Smem<D>::BYTES, smem_allowed, op);
+      attention_forward_sm90_kernel<T, D, true><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
+    }
+  }
+  if (!half_d) {
+    static std::atomic<int> smem_allowed[64] = {};
+    allow_dynamic_smem(attention_forward_sm90_kernel<T, D, false>, Smem<D>::BYTES, smem_allowed, op);
+    attention_forward_sm90_kernel<T, D, false><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
+  }
   check(cudaGetLastError(), op, "kernel launch");
   if (!combines.empty()) {
     int32_t most_rows = 0;
