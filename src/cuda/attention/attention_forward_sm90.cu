@@ -59,8 +59,8 @@ static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
 // the key/value head otherwise), against key blocks [block_begin, block_end) of keys
 // [k_row, k_row + k_len) of sequence `seq` (or its pages). part < 0: the item covers all of its rows' spans and writes out / lse;
 // else it is one span, written unfolded to the partial rows part … part + rows − 1.
-// d_split (kernels with HALF_D only): 1 / 2 = the item computes the first / second half of O's
-// columns (and reads that half of V).
+// d_split (kernels with PARTS > 1 only): 1 … PARTS = the item computes that part of O's columns
+// (and reads the V columns of that part).
 struct Item {
   int32_t q_row, rows, k_row, k_len, first_pos, head, group, block_begin, block_end, part, seq, d_split;
 };
@@ -101,10 +101,11 @@ struct Smem {
   static_assert(BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
 };
 
-// HALF_D: a small grid (fewer CTAs than SMs) of one-span items runs each item as two CTAs, each
-// computing half of O's columns: P·V is the larger share of a decode CTA's tensor work, and every
-// element of O is formed by the same products in the same order whichever N the wgmma has.
-template <class T, int D, bool HALF_D>
+// PARTS > 1: a small grid (fewer CTAs than SMs) of one-span items runs each item as PARTS CTAs,
+// each computing D / PARTS of O's columns: a decode CTA is bound by its tensor work (64 query rows
+// of which a few are real), P·V is half of it, and every element of O is formed by the same
+// products in the same order whichever N the wgmma has (tested: decode in parts == prefill).
+template <class T, int D, int PARTS>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Smem<D>;
@@ -120,9 +121,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* tail_v = empty + STAGES;  // the producer's own wait for the last block's V
   const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
   const int consumers = it.rows > 64 ? 2 : 1;
-  constexpr int ON = HALF_D ? D / 2 : D;  // O's columns this CTA computes
-  const int d0 = HALF_D ? (it.d_split - 1) * ON : 0;  // the first of them
-  const bool writes_stats = !HALF_D || it.d_split == 1;
+  constexpr int ON = D / PARTS;  // O's columns this CTA computes
+  const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of them
+  const bool writes_stats = PARTS == 1 || it.d_split == 1;
   const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
     for (int c = 0; c < CONSUMERS; ++c) mbar_init(&full_q[c], 1);
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
       // the bytes the stage expects.
       const bool tail = key0 + BN > it.k_len;
-      const int vb_lo = d0 / 64, vb_hi = (d0 + ON) / 64;  // V: the 64-column boxes of this CTA's columns
+      const int vb_lo = d0 / 64, vb_hi = (d0 + ON + 63) / 64;  // V: the 64-column boxes holding this CTA's columns
       if (lane == 0) {
         mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
         mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(vb_hi - vb_lo) * BN * 128);
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)
-        WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::KV_BYTES + (d0 / 64) * BN * 128 + kt * 16 * 128, BN * 128));
+        WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::KV_BYTES + (d0 / 64) * BN * 128 + (d0 % 64) * 2 + kt * 16 * 128, BN * 128));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }
     // The span ends: fold it into the running state (or keep it, for a split-KV item).
@@ -422,19 +423,25 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
     }
   }
   if (items.empty()) return;
-  // A grid of one-span items smaller than half the GPU (a small decode): each item as two CTAs, one
-  // a half of O's columns. Which CTA computes an element never changes its arithmetic.
-  const bool half_d = D == 128 && items.size() * 2 <= size_t(current_sm_count(op)) && !getenv("SB_NO_HALF_D") &&
-                      std::all_of(items.begin(), items.end(), [](const Item& x) { return x.part >= 0 || x.block_end <= SPLIT_BLOCKS; });
-  if (half_d) {
-    std::vector<Item> halves;
-    for (Item x : items) {
-      x.d_split = 1;
-      halves.push_back(x);
-      x.d_split = 2;
-      halves.push_back(x);
-    }
-    items.swap(halves);
+  // A grid of one-span items that leaves SMs idle (a small decode): each item as `parts` CTAs, one
+  // a part of O's columns (at least 32). Which CTA computes an element never changes its arithmetic.
+  int parts = 1;
+  const int sms = current_sm_count(op);
+  if (std::all_of(items.begin(), items.end(), [](const Item& x) { return x.part >= 0 || x.block_end <= SPLIT_BLOCKS; }))
+    for (int k : {4, 2})
+      if (D / k >= 32 && items.size() * k <= size_t(sms)) {
+        parts = k;
+        break;
+      }
+  if (const char* e = getenv("SB_MAX_PARTS")) parts = std::min(parts, atoi(e));  // EXPERIMENT
+  if (parts > 1) {
+    std::vector<Item> split;
+    for (Item x : items)
+      for (int k = 1; k <= parts; ++k) {
+        x.d_split = k;
+        split.push_back(x);
+      }
+    items.swap(split);
   }
   // The longest items first, so the tail of the grid is short ones (which CTA runs an item never
   // changes its arithmetic).
@@ -474,17 +481,18 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
-  if constexpr (D == 128) {
-    if (half_d) {
-      static std::atomic<int> smem_allowed[64] = {};
-      allow_dynamic_smem(attention_forward_sm90_kernel<T, D, true>, Smem<D>::BYTES, smem_allowed, op);
-      attention_forward_sm90_kernel<T, D, true><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
-    }
-  }
-  if (!half_d) {
+  auto run = [&](auto parts) {
+    constexpr int PARTS = decltype(parts)::value;
     static std::atomic<int> smem_allowed[64] = {};
-    allow_dynamic_smem(attention_forward_sm90_kernel<T, D, false>, Smem<D>::BYTES, smem_allowed, op);
-    attention_forward_sm90_kernel<T, D, false><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
+    allow_dynamic_smem(attention_forward_sm90_kernel<T, D, PARTS>, Smem<D>::BYTES, smem_allowed, op);
+    attention_forward_sm90_kernel<T, D, PARTS><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
+  };
+  if (parts == 4) {
+    if constexpr (D / 4 >= 32) run(std::integral_constant<int, 4>{});
+  } else if (parts == 2) {
+    run(std::integral_constant<int, 2>{});
+  } else {
+    run(std::integral_constant<int, 1>{});
   }
   check(cudaGetLastError(), op, "kernel launch");
   if (!combines.empty()) {

@@ -224,7 +224,7 @@ struct Wgmma {
 #undef SB_WGMMA_BOTH
   }
 };
-// wgmma.m64nNk16 (N = 64 or 128) with A from registers (the m16n8k16 A fragment of each warp's 16
+// wgmma.m64nNk16 (N = 32, 64 or 128) with A from registers (the m16n8k16 A fragment of each warp's 16
 // rows: a[0] row r cols 2q..2q+1, a[1] row r + 8, a[2] / a[3] the same 8 columns on) and B from shared
 // memory, N-major when TRANS_B (the attention's P·V: P in registers, V read along head_dim).
 #define SB_WGMMA_RS(SHAPE, TYPE, REGS, A, B, TB) \
@@ -232,7 +232,7 @@ struct Wgmma {
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " REGS ", " A ", " B ", p, 1, 1, " TB ";\n}\n"
 template <class T, bool TRANS_B, int N>
 struct WgmmaRS {
-  static_assert(N == 64 || N == 128, "register-A wgmma widths used by the attention kernels");
+  static_assert(N == 32 || N == 64 || N == 128, "register-A wgmma widths used by the attention kernels");
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit inputs");
   __device__ __forceinline__ static void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
     constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
@@ -248,8 +248,10 @@ struct WgmmaRS {
   }
     if constexpr (N == 128) {
       SB_WGMMA_RS_BOTH("m64n128k16", SB_R64, SB_D64(0), "{%64, %65, %66, %67}", "%68", "%69")
-    } else {
+    } else if constexpr (N == 64) {
       SB_WGMMA_RS_BOTH("m64n64k16", SB_R32, SB_D32(0), "{%32, %33, %34, %35}", "%36", "%37")
+    } else {
+      SB_WGMMA_RS_BOTH("m64n32k16", SB_R16, SB_D16(0), "{%16, %17, %18, %19}", "%20", "%21")
     }
 #undef SB_WGMMA_RS_BOTH
   }
