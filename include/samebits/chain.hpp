@@ -6,7 +6,9 @@
 //
 // Residual adds are fused with the RMSNorm that follows them (the sum is stored in the model dtype,
 // as an unfused bf16 model stores it). Activations are in the model dtype (fp64 in truth mode);
-// weight gradients go to fp32 accumulators that micro-batches add into, in token order.
+// weight gradients go to fp32 accumulators that micro-batches add into, in token order. On the CUDA
+// backend every activation, the KV cache, the accumulators and a copy of the weights live in device
+// memory; only the sequence tables and the per-row logprobs cross to the host.
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -15,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "samebits/device_tensor.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/model.hpp"
 
@@ -45,10 +48,11 @@ struct ChainBatch {
                            int empty_slots = 0, int32_t pad_token = 0);
 };
 
-// Per-layer KV cache for a fixed number of sequence slots of a fixed capacity.
+// Per-layer KV cache for a fixed number of sequence slots of a fixed capacity, in the memory of the
+// chain's backend.
 class KvCache {
  public:
-  KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, DType dtype);
+  KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, DType dtype, Backend backend = Backend::cpu);
   int64_t capacity() const { return capacity_; }
   int64_t length(int64_t slot) const { return lengths_.at(size_t(slot)); }
   void reset(int64_t slot) { lengths_.at(size_t(slot)) = 0; }
@@ -57,29 +61,29 @@ class KvCache {
   friend class Chain;
   int64_t capacity_;
   std::vector<int64_t> lengths_;
-  std::vector<harness::HostTensor> k_, v_;  // per layer: [slots * capacity, kv_heads, head_dim]
+  std::vector<DeviceTensor> k_, v_;  // per layer: [slots * capacity, kv_heads, head_dim]
 };
 
 // Gradient accumulators, one fp32 (fp64 in truth mode) buffer per weight. A tied embedding has two
 // accumulators (the LM head's and the embedding's) summed once, in that order, by gradient().
 class ModelGrads {
  public:
-  ModelGrads(const Model& model, DType acc);
-  harness::HostTensor gradient(const std::string& weight) const;
+  ModelGrads(const Model& model, DType acc, Backend backend = Backend::cpu);
+  harness::HostTensor gradient(const std::string& weight) const;  // on the host
   std::vector<std::string> names() const;
-  harness::HostTensor& accumulator(const std::string& name) { return acc_.at(name); }
-  const std::map<std::string, harness::HostTensor>& accumulators() const { return acc_; }
+  DeviceTensor& accumulator(const std::string& name) { return acc_.at(name); }
+  const std::map<std::string, DeviceTensor>& accumulators() const { return acc_; }
 
  private:
   bool tied_;
-  std::map<std::string, harness::HostTensor> acc_;
+  std::map<std::string, DeviceTensor> acc_;
 };
 
 struct ChainForward {
   std::vector<double> logp, entropy;  // [rows]; 0 where not scored
   // Every activation, in forward order, for the backward and for drift reports.
-  std::deque<std::pair<std::string, harness::HostTensor>> trace;
-  const harness::HostTensor& at(const std::string& name) const;
+  std::deque<std::pair<std::string, DeviceTensor>> trace;
+  const DeviceTensor& at(const std::string& name) const;
 };
 
 class Chain {
@@ -93,19 +97,23 @@ class Chain {
   // `last_logits` (optional) receives each sequence's last-row logits (fp32 / fp64), for sampling.
   ChainForward forward_cached(const ChainBatch& batch, KvCache& cache,
                               std::vector<std::vector<double>>* last_logits = nullptr) const;
-  // Backward of L = Σ dlogp[row]·logp[row]: adds every weight's gradient into `grads` and returns
-  // the gradient of the input embeddings [rows, hidden] (in the activation dtype).
+  // Backward of L = Σ dlogp[row]·logp[row]: adds every weight's gradient into `grads` (on the
+  // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
+  // activation dtype, on the host).
   harness::HostTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,
                                ModelGrads& grads) const;
 
   const Model& model() const { return model_; }
   DType act_dtype() const { return act_; }
+  Backend backend() const { return ctx_.backend; }
 
  private:
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits) const;
+  TensorView weight(const std::string& name) const;
   const Model& model_;
   Context ctx_;
   DType act_, acc_;
+  std::map<std::string, DeviceTensor> device_weights_;  // a copy of the weights off the CPU backend
 };
 
 }  // namespace samebits

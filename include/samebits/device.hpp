@@ -12,6 +12,8 @@ void* device_alloc(Backend backend, size_t bytes);
 void device_free(Backend backend, void* ptr);
 void copy_to_device(Backend backend, void* dst, const void* src, size_t bytes);
 void copy_to_host(Backend backend, void* dst, const void* src, size_t bytes);
+void copy_on_device(Backend backend, void* dst, const void* src, size_t bytes);
+void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
 void device_synchronize(Backend backend);
 
 }  // namespace samebits

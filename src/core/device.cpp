@@ -12,6 +12,8 @@ namespace cuda {
 void* alloc(size_t bytes);
 void free(void* ptr);
 void copy(void* dst, const void* src, size_t bytes, bool to_device);
+void copy_on_device(void* dst, const void* src, size_t bytes);
+void fill(void* ptr, int byte, size_t bytes);
 void synchronize();
 }  // namespace cuda
 #define SAMEBITS_CUDA_OR_NOT_BUILT(expr) expr
@@ -41,6 +43,16 @@ void copy_to_device(Backend b, void* dst, const void* src, size_t bytes) {
 void copy_to_host(Backend b, void* dst, const void* src, size_t bytes) {
   if (b == Backend::cpu) { std::memcpy(dst, src, bytes); return; }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, false));
+}
+
+void copy_on_device(Backend b, void* dst, const void* src, size_t bytes) {
+  if (b == Backend::cpu) { std::memmove(dst, src, bytes); return; }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_on_device(dst, src, bytes));
+}
+
+void device_fill(Backend b, void* p, int byte, size_t bytes) {
+  if (b == Backend::cpu) { std::memset(p, byte, bytes); return; }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::fill(p, byte, bytes));
 }
 
 void device_synchronize(Backend b) {

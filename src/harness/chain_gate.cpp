@@ -82,7 +82,7 @@ struct Gate {
     View v;
     v.fwd["logp"] = doubles(f.logp, s.row, s.len);
     v.fwd["entropy"] = doubles(f.entropy, s.row, s.len);
-    ModelGrads g(model, chain.act_dtype() == DType::f64 ? DType::f64 : DType::f32);
+    ModelGrads g(model, chain.act_dtype() == DType::f64 ? DType::f64 : DType::f32, chain.backend());
     const HostTensor d_embed = chain.backward(b, f, layout_dlogp(b, seqs), g);
     v.bwd["d_embed"] = d_embed.slice_rows(s.row, s.row + s.len);
     if (keep) *keep = f;
@@ -93,8 +93,7 @@ struct Gate {
   std::string first_failing_op(const ChainForward& ref, const ChainSequence& rs, const ChainForward& got,
                                const ChainSequence& gs) const {
     for (auto& [name, t] : ref.trace) {
-      const HostTensor& u = got.at(name);
-      const HostTensor a = t.slice_rows(rs.row, rs.row + rs.len), b = u.slice_rows(gs.row, gs.row + gs.len);
+      const HostTensor a = t.rows_to_host(rs.row, rs.row + rs.len), b = got.at(name).rows_to_host(gs.row, gs.row + gs.len);
       if (std::memcmp(a.data(), b.data(), a.bytes()) != 0) return "chain: " + name;
     }
     return "chain";
@@ -205,7 +204,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
       std::vector<int64_t> chunks = opt.chunk_sizes;
       chunks.push_back(cap);  // whole prefill, through the cache
       for (int64_t chunk : chunks) {
-        KvCache cache(cfg, int64_t(seqs.size()), cap, g.chain.act_dtype());
+        KvCache cache(cfg, int64_t(seqs.size()), cap, g.chain.act_dtype(), g.chain.backend());
         std::vector<double> logp, entropy;
         for (int64_t begin = 0; begin < int64_t(target.size()) || begin < cap; begin += chunk) {
           ChainBatch b;
@@ -242,7 +241,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
     {
       auto prompts = random_sequences(rng, 3, 3, 12, cfg.vocab_size);
       const int64_t cap = 12 + opt.decode_tokens;
-      KvCache cache(cfg, 3, cap, g.chain.act_dtype());
+      KvCache cache(cfg, 3, cap, g.chain.act_dtype(), g.chain.backend());
       std::vector<std::vector<double>> decode_logp(3);
       ChainBatch b;
       for (size_t k = 0; k < prompts.size(); ++k) {
@@ -304,11 +303,12 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
       const auto seqs = with_target(size_t(opt.batch - 1), 3);
       const DType accd = g.chain.act_dtype() == DType::f64 ? DType::f64 : DType::f32;
       auto grads_of = [&](const std::vector<std::vector<const Seq*>>& micro, int layout) {
-        ModelGrads grads(model, accd);
+        ModelGrads grads(model, accd, g.chain.backend());
         Rng init(opt.seed + 5);  // accumulators start non-zero: micro-batches add into them
         for (auto& [name, t] : grads.accumulators()) {
-          HostTensor& a = grads.accumulator(name);
+          HostTensor a(t.dtype(), t.shape());
           for (int64_t i = 0; i < t.numel(); ++i) a.set(i, init.uniform(-1e-3, 1e-3));
+          grads.accumulator(name).upload(a);
         }
         for (auto& m : micro) {
           const ChainBatch b = layout == 0 ? ChainBatch::packed(values(m))
@@ -317,7 +317,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
           g.chain.backward(b, f, g.layout_dlogp(b, m), grads);
         }
         TensorMap all;
-        for (auto& [name, t] : grads.accumulators()) all[name] = t;
+        for (auto& [name, t] : grads.accumulators()) all[name] = t.to_host();
         return all;
       };
       const TensorMap one = grads_of({seqs}, 0);
@@ -359,7 +359,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
       if (cfg.dtype != DType::f32) variants.push_back({&g.chain, &model, cfg.dtype, false});
       for (const Variant& var : variants) {
         const ChainForward f = var.chain->forward(b);
-        ModelGrads gf(*var.model, DType::f32);
+        ModelGrads gf(*var.model, DType::f32, var.chain->backend());
         var.chain->backward(b, f, dl, gf);
         const std::string who = fmt::format("{} chain", dtype_name(var.dtype));
         const std::string judged = var.judged ? "" : " [reported, not judged]";

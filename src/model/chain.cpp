@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 
 namespace samebits {
@@ -14,25 +15,29 @@ using harness::HostTensor;
 
 namespace {
 
-TensorView v3(const HostTensor& t, int64_t a, int64_t b) {
-  return TensorView::of(const_cast<void*>(t.data()), t.dtype(), {t.shape()[0], a, b});
+TensorView v3(const DeviceTensor& t, int64_t a, int64_t b) {
+  const TensorView v = t.view();
+  return TensorView::of(v.data, t.dtype(), {t.shape()[0], a, b}, v.device);
 }
 
 std::string layer_name(int64_t l, const char* what) { return fmt::format("layer{}.{}", l, what); }
 
 struct Rows {
-  HostTensor ids, pos, targets, loss_mask, row_mask;
+  DeviceTensor ids, pos, targets, loss_mask, row_mask;
 };
 
-Rows rows_of(const ChainBatch& b, int64_t vocab) {
+// The batch's row tables, checked on the host and placed in the backend's memory.
+Rows rows_of(const ChainBatch& b, int64_t vocab, Backend backend) {
   const int64_t T = b.rows();
   if (T == 0) throw Error("chain", "batch", "empty batch: no rows");
   if (b.seqs.empty()) throw Error("chain", "batch", "empty batch: no sequences");
   if (int64_t(b.positions.size()) != T || int64_t(b.targets.size()) != T ||
       (!b.loss_mask.empty() && int64_t(b.loss_mask.size()) != T))
     throw Error("chain", "batch", "tokens, positions, targets and loss_mask must have one entry per row");
-  Rows r{HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}),
-         HostTensor(DType::u8, {T}), HostTensor(DType::u8, {T})};
+  struct {
+    HostTensor ids, pos, targets, loss_mask, row_mask;
+  } r{HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}),
+      HostTensor(DType::u8, {T}), HostTensor(DType::u8, {T})};
   for (auto& s : b.seqs) {
     if (s.len <= 0) throw Error("chain", "batch", "zero-length sequence");
     if (s.row < 0 || s.row + s.len > T) throw Error("chain", "batch", "a sequence's rows fall outside the batch");
@@ -50,7 +55,9 @@ Rows rows_of(const ChainBatch& b, int64_t vocab) {
     const bool scored = r.row_mask.get(i) != 0 && (b.loss_mask.empty() || b.loss_mask[size_t(i)] != 0);
     r.loss_mask.set(i, scored ? 1 : 0);
   }
-  return r;
+  return {DeviceTensor::from_host(backend, r.ids), DeviceTensor::from_host(backend, r.pos),
+          DeviceTensor::from_host(backend, r.targets), DeviceTensor::from_host(backend, r.loss_mask),
+          DeviceTensor::from_host(backend, r.row_mask)};
 }
 
 // The attention sequence table {q_row, q_len, k_row, k_len}: keys are the batch's own rows, or,
@@ -120,18 +127,18 @@ ChainBatch ChainBatch::padded(const std::vector<std::vector<int32_t>>& sequences
 }
 
 // ---------------------------------------------------------------- cache and gradients
-KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype)
+KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Backend backend)
     : capacity_(capacity), lengths_(size_t(slots), 0) {
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    k_.emplace_back(dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
-    v_.emplace_back(dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
+    k_.emplace_back(backend, dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
+    v_.emplace_back(backend, dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
   }
 }
 
-ModelGrads::ModelGrads(const Model& model, DType acc) : tied_(model.config().tie_word_embeddings) {
+ModelGrads::ModelGrads(const Model& model, DType acc, Backend backend) : tied_(model.config().tie_word_embeddings) {
   for (auto& [name, w] : model.weights())
-    acc_[name] = HostTensor(acc, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));
-  if (tied_) acc_["lm_head.weight"] = HostTensor(acc, acc_.at("model.embed_tokens.weight").shape());
+    acc_[name] = DeviceTensor(backend, acc, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));
+  if (tied_) acc_["lm_head.weight"] = DeviceTensor(backend, acc, acc_.at("model.embed_tokens.weight").shape());
 }
 
 std::vector<std::string> ModelGrads::names() const {
@@ -142,15 +149,15 @@ std::vector<std::string> ModelGrads::names() const {
 }
 
 HostTensor ModelGrads::gradient(const std::string& name) const {
-  HostTensor g = acc_.at(name);
+  HostTensor g = acc_.at(name).to_host();
   if (tied_ && name == "model.embed_tokens.weight") {
-    const HostTensor& head = acc_.at("lm_head.weight");
+    const HostTensor head = acc_.at("lm_head.weight").to_host();
     for (int64_t i = 0; i < g.numel(); ++i) g.set(i, g.get(i) + head.get(i));  // one add: order-free
   }
   return g;
 }
 
-const HostTensor& ChainForward::at(const std::string& name) const {
+const DeviceTensor& ChainForward::at(const std::string& name) const {
   for (auto& [n, t] : trace)
     if (n == name) return t;
   throw Error("ChainForward::at", name, "no such activation");
@@ -163,7 +170,20 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
   acc_ = truth ? DType::f64 : DType::f32;
   if (truth && model.weight("model.embed_tokens.weight").dtype != DType::f64)
     throw Error("Chain", "model", "the truth mode runs a widened (fp64) model: pass model.widened()");
-  if (ctx.backend != Backend::cpu) throw NotBuilt("chain", backend_name(ctx.backend));
+  if (ctx.backend != Backend::cpu)  // the weights, once, into the backend's memory
+    for (auto& [name, w] : model.weights()) {
+      if (!w.is_contiguous()) throw Error("Chain", name, "weights must be contiguous");
+      DeviceTensor t(ctx.backend, w.dtype, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));
+      copy_to_device(ctx.backend, t.view().data, w.data, t.bytes());
+      device_weights_.emplace(name, std::move(t));
+    }
+}
+
+TensorView Chain::weight(const std::string& name) const {
+  if (ctx_.backend == Backend::cpu) return model_.weight(name);
+  const auto it = device_weights_.find(name);
+  if (it == device_weights_.end()) return model_.weight(name);  // throws its "no such weight" error
+  return it->second.view();
 }
 
 ChainForward Chain::forward(const ChainBatch& batch) const { return run(batch, nullptr, nullptr); }
@@ -177,24 +197,27 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
-  const Rows r = rows_of(batch, c.vocab_size);
-  const auto W = [&](const std::string& n) { return model_.weight(n); };
+  const Rows r = rows_of(batch, c.vocab_size, ctx_.backend);
+  const auto W = [&](const std::string& n) { return weight(n); };
   ChainForward f;
-  auto add = [&](const std::string& name, DType dt, std::vector<int64_t> shape) -> HostTensor& {
-    f.trace.emplace_back(name, HostTensor::poisoned(dt, std::move(shape)));
+  auto add = [&](const std::string& name, DType dt, std::vector<int64_t> shape) -> DeviceTensor& {
+    f.trace.emplace_back(name, DeviceTensor::poisoned(ctx_.backend, dt, std::move(shape)));
     return f.trace.back().second;
   };
-  auto act = [&](const std::string& name, std::vector<int64_t> shape) -> HostTensor& { return add(name, act_, std::move(shape)); };
-  auto acc = [&](const std::string& name, std::vector<int64_t> shape) -> HostTensor& { return add(name, acc_, std::move(shape)); };
+  auto act = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& { return add(name, act_, std::move(shape)); };
+  auto acc = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& { return add(name, acc_, std::move(shape)); };
 
   // The attention sequence table: keys are the batch's rows, or the cache slot's.
   if (cache && (cache->k_.size() != size_t(c.num_layers) || cache->k_[0].dtype() != act_))
     throw Error("chain", "cache", "was made for another model or activation dtype");
+  if (cache && cache->k_[0].backend() != ctx_.backend)
+    throw Error("chain", "cache", fmt::format("lives on the {} backend, the chain runs on {}",
+                                              backend_name(cache->k_[0].backend()), backend_name(ctx_.backend)));
   const HostTensor seqs = attention_table(batch, cache, cache ? cache->capacity() : 0, cache ? &cache->lengths_ : nullptr);
 
   // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
-  auto norm = [&](const HostTensor& x, const HostTensor* residual, const std::string& weight, HostTensor& y,
-                  HostTensor* residual_out, HostTensor& rstd) {
+  auto norm = [&](const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight, DeviceTensor& y,
+                  DeviceTensor* residual_out, DeviceTensor& rstd) {
     RmsNormForwardArgs a;
     a.x = x.view();
     if (residual) a.residual = residual->view();
@@ -206,24 +229,24 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     rmsnorm_forward(ctx_, a);
   };
 
-  HostTensor* x_in = &act("embed", {T, H});
+  DeviceTensor* x_in = &act("embed", {T, H});
   embedding_forward(ctx_, {r.ids.view(), W("model.embed_tokens.weight"), x_in->view()});
-  HostTensor* n1 = &act("layer0.n1", {T, H});
-  HostTensor* rstd1 = &acc("layer0.rstd1", {T});
+  DeviceTensor* n1 = &act("layer0.n1", {T, H});
+  DeviceTensor* rstd1 = &acc("layer0.rstd1", {T});
   norm(*x_in, nullptr, "model.layers.0.input_layernorm.weight", *n1, nullptr, *rstd1);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
-    auto linear = [&](const char* name, const HostTensor& in, const std::string& w, int64_t n) -> HostTensor& {
-      HostTensor& out = act(layer_name(l, name), {T, n});
+    auto linear = [&](const char* name, const DeviceTensor& in, const std::string& w, int64_t n) -> DeviceTensor& {
+      DeviceTensor& out = act(layer_name(l, name), {T, n});
       linear_forward(ctx_, {in.view(), W(w), {}, out.view()});
       return out;
     };
-    const HostTensor& q = linear("q", *n1, p + "self_attn.q_proj.weight", Hq * D);
-    const HostTensor& k = linear("k", *n1, p + "self_attn.k_proj.weight", Hkv * D);
-    const HostTensor& v = linear("v", *n1, p + "self_attn.v_proj.weight", Hkv * D);
+    const DeviceTensor& q = linear("q", *n1, p + "self_attn.q_proj.weight", Hq * D);
+    const DeviceTensor& k = linear("k", *n1, p + "self_attn.k_proj.weight", Hkv * D);
+    const DeviceTensor& v = linear("v", *n1, p + "self_attn.v_proj.weight", Hkv * D);
     // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
-    HostTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
-    HostTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
+    DeviceTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
+    DeviceTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
     for (auto [src, dst, name, heads, w] : {std::tuple{&q, &qr, "q_norm", Hq, "self_attn.q_norm.weight"},
                                             std::tuple{&k, &kr, "k_norm", Hkv, "self_attn.k_norm.weight"}}) {
       if (!c.qk_norm) {
@@ -256,22 +279,22 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
       at.v = v3(v, Hkv, D);
     }
     at.seqs = seqs.view();
-    HostTensor& attn = act(layer_name(l, "attn"), {T, Hq * D});
-    HostTensor& lse = acc(layer_name(l, "attn_lse"), {T, Hq});
+    DeviceTensor& attn = act(layer_name(l, "attn"), {T, Hq * D});
+    DeviceTensor& lse = acc(layer_name(l, "attn_lse"), {T, Hq});
     at.out = v3(attn, Hq, D);
     at.lse = lse.view();
     attention_forward(ctx_, at);
-    const HostTensor& o = linear("o", attn, p + "self_attn.o_proj.weight", H);
+    const DeviceTensor& o = linear("o", attn, p + "self_attn.o_proj.weight", H);
 
-    HostTensor& x_mid = act(layer_name(l, "x_mid"), {T, H});
-    HostTensor& n2 = act(layer_name(l, "n2"), {T, H});
-    HostTensor& rstd2 = acc(layer_name(l, "rstd2"), {T});
+    DeviceTensor& x_mid = act(layer_name(l, "x_mid"), {T, H});
+    DeviceTensor& n2 = act(layer_name(l, "n2"), {T, H});
+    DeviceTensor& rstd2 = acc(layer_name(l, "rstd2"), {T});
     norm(o, x_in, p + "post_attention_layernorm.weight", n2, &x_mid, rstd2);
-    const HostTensor& g = linear("gate", n2, p + "mlp.gate_proj.weight", I);
-    const HostTensor& u = linear("up", n2, p + "mlp.up_proj.weight", I);
-    HostTensor& m = act(layer_name(l, "swiglu"), {T, I});
+    const DeviceTensor& g = linear("gate", n2, p + "mlp.gate_proj.weight", I);
+    const DeviceTensor& u = linear("up", n2, p + "mlp.up_proj.weight", I);
+    DeviceTensor& m = act(layer_name(l, "swiglu"), {T, I});
     swiglu_forward(ctx_, {g.view(), u.view(), m.view()});
-    const HostTensor& d = linear("down", m, p + "mlp.down_proj.weight", H);
+    const DeviceTensor& d = linear("down", m, p + "mlp.down_proj.weight", H);
 
     const bool last = l + 1 == c.num_layers;
     const std::string next = last ? "final." : fmt::format("layer{}.", l + 1);
@@ -285,9 +308,9 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
 
   const TensorView head = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-  HostTensor& logp = acc("head.logp", {T});
-  HostTensor& entropy = acc("head.entropy", {T});
-  HostTensor& lse = acc("head.lse", {T});
+  DeviceTensor& logp = acc("head.logp", {T});
+  DeviceTensor& entropy = acc("head.entropy", {T});
+  DeviceTensor& lse = acc("head.lse", {T});
   LmHeadLogprobForwardArgs lh;
   lh.hidden = n1->view();
   lh.weight = head;
@@ -297,17 +320,19 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   lh.entropy = entropy.view();
   lh.lse = lse.view();
   lm_head_logprob_forward(ctx_, lh);
+  const HostTensor logp_host = logp.to_host(), entropy_host = entropy.to_host();
   for (int64_t i = 0; i < T; ++i) {
-    f.logp.push_back(logp.get(i));
-    f.entropy.push_back(entropy.get(i));
+    f.logp.push_back(logp_host.get(i));
+    f.entropy.push_back(entropy_host.get(i));
   }
   if (last_logits) {
     last_logits->clear();
     for (auto& s : batch.seqs) {
-      HostTensor logits(acc_, {1, c.vocab_size});
+      DeviceTensor logits(ctx_.backend, acc_, {1, c.vocab_size});
       linear_forward(ctx_, {n1->view().rows(s.row + s.len - 1, s.row + s.len), head, {}, logits.view()});
+      const HostTensor host = logits.to_host();
       std::vector<double> row(size_t(c.vocab_size));
-      for (int64_t j = 0; j < c.vocab_size; ++j) row[size_t(j)] = logits.get(j);
+      for (int64_t j = 0; j < c.vocab_size; ++j) row[size_t(j)] = host.get(j);
       last_logits->push_back(std::move(row));
     }
   }
@@ -323,18 +348,24 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
   if (int64_t(dlogp.size()) != T) throw Error("Chain::backward", "dlogp", "needs one entry per row");
   for (auto& s : batch.seqs)
     if (s.slot >= 0) throw Error("Chain::backward", "batch", "the backward runs on a forward() batch, not a cached step");
-  const Rows r = rows_of(batch, c.vocab_size);
-  const auto W = [&](const std::string& n) { return model_.weight(n); };
+  for (auto& [name, t] : grads.accumulators())
+    if (t.backend() != ctx_.backend)
+      throw Error("Chain::backward", "grads", fmt::format("accumulators live on the {} backend, the chain runs on {}",
+                                                          backend_name(t.backend()), backend_name(ctx_.backend)));
+  const Rows r = rows_of(batch, c.vocab_size, ctx_.backend);
+  const auto W = [&](const std::string& n) { return weight(n); };
   const auto A = [&](const std::string& n) { return f.at(n).view(); };
   const auto G = [&](const std::string& n) { return grads.accumulator(n).view(); };
   const TensorView mask = r.row_mask.view();
-  auto act = [&](std::vector<int64_t> shape) { return HostTensor::poisoned(act_, std::move(shape)); };
+  auto act = [&](std::vector<int64_t> shape) { return DeviceTensor::poisoned(ctx_.backend, act_, std::move(shape)); };
+  auto acc = [&](std::vector<int64_t> shape) { return DeviceTensor(ctx_.backend, acc_, std::move(shape)); };
 
   const HostTensor seqs = attention_table(batch, nullptr, 0, nullptr);
-  HostTensor g_logp(acc_, {T});
-  for (int64_t i = 0; i < T; ++i) g_logp.set(i, dlogp[size_t(i)]);
+  HostTensor g_logp_host(acc_, {T});
+  for (int64_t i = 0; i < T; ++i) g_logp_host.set(i, dlogp[size_t(i)]);
+  const DeviceTensor g_logp = DeviceTensor::from_host(ctx_.backend, g_logp_host);
 
-  HostTensor dn = act({T, H});
+  DeviceTensor dn = act({T, H});
   {
     LmHeadLogprobBackwardArgs a;
     a.hidden = A("final.n1");
@@ -349,9 +380,9 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
   }
   // Backward of an RMSNorm whose input was the activation `x`: dy from the norm's output, plus
   // (when fused) the gradient already on the residual stream; returns the input's gradient.
-  auto norm_back = [&](const HostTensor& dy, const HostTensor* dresidual, const std::string& x,
+  auto norm_back = [&](const DeviceTensor& dy, const DeviceTensor* dresidual, const std::string& x,
                        const std::string& rstd, const std::string& weight) {
-    HostTensor dx_out = act({T, H});
+    DeviceTensor dx_out = act({T, H});
     RmsNormBackwardArgs a;
     a.dy = dy.view();
     if (dresidual) a.dresidual_out = dresidual->view();
@@ -365,10 +396,10 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     rmsnorm_backward(ctx_, a);
     return dx_out;
   };
-  HostTensor dx = norm_back(dn, nullptr, "final.x_in", "final.rstd1", "model.norm.weight");
+  DeviceTensor dx = norm_back(dn, nullptr, "final.x_in", "final.rstd1", "model.norm.weight");
   // Σ of gradient contributions, each produced in the accumulator dtype, added in list order and
   // rounded once into `out`.
-  auto sum_into = [&](std::vector<HostTensor>& parts, HostTensor& out) {
+  auto sum_into = [&](std::vector<DeviceTensor>& parts, DeviceTensor& out) {
     for (size_t i = 1; i + 1 < parts.size(); ++i)
       residual_add_forward(ctx_, {parts[0].view(), parts[i].view(), parts[0].view()});
     residual_add_forward(ctx_, {parts[0].view(), parts.back().view(), out.view()});
@@ -377,26 +408,28 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     const std::string p = fmt::format("model.layers.{}.", l);
     const std::string in_name = l == 0 ? "embed" : layer_name(l, "x_in");
     const std::string n1_name = layer_name(l, "n1"), rstd1_name = layer_name(l, "rstd1");
-    auto back_linear = [&](const TensorView& dy, const TensorView& x, const std::string& w, HostTensor& dx_out) {
+    auto back_linear = [&](const TensorView& dy, const TensorView& x, const std::string& w, DeviceTensor& dx_out) {
       linear_backward_input(ctx_, {dy, W(w), dx_out.view()});
       linear_backward_weight(ctx_, {dy, x, mask, G(w), {}, {}});
     };
     // MLP: x_next = x_mid + down(swiglu(gate(n2), up(n2)))
-    HostTensor dm = act({T, I});
+    DeviceTensor dm = act({T, I});
     back_linear(dx.view(), A(layer_name(l, "swiglu")), p + "mlp.down_proj.weight", dm);
-    HostTensor dg = act({T, I}), du = act({T, I});
+    DeviceTensor dg = act({T, I}), du = act({T, I});
     swiglu_backward(ctx_, {dm.view(), A(layer_name(l, "gate")), A(layer_name(l, "up")), dg.view(), du.view()});
-    std::vector<HostTensor> parts{HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H})};
+    std::vector<DeviceTensor> parts;
+    parts.push_back(acc({T, H}));
+    parts.push_back(acc({T, H}));
     back_linear(dg.view(), A(layer_name(l, "n2")), p + "mlp.gate_proj.weight", parts[0]);
     back_linear(du.view(), A(layer_name(l, "n2")), p + "mlp.up_proj.weight", parts[1]);
-    HostTensor dn2 = act({T, H});
+    DeviceTensor dn2 = act({T, H});
     sum_into(parts, dn2);
-    const HostTensor dx_mid =
+    const DeviceTensor dx_mid =
         norm_back(dn2, &dx, layer_name(l, "x_mid"), layer_name(l, "rstd2"), p + "post_attention_layernorm.weight");
     // Attention: x_mid = x_in + o_proj(attention(rope(qk_norm(q)), rope(qk_norm(k)), v))
-    HostTensor da = act({T, Hq * D});
+    DeviceTensor da = act({T, Hq * D});
     back_linear(dx_mid.view(), A(layer_name(l, "attn")), p + "self_attn.o_proj.weight", da);
-    HostTensor dqr = act({T, Hq * D}), dkr = act({T, Hkv * D}), dv = act({T, Hkv * D});
+    DeviceTensor dqr = act({T, Hq * D}), dkr = act({T, Hkv * D}), dv = act({T, Hkv * D});
     {
       AttentionBackwardArgs a;
       a.q = v3(f.at(layer_name(l, "q_rope")), Hq, D);
@@ -412,7 +445,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
       attention_backward(ctx_, a);
     }
     // RoPE (fused with the QK-norm) backward: dq / dk, the gradients of the projections' outputs.
-    HostTensor dq = act({T, Hq * D}), dk = act({T, Hkv * D});
+    DeviceTensor dq = act({T, Hq * D}), dk = act({T, Hkv * D});
     for (auto [grad, out, name, heads, w] : {std::tuple{&dqr, &dq, "q", Hq, "self_attn.q_norm.weight"},
                                              std::tuple{&dkr, &dk, "k", Hkv, "self_attn.k_norm.weight"}}) {
       if (!c.qk_norm) {
@@ -432,16 +465,17 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
       a.rope = c.rope;
       qk_norm_backward(ctx_, a);
     }
-    std::vector<HostTensor> qkv{HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H}), HostTensor(acc_, {T, H})};
+    std::vector<DeviceTensor> qkv;
+    for (int i = 0; i < 3; ++i) qkv.push_back(acc({T, H}));
     back_linear(dq.view(), A(n1_name), p + "self_attn.q_proj.weight", qkv[0]);
     back_linear(dk.view(), A(n1_name), p + "self_attn.k_proj.weight", qkv[1]);
     back_linear(dv.view(), A(n1_name), p + "self_attn.v_proj.weight", qkv[2]);
-    HostTensor dn1 = act({T, H});
+    DeviceTensor dn1 = act({T, H});
     sum_into(qkv, dn1);
     dx = norm_back(dn1, &dx_mid, in_name, rstd1_name, p + "input_layernorm.weight");
   }
   embedding_backward(ctx_, {r.ids.view(), dx.view(), mask, G("model.embed_tokens.weight")});
-  return dx;
+  return dx.to_host();
 }
 
 }  // namespace samebits

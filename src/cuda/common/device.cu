@@ -29,6 +29,12 @@ void copy(void* dst, const void* src, size_t bytes, bool to_device) {
         to_device ? "host to device" : "device to host");
 }
 
+void copy_on_device(void* dst, const void* src, size_t bytes) {
+  check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "device copy", "device to device");
+}
+
+void fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "device fill", "bytes"); }
+
 void synchronize() { check(cudaDeviceSynchronize(), "device_synchronize", "kernel"); }
 
 }  // namespace samebits::cuda
