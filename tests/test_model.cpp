@@ -333,7 +333,7 @@ TEST(Model, ChainGatePassesOnLlamaAndFp16Models) {
   llama.qk_norm = false;
   llama.rope.theta = 500000.0;
   llama.rope.llama3_scaling = true;
-  llama.rope.original_max_position = 64;  // small, so the scaling bands fall inside head_dim 32
+  llama.rope.original_max_position = 64;  // small, so the scaling bands fall inside head_dim 64
   ModelConfig fp16 = Model::builtin(true).config();
   fp16.dtype = DType::f16;
   for (const ModelConfig& c : {llama, fp16}) {

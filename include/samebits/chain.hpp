@@ -97,6 +97,10 @@ class Chain {
   // `last_logits` (optional) receives each sequence's last-row logits (fp32 / fp64), for sampling.
   ChainForward forward_cached(const ChainBatch& batch, KvCache& cache,
                               std::vector<std::vector<double>>* last_logits = nullptr) const;
+  // The logprob of `tokens[i]` (one per sequence, e.g. just sampled from `last_logits`) at the last
+  // row of sequence i of a forward: the fused LM-head logprob a trainer's rescoring computes, so a
+  // rollout's reported logprobs equal the trainer's bit for bit.
+  std::vector<double> last_logprobs(const ChainBatch& batch, const ChainForward& f, const std::vector<int32_t>& tokens) const;
   // Backward of L = Σ dlogp[row]·logp[row]: adds every weight's gradient into `grads` (on the
   // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
   // activation dtype, on the host).

@@ -4,6 +4,8 @@
 // post-attention norm) they are produced in the accumulator dtype and added once, in a fixed order.
 #include "samebits/chain.hpp"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "samebits/device.hpp"
@@ -82,6 +84,21 @@ HostTensor attention_table(const ChainBatch& batch, const KvCache* cache, int64_
     for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
   }
   return seqs;
+}
+
+// The weight-gradient segments {row, len} (int32 [S, 2], host): one per sequence, in row order. The
+// GPU's weight gradients group tokens from each segment's first row, so a sequence's rows meet the
+// same partners in any batch, micro-batch split or layout.
+HostTensor segments_of(const ChainBatch& batch) {
+  std::vector<const ChainSequence*> order;
+  for (auto& s : batch.seqs) order.push_back(&s);
+  std::sort(order.begin(), order.end(), [](const ChainSequence* a, const ChainSequence* b) { return a->row < b->row; });
+  HostTensor segs(DType::i32, {int64_t(order.size()), 2});
+  for (size_t i = 0; i < order.size(); ++i) {
+    segs.set(int64_t(i) * 2, double(order[i]->row));
+    segs.set(int64_t(i) * 2 + 1, double(order[i]->len));
+  }
+  return segs;
 }
 
 }  // namespace
@@ -339,6 +356,40 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   return f;
 }
 
+std::vector<double> Chain::last_logprobs(const ChainBatch& batch, const ChainForward& f,
+                                         const std::vector<int32_t>& tokens) const {
+  const ModelConfig& c = model_.config();
+  const int64_t S = int64_t(batch.seqs.size());
+  if (int64_t(tokens.size()) != S) throw Error("Chain::last_logprobs", "tokens", "needs one token per sequence");
+  const DeviceTensor& final_hidden = f.at("final.n1");
+  DeviceTensor hidden(ctx_.backend, final_hidden.dtype(), {S, c.hidden_size});
+  HostTensor targets(DType::i32, {S}), mask(DType::u8, {S});
+  for (int64_t i = 0; i < S; ++i) {
+    const ChainSequence& s = batch.seqs[size_t(i)];
+    hidden.copy_rows_from(final_hidden, s.row + s.len - 1, i, 1);
+    if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab_size)
+      throw Error("Chain::last_logprobs", "tokens", fmt::format("token id {} is outside [0, {})", tokens[size_t(i)], c.vocab_size));
+    targets.set(i, tokens[size_t(i)]);
+    mask.set(i, 1);
+  }
+  const DeviceTensor d_targets = DeviceTensor::from_host(ctx_.backend, targets),
+                     d_mask = DeviceTensor::from_host(ctx_.backend, mask);
+  DeviceTensor logp(ctx_.backend, acc_, {S}), entropy(ctx_.backend, acc_, {S}), lse(ctx_.backend, acc_, {S});
+  LmHeadLogprobForwardArgs lh;
+  lh.hidden = hidden.view();
+  lh.weight = weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  lh.targets = d_targets.view();
+  lh.loss_mask = d_mask.view();
+  lh.logp = logp.view();
+  lh.entropy = entropy.view();
+  lh.lse = lse.view();
+  lm_head_logprob_forward(ctx_, lh);
+  const HostTensor host = logp.to_host();
+  std::vector<double> out;
+  for (int64_t i = 0; i < S; ++i) out.push_back(host.get(i));
+  return out;
+}
+
 // ---------------------------------------------------------------- backward
 HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const std::vector<double>& dlogp,
                            ModelGrads& grads) const {
@@ -361,6 +412,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
   auto acc = [&](std::vector<int64_t> shape) { return DeviceTensor(ctx_.backend, acc_, std::move(shape)); };
 
   const HostTensor seqs = attention_table(batch, nullptr, 0, nullptr);
+  const HostTensor segments = segments_of(batch);
   HostTensor g_logp_host(acc_, {T});
   for (int64_t i = 0; i < T; ++i) g_logp_host.set(i, dlogp[size_t(i)]);
   const DeviceTensor g_logp = DeviceTensor::from_host(ctx_.backend, g_logp_host);
@@ -376,6 +428,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     a.dlogp = g_logp.view();
     a.dhidden = dn.view();
     a.dweight = G("lm_head.weight");  // the tied model's LM-head accumulator is a separate buffer
+    a.segments = segments.view();
     lm_head_logprob_backward(ctx_, a);
   }
   // Backward of an RMSNorm whose input was the activation `x`: dy from the norm's output, plus
@@ -393,6 +446,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     a.dx = dx_out.view();
     a.dweight = G(weight);
     a.eps = c.rms_norm_eps;
+    a.segments = segments.view();
     rmsnorm_backward(ctx_, a);
     return dx_out;
   };
@@ -410,7 +464,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     const std::string n1_name = layer_name(l, "n1"), rstd1_name = layer_name(l, "rstd1");
     auto back_linear = [&](const TensorView& dy, const TensorView& x, const std::string& w, DeviceTensor& dx_out) {
       linear_backward_input(ctx_, {dy, W(w), dx_out.view()});
-      linear_backward_weight(ctx_, {dy, x, mask, G(w), {}, {}});
+      linear_backward_weight(ctx_, {dy, x, mask, G(w), {}, segments.view()});
     };
     // MLP: x_next = x_mid + down(swiglu(gate(n2), up(n2)))
     DeviceTensor dm = act({T, I});
@@ -463,6 +517,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
       a.eps = c.rms_norm_eps;
       a.positions = r.pos.view();
       a.rope = c.rope;
+      a.segments = segments.view();
       qk_norm_backward(ctx_, a);
     }
     std::vector<DeviceTensor> qkv;

@@ -134,7 +134,7 @@ Model Model::builtin(bool tied, uint64_t seed) {
   c.num_layers = 2;
   c.num_heads = 4;
   c.num_kv_heads = 2;
-  c.head_dim = 32;
+  c.head_dim = 64;  // a head_dim the CUDA attention kernels take (64, 128)
   c.rms_norm_eps = 1e-6;
   c.rope.theta = 1000000.0;
   c.rope.max_position = 40960;
