@@ -333,32 +333,46 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
       // Judged on the CPU backend: the fp32 chain (the model's weights widened exactly to fp32, fp32
       // activations) against the fp64 chain, with the contract's fp32 chain bounds; reported
       // alongside, not judged: the model-dtype chain (bf16 activations), i.e. the rounding noise of
-      // the dtype itself (see docs/contract.md). On the CUDA backend, whose GEMMs take 16-bit inputs
-      // only, the model-dtype chain is the one judged, with the contract's bf16 chain bounds (an
-      // fp16 model too: its rounding is finer than bf16's).
+      // the dtype itself (see docs/contract.md). The CUDA backend's GEMMs take 16-bit inputs only:
+      // there the judged chain is the finest it runs, fp16 (the model converted to fp16, against
+      // the fp64 chain of those same fp16 weights), with the contract's bf16 chain bounds (fp16
+      // rounds 8× finer); the model-dtype chain is reported.
       const auto seqs = random_sequences(rng, 3, 8, opt.neighbour_max_len, cfg.vocab_size);
       const ChainBatch b = ChainBatch::packed(seqs);
       std::vector<const Seq*> ptr;
       for (auto& s : seqs) ptr.push_back(&s);
       const auto dl = g.layout_dlogp(b, ptr);
-      const Model wide = model.widened();
-      Context truth_ctx;
-      truth_ctx.precision = Precision::truth_fp64;
-      const Chain truth(wide, truth_ctx);
-      const ChainForward t = truth.forward(b);
-      ModelGrads gt(wide, DType::f64);
-      truth.backward(b, t, dl, gt);
-      const bool fp32_chain = opt.backend == Backend::cpu || cfg.dtype == DType::f32;
-      const Model fp32 = fp32_chain ? model.converted(DType::f32) : Model();
-      Context ctx32;
-      ctx32.backend = opt.backend;
-      std::optional<Chain> chain32;
-      if (fp32_chain) chain32.emplace(fp32, ctx32);
-      struct Variant { const Chain* chain; const Model* model; DType dtype; bool judged; };
-      std::vector<Variant> variants;
-      if (fp32_chain) variants.push_back({&*chain32, &fp32, DType::f32, true});
-      if (cfg.dtype != DType::f32) variants.push_back({&g.chain, &model, cfg.dtype, !fp32_chain});
+      struct Truth {
+        ChainForward f;
+        std::optional<ModelGrads> g;
+      };
+      auto truth_of = [&](const Model& m) {  // the fp64 chain of m's weights, on the CPU
+        const Model wide = m.widened();
+        Context truth_ctx;
+        truth_ctx.precision = Precision::truth_fp64;
+        const Chain truth(wide, truth_ctx);
+        Truth t{truth.forward(b), std::nullopt};
+        t.g.emplace(wide, DType::f64);
+        truth.backward(b, t.f, dl, *t.g);
+        return t;
+      };
+      const Truth model_truth = truth_of(model);
+      const DType judged_dtype = opt.backend == Backend::cpu ? DType::f32 : DType::f16;
+      const Model judged_model = cfg.dtype == judged_dtype ? Model() : model.converted(judged_dtype);
+      const Model& judged_ref = cfg.dtype == judged_dtype ? model : judged_model;
+      std::optional<Truth> judged_truth;
+      if (cfg.dtype != judged_dtype && judged_dtype != DType::f32) judged_truth.emplace(truth_of(judged_model));
+      Context judged_ctx;
+      judged_ctx.backend = opt.backend;
+      std::optional<Chain> judged_chain;
+      if (cfg.dtype != judged_dtype) judged_chain.emplace(judged_model, judged_ctx);
+      struct Variant { const Chain* chain; const Model* model; DType dtype; bool judged; const Truth* truth; };
+      std::vector<Variant> variants{{judged_chain ? &*judged_chain : &g.chain, &judged_ref, judged_dtype, true,
+                                     judged_truth ? &*judged_truth : &model_truth}};
+      if (cfg.dtype != judged_dtype) variants.push_back({&g.chain, &model, cfg.dtype, false, &model_truth});
       for (const Variant& var : variants) {
+        const ChainForward& t = var.truth->f;
+        const ModelGrads& gt = *var.truth->g;
         const ChainForward f = var.chain->forward(b);
         ModelGrads gf(*var.model, DType::f32, var.chain->backend());
         var.chain->backward(b, f, dl, gf);
@@ -368,7 +382,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
         // A reported (not judged) dtype may have no bound in the contract: NaN prints as "nan".
         auto bound = [&](const char* metric) {
           try {
-            return contract.chain_bound(metric, var.dtype == DType::f16 ? DType::bf16 : var.dtype);
+            return contract.chain_bound(metric, var.dtype == DType::f16 ? DType::bf16 : var.dtype);  // see above
           } catch (const Error&) {
             if (var.judged) throw;
             return std::nan("");
