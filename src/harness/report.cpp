@@ -139,12 +139,14 @@ std::string Matrix::markdown() const {
     chain_header = true;
     for (auto& d : c.fwd_accuracy.drifts) s += fmt::format("- {}: {}\n", c.case_name, d.check);
     double worst[2] = {0, 0};
+    std::string judged_chain = "judged chain";  // "fp32 chain" (CPU) or "fp16 chain" (CUDA): the check's first words
     for (auto& d : c.bwd_accuracy.drifts) {
       const bool judged = d.check.find("not judged") == std::string::npos;
       worst[judged ? 0 : 1] = std::max(worst[judged ? 0 : 1], d.max_rel);
+      if (judged) judged_chain = d.check.substr(0, d.check.find(" gradient"));
     }
-    s += fmt::format("- {}: weight gradients, worst relative L2 error vs fp64: fp32 chain {:.3g} (judged), "
-                     "model-dtype chain {:.3g} (reported)\n", c.case_name, worst[0], worst[1]);
+    s += fmt::format("- {}: weight gradients, worst relative L2 error vs fp64: {} {:.3g} (judged), "
+                     "model-dtype chain {:.3g} (reported)\n", c.case_name, judged_chain, worst[0], worst[1]);
   }
   bool any = false;
   for (auto& c : cases)
