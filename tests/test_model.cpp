@@ -281,6 +281,38 @@ TEST(Model, LogprobsJsonlRejectsBadLinesAndScoresGoodOnes) {
   }
 }
 
+TEST(Model, GradientsFileHoldsTheChainsGradientsWhateverTheMicroBatch) {
+  const Model m = Model::builtin(true);
+  const std::string text = "{\"tokens\": [1, 2, 3, 4]}\n{\"tokens\": [5, 6, 7], \"loss_mask\": [0, 1, 0]}\n{\"tokens\": [8, 9]}\n";
+  const fs::path dir = scratch("grads_file");
+  fs::create_directories(dir);
+  int64_t scored[2];
+  for (int mb : {16, 1}) {
+    std::stringstream in(text);
+    scored[mb == 1] = tools::write_gradients(m, Backend::cpu, in, (dir / fmt::format("g{}.safetensors", mb)).string(), mb);
+  }
+  EXPECT_EQ(scored[0], 3 + 1 + 1);
+  EXPECT_EQ(scored[0], scored[1]);
+  auto bytes = [&](const std::string& f) {
+    std::ifstream in(dir / f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(bytes("g16.safetensors"), bytes("g1.safetensors")) << "the micro-batch size changed the gradient bits";
+  // The file holds what a direct backward gives (dlogp = 1 on every scored row).
+  const Chain chain(m, Context{});
+  ChainBatch b = ChainBatch::packed({{1, 2, 3, 4}, {5, 6, 7}, {8, 9}});
+  b.loss_mask[size_t(b.seqs[1].row + 1)] = 0;  // loss_mask [0, 1, 0]: 6 is scored (row 0), 7 is not (row 1)
+  std::vector<double> dl(size_t(b.rows()), 0.0);
+  for (size_t i = 0; i < dl.size(); ++i) dl[i] = b.loss_mask[i];
+  ModelGrads g(m, DType::f32);
+  chain.backward(b, chain.forward(b), dl, g);
+  const std::string file = bytes("g16.safetensors");
+  const harness::HostTensor want = g.gradient("model.embed_tokens.weight");
+  EXPECT_NE(file.find(std::string(static_cast<const char*>(want.data()), want.bytes())), std::string::npos)
+      << "the embedding gradient (the tied sum) is not in the file";
+  fs::remove_all(dir);
+}
+
 TEST(Model, ChainGradientsMatchFiniteDifferences) {
   // A tiny model in fp64 truth mode: L = Σ dlogp·logp; every weight's gradient at a few elements.
   for (bool tied : {false, true}) {

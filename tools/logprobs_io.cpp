@@ -9,6 +9,7 @@
 
 #include "samebits/chain.hpp"
 #include "samebits/error.hpp"
+#include "src/model/safetensors.hpp"
 
 namespace samebits::tools {
 
@@ -52,15 +53,38 @@ Line parse_line(const std::string& text, int64_t number, int64_t vocab) {
   return l;
 }
 
-void flush(const Chain& chain, std::vector<Line>& lines, std::ostream& out, bool entropy) {
-  if (lines.empty()) return;
+// The lines packed into one batch; row i scores token i + 1, a masked token (loss_mask 0) is not scored.
+ChainBatch batch_of(const std::vector<Line>& lines) {
   std::vector<std::vector<int32_t>> seqs;
   for (auto& l : lines) seqs.push_back(l.tokens);
   ChainBatch b = ChainBatch::packed(seqs);
-  // Row i scores token i + 1; a masked token (loss_mask 0) is not scored.
   for (size_t k = 0; k < lines.size(); ++k)
     if (!lines[k].mask.empty())
       for (int64_t i = 0; i + 1 < b.seqs[k].len; ++i) b.loss_mask[size_t(b.seqs[k].row + i)] = lines[k].mask[size_t(i + 1)];
+  return b;
+}
+
+// Every non-blank line of `in`, parsed, handed to `take` in groups of `batch_size`.
+template <class Take>
+void read_lines(std::istream& in, int64_t vocab, int batch_size, Take take) {
+  std::vector<Line> pending;
+  std::string text;
+  int64_t number = 0;
+  while (std::getline(in, text)) {
+    ++number;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    pending.push_back(parse_line(text, number, vocab));
+    if (int(pending.size()) == batch_size) {
+      take(pending);
+      pending.clear();
+    }
+  }
+  if (!pending.empty()) take(pending);
+}
+
+void flush(const Chain& chain, std::vector<Line>& lines, std::ostream& out, bool entropy) {
+  if (lines.empty()) return;
+  const ChainBatch b = batch_of(lines);
   const ChainForward f = chain.forward(b);
   for (size_t k = 0; k < lines.size(); ++k) {
     nlohmann::json lp = nlohmann::json::array(), en = nlohmann::json::array();
@@ -86,16 +110,32 @@ void write_logprobs(const Model& model, Backend backend, std::istream& in, std::
   Context ctx;
   ctx.backend = backend;
   const Chain chain(model, ctx);
-  std::vector<Line> pending;
-  std::string text;
-  int64_t number = 0;
-  while (std::getline(in, text)) {
-    ++number;
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    pending.push_back(parse_line(text, number, model.config().vocab_size));
-    if (int(pending.size()) == batch_size) flush(chain, pending, out, entropy);
-  }
-  flush(chain, pending, out, entropy);
+  read_lines(in, model.config().vocab_size, batch_size, [&](std::vector<Line>& lines) { flush(chain, lines, out, entropy); });
+}
+
+int64_t write_gradients(const Model& model, Backend backend, std::istream& in, const std::string& path, int batch_size) {
+  Context ctx;
+  ctx.backend = backend;
+  const Chain chain(model, ctx);
+  ModelGrads grads(model, DType::f32, backend);
+  int64_t scored = 0;
+  read_lines(in, model.config().vocab_size, batch_size, [&](std::vector<Line>& lines) {
+    const ChainBatch b = batch_of(lines);
+    std::vector<double> dlogp(size_t(b.rows()), 0.0);
+    for (size_t i = 0; i < dlogp.size(); ++i)
+      if (b.loss_mask[i]) {
+        dlogp[i] = 1.0;
+        ++scored;
+      }
+    chain.backward(b, chain.forward(b), dlogp, grads);
+  });
+  std::vector<harness::HostTensor> host;
+  const std::vector<std::string> names = grads.names();
+  for (const std::string& name : names) host.push_back(grads.gradient(name));
+  std::vector<std::pair<std::string, TensorView>> tensors;
+  for (size_t i = 0; i < names.size(); ++i) tensors.push_back({names[i], host[i].view()});
+  write_safetensors(path, tensors);
+  return scored;
 }
 
 }  // namespace samebits::tools

@@ -2,6 +2,7 @@
 #pragma once
 #include <istream>
 #include <ostream>
+#include <string>
 
 #include "samebits/model.hpp"
 
@@ -14,5 +15,12 @@ namespace samebits::tools {
 // samebits::Error naming the line and the problem.
 void write_logprobs(const Model& model, Backend backend, std::istream& in, std::ostream& out, bool entropy,
                     int batch_size = 16);
+
+// `samebits grads`: the gradient of L = Σ logp over every scored token of the JSONL sequences (the
+// same input and scoring as write_logprobs) with respect to every weight, accumulated in fp32 over
+// micro-batches of `batch_size` lines, written as fp32 safetensors (a tied embedding's gradient is
+// the sum of its two uses). Returns the number of scored tokens.
+int64_t write_gradients(const Model& model, Backend backend, std::istream& in, const std::string& path,
+                        int batch_size = 16);
 
 }  // namespace samebits::tools

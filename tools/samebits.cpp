@@ -187,6 +187,17 @@ int main(int argc, char** argv) {
   logprobs->add_flag("--entropy", lp_entropy, "Also write per-token entropies");
   logprobs->add_option("--backend", lp_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
+  std::string gr_model, gr_input, gr_output, gr_backend = "auto";
+  int gr_batch = 16;
+  auto* grads_cmd = app.add_subcommand("grads", "Gradients of the summed logprobs of JSONL sequences, as fp32 safetensors");
+  grads_cmd->add_option("--model", gr_model, "Hugging Face model directory")->required();
+  grads_cmd->add_option("--input", gr_input, "JSONL as for logprobs; - = stdin")->required();
+  grads_cmd->add_option("--output", gr_output, "The .safetensors file to write")->required();
+  grads_cmd->add_option("--backend", gr_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  grads_cmd->add_option("--micro-batch", gr_batch, "Sequences per micro-batch (the bits do not depend on it)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+
   std::string ex_dir, ex_shape = "builtin";
   bool ex_tied = false;
   uint64_t ex_seed = 1234;
@@ -227,6 +238,17 @@ int main(int argc, char** argv) {
         Model::random(c, ex_seed).save(ex_dir);
       }
       std::cerr << "wrote " << ex_dir << "/config.json and model.safetensors\n";
+      return 0;
+    }
+    if (grads_cmd->parsed()) {
+      const Model model = Model::load(gr_model);
+      std::ifstream file;
+      if (gr_input != "-") {
+        file.open(gr_input);
+        if (!file) throw Error("grads", "--input", "cannot open " + gr_input);
+      }
+      const int64_t n = tools::write_gradients(model, pick_backend(gr_backend), gr_input == "-" ? std::cin : file, gr_output, gr_batch);
+      std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, gr_output);
       return 0;
     }
     if (logprobs->parsed()) {
