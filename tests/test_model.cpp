@@ -221,6 +221,20 @@ TEST(Model, BadConfigsAreRejected) {
   const ModelConfig llama = ModelConfig::from_json(j.dump());
   EXPECT_TRUE(llama.rope.llama3_scaling);
   EXPECT_FALSE(llama.qk_norm);
+  // transformers 5: one rope_parameters object (theta and type), "default" meaning no scaling.
+  auto v5 = nlohmann::json::parse(base);
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 123456.0}};
+  const ModelConfig plain = ModelConfig::from_json(v5.dump());
+  EXPECT_EQ(plain.rope.theta, 123456.0);
+  EXPECT_FALSE(plain.rope.llama3_scaling);
+  v5["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                           {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  const ModelConfig scaled = ModelConfig::from_json(v5.dump());
+  EXPECT_EQ(scaled.rope.theta, 500000.0);
+  EXPECT_TRUE(scaled.rope.llama3_scaling);
+  v5["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+  EXPECT_THROW(ModelConfig::from_json(v5.dump()), Error);
 }
 
 TEST(Model, ChainRejectsBadBatches) {

@@ -64,7 +64,12 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   c.num_kv_heads = get_or<int64_t>(j, "num_key_value_heads", c.num_heads);
   c.head_dim = get_or<int64_t>(j, "head_dim", c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6);
-  c.rope.theta = get_or<double>(j, "rope_theta", 10000.0);
+  // RoPE: transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters
+  // object holding rope_theta and rope_type ("default" = no scaling).
+  const nlohmann::json* rope_params = nullptr;
+  for (const char* key : {"rope_parameters", "rope_scaling"})
+    if (!rope_params && j.contains(key) && j[key].is_object()) rope_params = &j[key];
+  c.rope.theta = get_or<double>(j, "rope_theta", rope_params ? get_or<double>(*rope_params, "rope_theta", 10000.0) : 10000.0);
   c.rope.max_position = get_or<int64_t>(j, "max_position_embeddings", 1 << 20);
   c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false);
   const std::string act = get_or<std::string>(j, "hidden_act", "silu");
@@ -76,10 +81,10 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   else if (dt == "float16") c.dtype = DType::f16;
   else if (dt == "float32") c.dtype = DType::f32;
   else bad("torch_dtype", "'" + dt + "' is not supported (bfloat16, float16, float32)");
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    const auto& rs = j["rope_scaling"];
+  if (rope_params && get_or<std::string>(*rope_params, "rope_type", get_or<std::string>(*rope_params, "type", "")) != "default") {
+    const auto& rs = *rope_params;
     const std::string kind = get_or<std::string>(rs, "rope_type", get_or<std::string>(rs, "type", ""));
-    if (kind != "llama3") bad("rope_scaling", "rope_type '" + kind + "' is not supported (llama3 only)");
+    if (kind != "llama3") bad("rope_scaling", "rope_type '" + kind + "' is not supported (default, llama3)");
     c.rope.llama3_scaling = true;
     c.rope.factor = get<double>(rs, "factor");
     c.rope.low_freq_factor = get<double>(rs, "low_freq_factor");
