@@ -6,7 +6,11 @@
 #include <exception>
 #include <vector>
 
+#include <memory>
+#include <optional>
+
 #include "ops/tuning.hpp"
+#include "samebits/chain.hpp"
 #include "samebits/ops.hpp"
 
 using namespace samebits;
@@ -302,6 +306,98 @@ int sb_set_tuning(const char* name, int value) {
     return 0;
   }
   return 1;
+}
+
+// The model chain on the CUDA backend, for the end-to-end benchmark (bench/bench_chain.py): a model
+// directory loaded once, packed batches scored (forward) or scored and differentiated (forward +
+// backward into fp32 accumulators kept by the handle), and steps against a KV cache.
+struct SbChain {
+  Model model;
+  std::optional<Chain> chain;
+  std::optional<ModelGrads> grads;
+  std::optional<KvCache> cache;
+};
+
+void* sb_chain_load(const char* dir, char* err, int err_len) {
+  SbChain* h = nullptr;
+  guarded(err, err_len, [&] {
+    auto owned = std::make_unique<SbChain>();
+    owned->model = Model::load(dir);
+    Context ctx;
+    ctx.backend = Backend::cuda;
+    owned->chain.emplace(owned->model, ctx);
+    h = owned.release();
+  });
+  return h;
+}
+
+void sb_chain_free(void* h) { delete static_cast<SbChain*>(h); }
+
+namespace {
+// Sequences of lens[i] tokens packed back to back; every token but a sequence's last scored.
+ChainBatch packed_batch(const int32_t* tokens, const int64_t* lens, int64_t S) {
+  std::vector<std::vector<int32_t>> seqs;
+  int64_t at = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    seqs.emplace_back(tokens + at, tokens + at + lens[i]);
+    at += lens[i];
+  }
+  return ChainBatch::packed(seqs);
+}
+}  // namespace
+
+// Forward of a packed batch; logp (host, one per token, 0 where not scored) when not null.
+int sb_chain_forward(void* h, const int32_t* tokens, const int64_t* lens, int64_t S, double* logp, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    auto* c = static_cast<SbChain*>(h);
+    const ChainBatch b = packed_batch(tokens, lens, S);
+    const ChainForward f = c->chain->forward(b);
+    if (logp) std::copy(f.logp.begin(), f.logp.end(), logp);
+  });
+}
+
+// Forward + backward of L = Σ logp over the scored tokens; the weight gradients add into the
+// handle's fp32 accumulators (zeroed when `reset`).
+int sb_chain_forward_backward(void* h, const int32_t* tokens, const int64_t* lens, int64_t S, int reset, char* err,
+                              int err_len) {
+  return guarded(err, err_len, [&] {
+    auto* c = static_cast<SbChain*>(h);
+    if (reset || !c->grads) c->grads.emplace(c->model, DType::f32, Backend::cuda);
+    const ChainBatch b = packed_batch(tokens, lens, S);
+    std::vector<double> dlogp(b.loss_mask.begin(), b.loss_mask.end());
+    c->chain->backward(b, c->chain->forward(b), dlogp, *c->grads);
+  });
+}
+
+// A KV cache of `slots` sequences of up to `capacity` tokens (replaces the handle's cache).
+int sb_chain_cache(void* h, int64_t slots, int64_t capacity, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    auto* c = static_cast<SbChain*>(h);
+    c->cache.reset();
+    c->cache.emplace(c->model.config(), slots, capacity, c->model.config().dtype, Backend::cuda);
+  });
+}
+
+// One step against the cache: sequence i (slot i) appends lens[i] tokens at positions
+// cached[i] … (its slot must hold cached[i] tokens). Prefill, chunked prefill and decode alike.
+int sb_chain_step(void* h, const int32_t* tokens, const int64_t* lens, const int64_t* cached, int64_t S, char* err,
+                  int err_len) {
+  return guarded(err, err_len, [&] {
+    auto* c = static_cast<SbChain*>(h);
+    ChainBatch b;
+    int64_t at = 0;
+    for (int64_t i = 0; i < S; ++i) {
+      b.seqs.push_back({b.rows(), lens[i], i, cached[i]});
+      for (int64_t t = 0; t < lens[i]; ++t) {
+        b.tokens.push_back(tokens[at + t]);
+        b.positions.push_back(int32_t(cached[i] + t));
+        b.targets.push_back(t + 1 < lens[i] ? tokens[at + t + 1] : -100);
+        b.loss_mask.push_back(t + 1 < lens[i] ? 1 : 0);
+      }
+      at += lens[i];
+    }
+    c->chain->forward_cached(b, *c->cache);
+  });
 }
 
 int sb_dtype_code(const char* name) {

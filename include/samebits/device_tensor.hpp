@@ -38,6 +38,7 @@ class DeviceTensor {
   void copy_rows_from(const DeviceTensor& src, int64_t src_row, int64_t dst_row, int64_t n);
 
  private:
+  DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte);
   struct Free {
     Backend backend;
     void operator()(void* p) const;

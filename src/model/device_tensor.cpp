@@ -15,15 +15,16 @@ void DeviceTensor::Free::operator()(void* p) const {
 }
 
 DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape)
+    : DeviceTensor(backend, dtype, std::move(shape), 0) {}
+
+DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte)
     : backend_(backend), dtype_(dtype), shape_(std::move(shape)),
       data_(device_alloc(backend, bytes()), Free{backend}) {
-  device_fill(backend_, data_.get(), 0, bytes());
+  device_fill(backend_, data_.get(), fill_byte, bytes());
 }
 
 DeviceTensor DeviceTensor::poisoned(Backend backend, DType dtype, std::vector<int64_t> shape) {
-  DeviceTensor t(backend, dtype, std::move(shape));
-  device_fill(backend, t.data_.get(), 0xFF, t.bytes());
-  return t;
+  return DeviceTensor(backend, dtype, std::move(shape), 0xFF);
 }
 
 DeviceTensor DeviceTensor::from_host(Backend backend, const HostTensor& host) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
 
 namespace samebits::cuda {
 
@@ -16,13 +17,18 @@ bool device_present() {
   return count > 0;
 }
 
-void* alloc(size_t bytes) {
-  void* p = nullptr;
-  check(cudaMalloc(&p, bytes ? bytes : 1), "device_alloc", "bytes");
-  return p;
-}
+// Device memory from samebits' stream-ordered pool (scratch.cuh), ordered on the legacy default
+// stream: the model chain allocates every activation of a step, and cudaMalloc / cudaFree would
+// synchronise the device at each one. Memory freed here is reused by later work on that stream
+// (and on every blocking stream, which the legacy stream waits for).
+void* alloc(size_t bytes) { return scratch_alloc(bytes ? bytes : 1, cudaStreamLegacy, "device_alloc"); }
 
-void free(void* p) { cudaFree(p); }
+void free(void* p) {
+  try {
+    scratch_free(p, cudaStreamLegacy, "device_free");
+  } catch (...) {  // freeing must not throw (destructors); the pool keeps the memory
+  }
+}
 
 void copy(void* dst, const void* src, size_t bytes, bool to_device) {
   check(cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost), "device copy",
