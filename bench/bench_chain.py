@@ -13,8 +13,8 @@ loaded by both sides from that directory.
    (samebits: fp32 accumulators; transformers: .grad of the bf16 parameters), tokens/s;
  * decode: one token per sequence against a KV cache after a 512-token prompt, B = 1, 8, 64,
    wall-clock per step (each side's host work included), median of 32 steps.
-Peak memory: torch.cuda.max_memory_allocated for transformers; for samebits, the growth of the
-device's used memory over the phase (its memory pool keeps what it allocated).
+Peak memory beyond the weights: torch.cuda.max_memory_allocated for transformers, samebits' pool
+high-water mark (sb_memory_peak) for samebits; both minus what was allocated before the phase.
 """
 import argparse
 import ctypes
@@ -35,10 +35,15 @@ def load_lib(build):
     lib.sb_chain_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, I]
     lib.sb_chain_load.restype = P
     lib.sb_chain_free.argtypes = [P]
+    lib.sb_chain_drop_grads.argtypes = [P]
     lib.sb_chain_forward.argtypes = [P, P, P, L, P, ctypes.c_char_p, I]
     lib.sb_chain_forward_backward.argtypes = [P, P, P, L, I, ctypes.c_char_p, I]
     lib.sb_chain_cache.argtypes = [P, L, L, ctypes.c_char_p, I]
     lib.sb_chain_step.argtypes = [P, P, P, P, L, ctypes.c_char_p, I]
+    lib.sb_memory_peak.argtypes = [I]
+    lib.sb_memory_peak.restype = L
+    lib.sb_memory_in_use.argtypes = []
+    lib.sb_memory_in_use.restype = L
     for f in ("sb_chain_forward", "sb_chain_forward_backward", "sb_chain_cache", "sb_chain_step"):
         getattr(lib, f).restype = I
     return lib
@@ -133,9 +138,10 @@ def main():
         tok, lens = Samebits.arrays(ids.tolist(), [S] * B)
         logp = (ctypes.c_double * (B * S))()
         # prefill (scoring)
-        u0 = used_bytes()
+        u0 = lib.sb_memory_in_use()
+        lib.sb_memory_peak(1)
         t_sb = timed(lambda: sb.forward(tok, lens, B, logp), args.reps)
-        m_sb = used_bytes() - u0
+        m_sb = lib.sb_memory_peak(0) - u0
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
         with torch.no_grad():
@@ -149,9 +155,11 @@ def main():
         rows_p.append(f"| {B} × {S} | {T / t_sb:,.0f} tok/s ({t_sb * 1e3:.1f} ms) | {T / t_hf:,.0f} tok/s ({t_hf * 1e3:.1f} ms) | "
                       f"**{t_sb / t_hf:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB | {diff:.3g} |")
         # forward + backward
-        u0 = used_bytes()
+        lib.sb_chain_drop_grads(sb.h)  # the accumulators are made in the phase, as transformers' .grad are
+        u0 = lib.sb_memory_in_use()
+        lib.sb_memory_peak(1)
         t_sb = timed(lambda: sb.forward_backward(tok, lens, B), max(3, args.reps - 2))
-        m_sb = used_bytes() - u0
+        m_sb = lib.sb_memory_peak(0) - u0
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
 

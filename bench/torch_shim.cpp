@@ -11,6 +11,7 @@
 
 #include "ops/tuning.hpp"
 #include "samebits/chain.hpp"
+#include "samebits/device.hpp"
 #include "samebits/ops.hpp"
 
 using namespace samebits;
@@ -369,6 +370,9 @@ int sb_chain_forward_backward(void* h, const int32_t* tokens, const int64_t* len
   });
 }
 
+// Frees the handle's gradient accumulators (the next forward_backward makes new ones).
+void sb_chain_drop_grads(void* h) { static_cast<SbChain*>(h)->grads.reset(); }
+
 // A KV cache of `slots` sequences of up to `capacity` tokens (replaces the handle's cache).
 int sb_chain_cache(void* h, int64_t slots, int64_t capacity, char* err, int err_len) {
   return guarded(err, err_len, [&] {
@@ -399,6 +403,11 @@ int sb_chain_step(void* h, const int32_t* tokens, const int64_t* lens, const int
     c->chain->forward_cached(b, *c->cache);
   });
 }
+
+// samebits' device memory in use now, and its high-water mark since the last reset (then reset
+// when asked), in bytes.
+int64_t sb_memory_in_use() { return int64_t(device_memory_in_use(Backend::cuda)); }
+int64_t sb_memory_peak(int reset) { return int64_t(device_memory_peak(Backend::cuda, reset != 0)); }
 
 int sb_dtype_code(const char* name) {
   for (DType d : {DType::bf16, DType::f16, DType::f32})

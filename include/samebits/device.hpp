@@ -15,5 +15,9 @@ void copy_to_host(Backend backend, void* dst, const void* src, size_t bytes);
 void copy_on_device(Backend backend, void* dst, const void* src, size_t bytes);
 void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
 void device_synchronize(Backend backend);
+// Device memory samebits holds now (tensors and temporaries, from its own pool), and the most it
+// held at once since the last reset (`reset` starts a new mark). 0 on the CPU backend.
+size_t device_memory_in_use(Backend backend);
+size_t device_memory_peak(Backend backend, bool reset);
 
 }  // namespace samebits

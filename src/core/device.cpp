@@ -15,6 +15,8 @@ void copy(void* dst, const void* src, size_t bytes, bool to_device);
 void copy_on_device(void* dst, const void* src, size_t bytes);
 void fill(void* ptr, int byte, size_t bytes);
 void synchronize();
+size_t memory_peak(bool reset);
+size_t memory_in_use();
 }  // namespace cuda
 #define SAMEBITS_CUDA_OR_NOT_BUILT(expr) expr
 #else
@@ -53,6 +55,16 @@ void copy_on_device(Backend b, void* dst, const void* src, size_t bytes) {
 void device_fill(Backend b, void* p, int byte, size_t bytes) {
   if (b == Backend::cpu) { std::memset(p, byte, bytes); return; }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::fill(p, byte, bytes));
+}
+
+size_t device_memory_in_use(Backend b) {
+  if (b == Backend::cpu) return 0;
+  SAMEBITS_CUDA_OR_NOT_BUILT(return cuda::memory_in_use());
+}
+
+size_t device_memory_peak(Backend b, bool reset) {
+  if (b == Backend::cpu) return 0;
+  SAMEBITS_CUDA_OR_NOT_BUILT(return cuda::memory_peak(reset));
 }
 
 void device_synchronize(Backend b) {

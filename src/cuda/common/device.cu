@@ -41,6 +41,9 @@ void copy_on_device(void* dst, const void* src, size_t bytes) {
 
 void fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "device fill", "bytes"); }
 
+size_t memory_peak(bool reset) { return size_t(scratch_peak_bytes(reset, "device_memory_peak")); }
+size_t memory_in_use() { return size_t(scratch_bytes_in_use("device_memory_in_use")); }
+
 void synchronize() { check(cudaDeviceSynchronize(), "device_synchronize", "kernel"); }
 
 }  // namespace samebits::cuda

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -39,6 +40,24 @@ void* scratch_alloc(size_t bytes, cudaStream_t stream, const char* op) {
 
 void scratch_free(void* p, cudaStream_t stream, const char* op) {
   if (p) check(cudaFreeAsync(p, stream), op, "scratch memory");
+}
+
+uint64_t scratch_bytes_in_use(const char* op) {
+  uint64_t used = 0;
+  check(cudaMemPoolGetAttribute(pool_of_current_device(op), cudaMemPoolAttrUsedMemCurrent, &used), op, "scratch pool");
+  return used;
+}
+
+uint64_t scratch_peak_bytes(bool reset, const char* op) {
+  cudaMemPool_t pool = pool_of_current_device(op);
+  uint64_t high = 0;
+  check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), op, "scratch pool");
+  high = std::max(high, scratch_bytes_in_use(op));
+  if (reset) {
+    uint64_t zero = 0;  // the only value the mark can be reset to; it climbs again from the next allocation
+    check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), op, "scratch pool");
+  }
+  return high;
 }
 
 }  // namespace samebits::cuda

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace samebits::cuda {
 
@@ -11,6 +12,10 @@ namespace samebits::cuda {
 // a call. The pool is created once per device; the caller's pools and settings are not touched.
 void* scratch_alloc(size_t bytes, cudaStream_t stream, const char* op);
 void scratch_free(void* p, cudaStream_t stream, const char* op);
+// Bytes of the pool in use now (samebits' tensors and temporaries), and the most in use since the
+// last reset (at least the current use); `reset` starts a new mark.
+uint64_t scratch_bytes_in_use(const char* op);
+uint64_t scratch_peak_bytes(bool reset, const char* op);
 
 // A stream-ordered scratch buffer that is released (on its stream) when it goes out of scope.
 class ScratchBuffer {
