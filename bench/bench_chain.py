@@ -78,6 +78,56 @@ class Samebits:
         self.check(self.lib.sb_chain_step(self.h, tok, lens, cached, n_seqs, self.err, len(self.err)))
 
 
+class TorchDecoder:
+    """The same model as plain PyTorch (cuBLAS + SDPA, preallocated KV cache), on transformers'
+    parameters: the decode baseline with no framework overhead but eager PyTorch's own."""
+
+    def __init__(self, hf, batch, capacity):
+        self.cfg, self.m = hf.config, hf.model
+        self.head = hf.lm_head.weight
+        c = self.cfg
+        shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        self.k = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(c.num_hidden_layers)]
+        self.v = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(c.num_hidden_layers)]
+        theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, c.head_dim, 2, device="cuda", dtype=torch.float32) / c.head_dim))
+
+    @staticmethod
+    def rms(x, w, eps):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    def rope(self, x, pos):  # x [B, H, T, D]
+        ang = pos[:, None].float() * self.inv_freq[None, :]
+        cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+    @torch.no_grad()
+    def step(self, ids, pos0):
+        c, (B, T) = self.cfg, ids.shape
+        eps, D = c.rms_norm_eps, c.head_dim
+        pos = torch.arange(pos0, pos0 + T, device="cuda")
+        x = self.m.embed_tokens(ids)
+        for i, layer in enumerate(self.m.layers):
+            a = layer.self_attn
+            h = self.rms(x, layer.input_layernorm.weight, eps)
+            q = (h @ a.q_proj.weight.T).view(B, T, -1, D)
+            k = (h @ a.k_proj.weight.T).view(B, T, -1, D)
+            v = (h @ a.v_proj.weight.T).view(B, T, -1, D)
+            q = self.rope(self.rms(q, a.q_norm.weight, eps).transpose(1, 2), pos)
+            k = self.rope(self.rms(k, a.k_norm.weight, eps).transpose(1, 2), pos)
+            self.k[i][:, :, pos0:pos0 + T] = k
+            self.v[i][:, :, pos0:pos0 + T] = v.transpose(1, 2)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, self.k[i][:, :, :pos0 + T], self.v[i][:, :, :pos0 + T], is_causal=T > 1, enable_gqa=True)
+            x = x + o.transpose(1, 2).reshape(B, T, -1) @ a.o_proj.weight.T
+            h = self.rms(x, layer.post_attention_layernorm.weight, eps)
+            mlp = layer.mlp
+            x = x + (torch.nn.functional.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        return self.rms(x[:, -1], self.m.norm.weight, eps) @ self.head.T
+
+
 def used_bytes():
     free, total = torch.cuda.mem_get_info()
     return total - free
@@ -203,10 +253,26 @@ def main():
                 pkv = o.past_key_values
                 torch.cuda.synchronize()
                 hf_times.append(time.perf_counter() - t0)
-        a, b = statistics.median(sb_times), statistics.median(hf_times)
-        rows_d.append(f"| {B} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | **{a / b:.2f}×** |")
-        print(rows_d[-1], flush=True)
         del pkv, o
+        plain = TorchDecoder(hf, B, prompt + steps)
+        plain.step(ids[:, :prompt], 0)
+        pt_times = []
+        for t in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            plain.step(ids[:, prompt + t:prompt + t + 1], prompt + t)
+            torch.cuda.synchronize()
+            pt_times.append(time.perf_counter() - t0)
+        if B == 1:  # the plain model is the same model: its logits against transformers' at the last step
+            with torch.no_grad():
+                want = hf(input_ids=ids[:, :prompt + steps]).logits[0, -1].float()
+            got = plain.step(ids[:, prompt + steps - 1:prompt + steps], prompt + steps - 1)[0].float()
+            print(f"plain PyTorch vs transformers, last-step logits: max |diff| {(got - want).abs().max().item():.3g} "
+                  f"(logits up to {want.abs().max().item():.3g})", flush=True)
+        del plain
+        a, b, c = statistics.median(sb_times), statistics.median(hf_times), statistics.median(pt_times)
+        rows_d.append(f"| {B} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {c * 1e3:.2f} ms | **{a / b:.2f}×** / **{a / c:.2f}×** |")
+        print(rows_d[-1], flush=True)
         torch.cuda.empty_cache()
 
     out += ["## Prefill (scoring every token)", "",
@@ -216,7 +282,8 @@ def main():
             "| B × S | samebits | transformers | samebits time / transformers time | memory samebits / transformers |",
             "| --- | --- | --- | --- | --- |"] + rows_fb
     out += ["", f"## Decode step ({prompt}-token prompts, median of {steps} steps)", "",
-            "| B | samebits | transformers | samebits / transformers |", "| --- | --- | --- | --- |"] + rows_d
+            "| B | samebits | transformers | plain PyTorch (cuBLAS + SDPA) | samebits / transformers / plain |",
+            "| --- | --- | --- | --- | --- |"] + rows_d
     text = "\n".join(out) + "\n"
     print(text)
     if args.md:
