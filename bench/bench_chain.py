@@ -27,6 +27,8 @@ import time
 import torch
 import transformers
 
+from bench_logprob import emit
+
 P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -284,11 +286,7 @@ def main():
     out += ["", f"## Decode step ({prompt}-token prompts, median of {steps} steps)", "",
             "| B | samebits | transformers | plain PyTorch (cuBLAS + SDPA) | samebits / transformers / plain |",
             "| --- | --- | --- | --- | --- |"] + rows_d
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    emit(out, args.md)
     lib.sb_chain_free(sb.h)
 
 

@@ -9,6 +9,7 @@
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
 #include "tests/cuda_test_util.hpp"
+#include "tests/model_test_util.hpp"
 
 using namespace samebits;
 using samebits::testing_cuda::CudaTest;
@@ -35,12 +36,7 @@ TEST_F(CudaChain, GatePassesOnTheBuiltinQwen3Models) {
 }
 
 TEST_F(CudaChain, GatePassesOnALlamaModelInFp16) {
-  ModelConfig c = Model::builtin(false).config();
-  c.architecture = "llama";
-  c.qk_norm = false;
-  c.rope.theta = 500000.0;
-  c.rope.llama3_scaling = true;
-  c.rope.original_max_position = 64;
+  ModelConfig c = testing_model::builtin_llama_config();
   c.dtype = DType::f16;
   harness::ChainGateOptions opt;
   opt.target_len = 70;

@@ -17,6 +17,7 @@
 #include "samebits/chain_gate.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
+#include "tests/model_test_util.hpp"
 #include "tools/logprobs_io.hpp"
 
 using namespace samebits;
@@ -374,12 +375,7 @@ TEST(Model, ChainGradientsMatchFiniteDifferences) {
 TEST(Model, ChainGatePassesOnLlamaAndFp16Models) {
   // Llama-3 (no QK-norm, rope scaling, untied) in bf16, and a Qwen3 model in fp16, each exported
   // and loaded back through the Hugging Face format first.
-  ModelConfig llama = Model::builtin(false).config();
-  llama.architecture = "llama";
-  llama.qk_norm = false;
-  llama.rope.theta = 500000.0;
-  llama.rope.llama3_scaling = true;
-  llama.rope.original_max_position = 64;  // small, so the scaling bands fall inside head_dim 64
+  const ModelConfig llama = testing_model::builtin_llama_config();
   ModelConfig fp16 = Model::builtin(true).config();
   fp16.dtype = DType::f16;
   for (const ModelConfig& c : {llama, fp16}) {
