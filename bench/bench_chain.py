@@ -15,6 +15,8 @@ loaded by both sides from that directory.
    wall-clock per step (each side's host work included), median of 32 steps.
 Peak memory beyond the weights: torch.cuda.max_memory_allocated for transformers, samebits' pool
 high-water mark (sb_memory_peak) for samebits; both minus what was allocated before the phase.
+The two allocators share the card: before each phase the other side's cached, unused memory goes
+back to the device (torch.cuda.empty_cache, sb_memory_release), so neither runs squeezed.
 """
 import argparse
 import ctypes
@@ -46,6 +48,8 @@ def load_lib(build):
     lib.sb_memory_peak.restype = L
     lib.sb_memory_in_use.argtypes = []
     lib.sb_memory_in_use.restype = L
+    lib.sb_memory_release.argtypes = [ctypes.c_char_p, I]
+    lib.sb_memory_release.restype = I
     for f in ("sb_chain_forward", "sb_chain_forward_backward", "sb_chain_cache", "sb_chain_step"):
         getattr(lib, f).restype = I
     return lib
@@ -72,6 +76,10 @@ class Samebits:
 
     def forward_backward(self, tok, lens, n_seqs):
         self.check(self.lib.sb_chain_forward_backward(self.h, tok, lens, n_seqs, 0, self.err, len(self.err)))
+
+    def release(self):
+        """samebits' unused pooled memory back to the device, so torch's allocator is not squeezed."""
+        self.check(self.lib.sb_memory_release(self.err, len(self.err)))
 
     def cache(self, slots, capacity):
         self.check(self.lib.sb_chain_cache(self.h, slots, capacity, self.err, len(self.err)))
@@ -190,10 +198,12 @@ def main():
         tok, lens = Samebits.arrays(ids.tolist(), [S] * B)
         logp = (ctypes.c_double * (B * S))()
         # prefill (scoring)
+        torch.cuda.empty_cache()
         u0 = lib.sb_memory_in_use()
         lib.sb_memory_peak(1)
         t_sb = timed(lambda: sb.forward(tok, lens, B, logp), args.reps)
         m_sb = lib.sb_memory_peak(0) - u0
+        sb.release()
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
         with torch.no_grad():
@@ -208,10 +218,13 @@ def main():
                       f"**{t_sb / t_hf:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB | {diff:.3g} |")
         # forward + backward
         lib.sb_chain_drop_grads(sb.h)  # the accumulators are made in the phase, as transformers' .grad are
+        torch.cuda.empty_cache()
         u0 = lib.sb_memory_in_use()
         lib.sb_memory_peak(1)
         t_sb = timed(lambda: sb.forward_backward(tok, lens, B), max(3, args.reps - 2))
         m_sb = lib.sb_memory_peak(0) - u0
+        lib.sb_chain_drop_grads(sb.h)
+        sb.release()
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
 
@@ -230,6 +243,7 @@ def main():
     rows_d = []
     prompt, steps = 512, 32
     for B in (1, 8, 64):
+        torch.cuda.empty_cache()
         ids = torch.randint(0, V, (B, prompt + steps), device="cuda")
         host = ids.tolist()
         sb.cache(B, prompt + steps)
@@ -244,6 +258,7 @@ def main():
             sb.step(tok, lens, cached, B)
             torch.cuda.synchronize()
             sb_times.append(time.perf_counter() - t0)
+        sb.release()
         with torch.no_grad():
             o = hf(input_ids=ids[:, :prompt], use_cache=True)
             pkv = o.past_key_values

@@ -408,6 +408,10 @@ int sb_chain_step(void* h, const int32_t* tokens, const int64_t* lens, const int
 // when asked), in bytes.
 int64_t sb_memory_in_use() { return int64_t(device_memory_in_use(Backend::cuda)); }
 int64_t sb_memory_peak(int reset) { return int64_t(device_memory_peak(Backend::cuda, reset != 0)); }
+// Hands samebits' unused pooled memory back to the device (before a torch phase of a benchmark).
+int sb_memory_release(char* err, int err_len) {
+  return guarded(err, err_len, [] { device_memory_release(Backend::cuda); });
+}
 
 int sb_dtype_code(const char* name) {
   for (DType d : {DType::bf16, DType::f16, DType::f32})

@@ -19,5 +19,8 @@ void device_synchronize(Backend backend);
 // held at once since the last reset (`reset` starts a new mark). 0 on the CPU backend.
 size_t device_memory_in_use(Backend backend);
 size_t device_memory_peak(Backend backend, bool reset);
+// Returns the memory samebits keeps for reuse but does not use now to the device (synchronises it
+// first), for a process that shares the GPU with another allocator. Nothing on the CPU backend.
+void device_memory_release(Backend backend);
 
 }  // namespace samebits

@@ -17,6 +17,7 @@ void fill(void* ptr, int byte, size_t bytes);
 void synchronize();
 size_t memory_peak(bool reset);
 size_t memory_in_use();
+void memory_release();
 }  // namespace cuda
 #define SAMEBITS_CUDA_OR_NOT_BUILT(expr) expr
 #else
@@ -55,6 +56,11 @@ void copy_on_device(Backend b, void* dst, const void* src, size_t bytes) {
 void device_fill(Backend b, void* p, int byte, size_t bytes) {
   if (b == Backend::cpu) { std::memset(p, byte, bytes); return; }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::fill(p, byte, bytes));
+}
+
+void device_memory_release(Backend b) {
+  if (b == Backend::cpu) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::memory_release());
 }
 
 size_t device_memory_in_use(Backend b) {

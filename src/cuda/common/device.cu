@@ -43,6 +43,7 @@ void fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "
 
 size_t memory_peak(bool reset) { return size_t(scratch_peak_bytes(reset, "device_memory_peak")); }
 size_t memory_in_use() { return size_t(scratch_bytes_in_use("device_memory_in_use")); }
+void memory_release() { scratch_trim("device_memory_release"); }
 
 void synchronize() { check(cudaDeviceSynchronize(), "device_synchronize", "kernel"); }
 

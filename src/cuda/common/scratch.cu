@@ -42,6 +42,11 @@ void scratch_free(void* p, cudaStream_t stream, const char* op) {
   if (p) check(cudaFreeAsync(p, stream), op, "scratch memory");
 }
 
+void scratch_trim(const char* op) {
+  check(cudaDeviceSynchronize(), op, "synchronise before the trim");
+  check(cudaMemPoolTrimTo(pool_of_current_device(op), 0), op, "scratch pool");
+}
+
 uint64_t scratch_bytes_in_use(const char* op) {
   uint64_t used = 0;
   check(cudaMemPoolGetAttribute(pool_of_current_device(op), cudaMemPoolAttrUsedMemCurrent, &used), op, "scratch pool");
