@@ -13,6 +13,9 @@ void device_free(Backend backend, void* ptr);
 void copy_to_device(Backend backend, void* dst, const void* src, size_t bytes);
 void copy_to_host(Backend backend, void* dst, const void* src, size_t bytes);
 void copy_on_device(Backend backend, void* dst, const void* src, size_t bytes);
+// `height` blocks of `width` bytes, block i from src + i·src_pitch to dst + i·dst_pitch (one call).
+void copy_blocks_on_device(Backend backend, void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                           size_t width, size_t height);
 void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
 void device_synchronize(Backend backend);
 // Device memory samebits holds now (tensors and temporaries, from its own pool), and the most it

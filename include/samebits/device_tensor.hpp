@@ -36,6 +36,10 @@ class DeviceTensor {
   void upload(const harness::HostTensor& host);  // same dtype and element count
   // Rows [src_row, src_row + n) of `src` into rows [dst_row, …) of this tensor (same row size).
   void copy_rows_from(const DeviceTensor& src, int64_t src_row, int64_t dst_row, int64_t n);
+  // `blocks` runs of n rows in one copy: run i from rows src_row + i·src_stride … of `src` to rows
+  // dst_row + i·dst_stride … of this tensor (a decode step's new keys into their cache slots).
+  void copy_row_blocks_from(const DeviceTensor& src, int64_t src_row, int64_t src_stride, int64_t dst_row,
+                            int64_t dst_stride, int64_t n, int64_t blocks);
 
  private:
   DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte);

@@ -1,5 +1,6 @@
 #include "samebits/device.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -13,6 +14,7 @@ void* alloc(size_t bytes);
 void free(void* ptr);
 void copy(void* dst, const void* src, size_t bytes, bool to_device);
 void copy_on_device(void* dst, const void* src, size_t bytes);
+void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height);
 void fill(void* ptr, int byte, size_t bytes);
 void synchronize();
 size_t memory_peak(bool reset);
@@ -51,6 +53,16 @@ void copy_to_host(Backend b, void* dst, const void* src, size_t bytes) {
 void copy_on_device(Backend b, void* dst, const void* src, size_t bytes) {
   if (b == Backend::cpu) { std::memmove(dst, src, bytes); return; }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_on_device(dst, src, bytes));
+}
+
+void copy_blocks_on_device(Backend b, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                           size_t height) {
+  if (b == Backend::cpu) {
+    for (size_t i = 0; i < height; ++i)
+      std::memmove(static_cast<uint8_t*>(dst) + i * dst_pitch, static_cast<const uint8_t*>(src) + i * src_pitch, width);
+    return;
+  }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_blocks_on_device(dst, dst_pitch, src, src_pitch, width, height));
 }
 
 void device_fill(Backend b, void* p, int byte, size_t bytes) {

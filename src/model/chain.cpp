@@ -283,11 +283,18 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
 
     AttentionForwardArgs at;
     at.q = v3(qr, Hq, D);
-    if (cache) {  // append this step's keys / values to each sequence's slot
-      for (auto& s : batch.seqs) {
-        const int64_t dst = s.slot * cache->capacity() + s.cached;
-        cache->k_[size_t(l)].copy_rows_from(kr, s.row, dst, s.len);
-        cache->v_[size_t(l)].copy_rows_from(v, s.row, dst, s.len);
+    if (cache) {  // append this step's keys / values to each sequence's slot, a run of like sequences a copy
+      const int64_t cap = cache->capacity();
+      for (size_t i = 0; i < batch.seqs.size();) {
+        const ChainSequence& s = batch.seqs[i];
+        size_t j = i + 1;  // sequences i … j − 1: same length and cached count, rows back to back, slots in a row
+        while (j < batch.seqs.size() && batch.seqs[j].len == s.len && batch.seqs[j].cached == s.cached &&
+               batch.seqs[j].row == s.row + int64_t(j - i) * s.len && batch.seqs[j].slot == s.slot + int64_t(j - i))
+          ++j;
+        for (DeviceTensor* dst : {&cache->k_[size_t(l)], &cache->v_[size_t(l)]})
+          dst->copy_row_blocks_from(dst == &cache->k_[size_t(l)] ? kr : v, s.row, s.len, s.slot * cap + s.cached, cap,
+                                    s.len, int64_t(j - i));
+        i = j;
       }
       at.k = cache->k_[size_t(l)].view();
       at.v = cache->v_[size_t(l)].view();

@@ -77,14 +77,23 @@ void DeviceTensor::upload(const HostTensor& h) {
 }
 
 void DeviceTensor::copy_rows_from(const DeviceTensor& src, int64_t src_row, int64_t dst_row, int64_t n) {
+  copy_row_blocks_from(src, src_row, n, dst_row, n, n, 1);
+}
+
+void DeviceTensor::copy_row_blocks_from(const DeviceTensor& src, int64_t src_row, int64_t src_stride, int64_t dst_row,
+                                        int64_t dst_stride, int64_t n, int64_t blocks) {
   const size_t row_bytes = rows() ? bytes() / size_t(rows()) : 0;
   const size_t src_row_bytes = src.rows() ? src.bytes() / size_t(src.rows()) : 0;
   if (src.dtype_ != dtype_ || src_row_bytes != row_bytes || src.backend_ != backend_)
     throw Error("DeviceTensor::copy_rows_from", "src", "rows of another size, dtype or backend");
-  if (n < 0 || src_row < 0 || dst_row < 0 || src_row + n > src.rows() || dst_row + n > rows())
-    throw Error("DeviceTensor::copy_rows_from", "rows", "out of range");
-  copy_on_device(backend_, static_cast<uint8_t*>(data_.get()) + size_t(dst_row) * row_bytes,
-                 static_cast<const uint8_t*>(src.data_.get()) + size_t(src_row) * row_bytes, size_t(n) * row_bytes);
+  if (blocks <= 0 || n <= 0) return;
+  const int64_t src_last = src_row + (blocks - 1) * src_stride + n, dst_last = dst_row + (blocks - 1) * dst_stride + n;
+  if (src_row < 0 || dst_row < 0 || src_stride < n || dst_stride < n || src_last > src.rows() || dst_last > rows())
+    throw Error("DeviceTensor::copy_rows_from", "rows", "out of range or overlapping blocks");
+  copy_blocks_on_device(backend_, static_cast<uint8_t*>(data_.get()) + size_t(dst_row) * row_bytes,
+                        size_t(dst_stride) * row_bytes,
+                        static_cast<const uint8_t*>(src.data_.get()) + size_t(src_row) * row_bytes,
+                        size_t(src_stride) * row_bytes, size_t(n) * row_bytes, size_t(blocks));
 }
 
 }  // namespace samebits
