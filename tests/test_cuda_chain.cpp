@@ -44,6 +44,20 @@ TEST_F(CudaChain, GatePassesOnALlamaModelInFp16) {
   expect_gate_passes(Model::random(c, 21), "llama-fp16", opt);
 }
 
+TEST(Chain, ACudaChainOnAStreamIsRejectedBeforeAnyDeviceWork) {
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  int not_a_stream = 0;
+  ctx.stream = &not_a_stream;  // never used: the check comes first
+  const Model m = Model::builtin(false);
+  try {
+    const Chain chain(m, ctx);
+    ADD_FAILURE() << "a CUDA chain accepted a stream";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stream"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {
   const Model m = Model::builtin(false);
   Context ctx;

@@ -187,6 +187,10 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
   acc_ = truth ? DType::f64 : DType::f32;
   if (truth && model.weight("model.embed_tokens.weight").dtype != DType::f64)
     throw Error("Chain", "model", "the truth mode runs a widened (fp64) model: pass model.widened()");
+  // Off the CPU the chain's tensors are ordered on the device's legacy default stream (their
+  // allocations, copies and frees), so its ops must run there too.
+  if (ctx.backend != Backend::cpu && ctx.stream != nullptr)
+    throw Error("Chain", "context.stream", "the chain runs on the default stream: pass a null stream");
   if (ctx.backend != Backend::cpu)  // the weights, once, into the backend's memory
     for (auto& [name, w] : model.weights()) {
       if (!w.is_contiguous()) throw Error("Chain", name, "weights must be contiguous");
