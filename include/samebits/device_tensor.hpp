@@ -42,7 +42,7 @@ class DeviceTensor {
                             int64_t dst_stride, int64_t n, int64_t blocks);
 
  private:
-  DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte);
+  DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte);  // < 0: not filled
   struct Free {
     Backend backend;
     void operator()(void* p) const;

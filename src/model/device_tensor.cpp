@@ -20,7 +20,7 @@ DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> sh
 DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte)
     : backend_(backend), dtype_(dtype), shape_(std::move(shape)),
       data_(device_alloc(backend, bytes()), Free{backend}) {
-  device_fill(backend_, data_.get(), fill_byte, bytes());
+  if (fill_byte >= 0) device_fill(backend_, data_.get(), fill_byte, bytes());
 }
 
 DeviceTensor DeviceTensor::poisoned(Backend backend, DType dtype, std::vector<int64_t> shape) {
@@ -28,12 +28,12 @@ DeviceTensor DeviceTensor::poisoned(Backend backend, DType dtype, std::vector<in
 }
 
 DeviceTensor DeviceTensor::from_host(Backend backend, const HostTensor& host) {
-  DeviceTensor t(backend, host.dtype(), host.shape());
+  DeviceTensor t(backend, host.dtype(), host.shape(), -1);  // every byte is uploaded next
   t.upload(host);
   return t;
 }
 
-DeviceTensor::DeviceTensor(const DeviceTensor& o) : DeviceTensor(o.backend_, o.dtype_, o.shape_) {
+DeviceTensor::DeviceTensor(const DeviceTensor& o) : DeviceTensor(o.backend_, o.dtype_, o.shape_, -1) {
   copy_on_device(backend_, data_.get(), o.data_.get(), bytes());
 }
 
