@@ -18,6 +18,7 @@ class DeviceTensor {
   DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape);  // zero-filled
   static DeviceTensor poisoned(Backend backend, DType dtype, std::vector<int64_t> shape);  // 0xFF bytes (NaN)
   static DeviceTensor from_host(Backend backend, const harness::HostTensor& host);
+  static DeviceTensor from_host(Backend backend, const TensorView& host);  // a contiguous CPU view
   DeviceTensor(const DeviceTensor& other);  // a deep copy on the same backend
   DeviceTensor& operator=(const DeviceTensor& other);
   DeviceTensor(DeviceTensor&&) noexcept = default;

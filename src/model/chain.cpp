@@ -8,7 +8,6 @@
 
 #include <fmt/format.h>
 
-#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 
 namespace samebits {
@@ -192,12 +191,7 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
   if (ctx.backend != Backend::cpu && ctx.stream != nullptr)
     throw Error("Chain", "context.stream", "the chain runs on the default stream: pass a null stream");
   if (ctx.backend != Backend::cpu)  // the weights, once, into the backend's memory
-    for (auto& [name, w] : model.weights()) {
-      if (!w.is_contiguous()) throw Error("Chain", name, "weights must be contiguous");
-      DeviceTensor t(ctx.backend, w.dtype, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));
-      copy_to_device(ctx.backend, t.view().data, w.data, t.bytes());
-      device_weights_.emplace(name, std::move(t));
-    }
+    for (auto& [name, w] : model.weights()) device_weights_.emplace(name, DeviceTensor::from_host(ctx.backend, w));
 }
 
 TensorView Chain::weight(const std::string& name) const {

@@ -27,9 +27,13 @@ DeviceTensor DeviceTensor::poisoned(Backend backend, DType dtype, std::vector<in
   return DeviceTensor(backend, dtype, std::move(shape), 0xFF);
 }
 
-DeviceTensor DeviceTensor::from_host(Backend backend, const HostTensor& host) {
-  DeviceTensor t(backend, host.dtype(), host.shape(), -1);  // every byte is uploaded next
-  t.upload(host);
+DeviceTensor DeviceTensor::from_host(Backend backend, const HostTensor& host) { return from_host(backend, host.view()); }
+
+DeviceTensor DeviceTensor::from_host(Backend backend, const TensorView& host) {
+  if (host.device != Device::cpu || !host.is_contiguous())
+    throw Error("DeviceTensor::from_host", "host", "needs a contiguous CPU view");
+  DeviceTensor t(backend, host.dtype, std::vector<int64_t>(host.shape.begin(), host.shape.begin() + host.ndim), -1);
+  copy_to_device(backend, t.data_.get(), host.data, t.bytes());  // every byte: no fill before
   return t;
 }
 
