@@ -1,5 +1,5 @@
-// Test helpers for the CUDA backend: a device copy of a host tensor, a CUDA context, a fixture that
-// skips without a GPU, raw-bit equality.
+// Test helpers for the CUDA backend: a device copy of a host tensor (on DeviceTensor), a CUDA
+// context, a fixture that skips without a GPU, raw-bit equality.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -10,38 +10,26 @@
 
 #include "samebits/context.hpp"
 #include "samebits/device.hpp"
+#include "samebits/device_tensor.hpp"
 #include "samebits/harness.hpp"
 
 namespace samebits::testing_cuda {
 
 using harness::HostTensor;
 
+// A device copy of a host tensor (or zeros of a shape), for the tests' kernel arguments.
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(const HostTensor& h) : bytes_(h.bytes()), ptr_(device_alloc(Backend::cuda, bytes_)), t_(h) {
-    copy_to_device(Backend::cuda, ptr_, h.data(), bytes_);
-  }
-  DeviceBuffer(DType d, std::vector<int64_t> shape) : DeviceBuffer(HostTensor(d, std::move(shape))) {}
+  explicit DeviceBuffer(const HostTensor& h) : t_(DeviceTensor::from_host(Backend::cuda, h)) {}
+  DeviceBuffer(DType d, std::vector<int64_t> shape) : t_(Backend::cuda, d, std::move(shape)) {}
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { device_free(Backend::cuda, ptr_); }
-  TensorView view() const {
-    TensorView v = t_.view();
-    v.data = ptr_;
-    v.device = Device::cuda;
-    return v;
-  }
+  TensorView view() const { return t_.view(); }
   TensorView rows(int64_t b, int64_t e) const { return view().rows(b, e); }
-  HostTensor host() const {
-    HostTensor h(t_.dtype(), t_.shape());
-    copy_to_host(Backend::cuda, h.data(), ptr_, bytes_);
-    return h;
-  }
+  HostTensor host() const { return t_.to_host(); }
 
  private:
-  size_t bytes_;
-  void* ptr_;
-  HostTensor t_;
+  DeviceTensor t_;
 };
 
 // A test fixture that skips its tests where no CUDA device is visible.
