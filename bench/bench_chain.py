@@ -138,6 +138,52 @@ class TorchDecoder:
         return self.rms(x[:, -1], self.m.norm.weight, eps) @ self.head.T
 
 
+KERNEL_FAMILIES = (  # (family, substrings of kernel names), first match wins
+    ("attention", ("attention", "flash", "fmha", "sdpa", "Attention")),
+    ("GEMM (weight gradients)", ("wgrad", "weight_grad", "combine_units", "sum_rows", "bias_grad")),
+    ("GEMM", ("gemm", "Gemm", "sm90_xmma", "cutlass", "nvjet", "ampere", "wgmma")),
+    ("LM head / logprob", ("logprob", "log_softmax", "softmax", "chain_partials", "gather", "scatter", "nll")),
+    ("norms / RoPE", ("norm", "rope", "rsqrt")),
+    ("copies / fills", ("copy", "Copy", "fill", "Fill", "memset", "Memset", "memcpy", "Memcpy")),
+)
+
+
+def kernel_profile(fn):
+    """Every GPU kernel of one call of fn, by family: {family: (ms, launches)}, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fam, top = {}, []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t <= 0 or e.key.startswith("cudaDeviceSynchronize") or e.key.startswith("cudaStream"):
+            continue
+        f = next((f for f, keys in KERNEL_FAMILIES if any(k in e.key for k in keys)), "elementwise / other")
+        ms, n = fam.get(f, (0.0, 0))
+        fam[f] = (ms + t / 1e3, n + e.count)
+        top.append((t / 1e3, e.count, e.key))
+    return fam, sorted(top, reverse=True)[:12]
+
+
+def profile_rows(name_a, prof_a, name_b, prof_b):
+    (fa, ta), (fb, tb) = prof_a, prof_b
+    rows = [f"| kernel family | {name_a} ms (launches) | {name_b} ms (launches) | difference ms |",
+            "| --- | --- | --- | --- |"]
+    for f in [f for f, _ in KERNEL_FAMILIES] + ["elementwise / other"]:
+        a, b = fa.get(f, (0.0, 0)), fb.get(f, (0.0, 0))
+        if a[1] or b[1]:
+            rows.append(f"| {f} | {a[0]:.1f} ({a[1]}) | {b[0]:.1f} ({b[1]}) | {a[0] - b[0]:+.1f} |")
+    sa, sb_ = sum(v[0] for v in fa.values()), sum(v[0] for v in fb.values())
+    rows.append(f"| **all kernels** | **{sa:.1f}** | **{sb_:.1f}** | **{sa - sb_:+.1f}** |")
+    for name, top in ((name_a, ta), (name_b, tb)):
+        rows += ["", f"Top kernels, {name}:", "", "| ms | launches | kernel |", "| --- | --- | --- |"]
+        rows += [f"| {ms:.1f} | {n} | `{k[:110]}` |" for ms, n, k in top]
+    return rows
+
+
 def used_bytes():
     free, total = torch.cuda.mem_get_info()
     return total - free
@@ -163,6 +209,9 @@ def main():
     ap.add_argument("--md")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model-dir", default="/tmp/samebits_e2e_model")
+    ap.add_argument("--profile", action="store_true",
+                    help="add a kernel-time breakdown of one forward + backward of each side (16 × 1024)")
+    ap.add_argument("--no-decode", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
@@ -192,7 +241,7 @@ def main():
             lp.sum().backward()
         return lp
 
-    rows_p, rows_fb = [], []
+    rows_p, rows_fb, rows_prof = [], [], []
     for B, S in ((32, 512), (16, 1024), (4, 4096)):
         ids = torch.randint(0, V, (B, S), device="cuda")
         tok, lens = Samebits.arrays(ids.tolist(), [S] * B)
@@ -233,6 +282,15 @@ def main():
             hf_logp(ids, True)
         t_hf = timed(hf_fb, max(3, args.reps - 2))
         m_hf = torch.cuda.max_memory_allocated() - m0
+        if args.profile and (B, S) == (16, 1024):
+            p_hf = kernel_profile(hf_fb)
+            hf.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            p_sb = kernel_profile(lambda: sb.forward_backward(tok, lens, B))
+            lib.sb_chain_drop_grads(sb.h)
+            sb.release()
+            rows_prof = profile_rows("samebits", p_sb, "transformers", p_hf)
+            print("\n".join(rows_prof), flush=True)
         hf.zero_grad(set_to_none=True)
         rows_fb.append(f"| {B} × {S} | {T / t_sb:,.0f} tok/s ({t_sb * 1e3:.1f} ms) | {T / t_hf:,.0f} tok/s ({t_hf * 1e3:.1f} ms) | "
                        f"**{t_sb / t_hf:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB |")
@@ -242,7 +300,7 @@ def main():
 
     rows_d = []
     prompt, steps = 512, 32
-    for B in (1, 8, 64):
+    for B in (() if args.no_decode else (1, 8, 64)):
         torch.cuda.empty_cache()
         ids = torch.randint(0, V, (B, prompt + steps), device="cuda")
         host = ids.tolist()
@@ -298,9 +356,14 @@ def main():
     out += ["", "## Forward + backward (gradient of the summed logprobs, every weight)", "",
             "| B × S | samebits | transformers | samebits time / transformers time | memory samebits / transformers |",
             "| --- | --- | --- | --- | --- |"] + rows_fb
-    out += ["", f"## Decode step ({prompt}-token prompts, median of {steps} steps)", "",
-            "| B | samebits | transformers | plain PyTorch (cuBLAS + SDPA) | samebits / transformers / plain |",
-            "| --- | --- | --- | --- | --- |"] + rows_d
+    if args.profile:
+        out += ["", "## Where the forward + backward time goes (16 × 1024, one step, torch.profiler)", "",
+                "GPU kernel time of one step of each side, by kernel family (launch gaps not included)."]
+        out += [""] + rows_prof
+    if rows_d:
+        out += ["", f"## Decode step ({prompt}-token prompts, median of {steps} steps)", "",
+                "| B | samebits | transformers | plain PyTorch (cuBLAS + SDPA) | samebits / transformers / plain |",
+                "| --- | --- | --- | --- | --- |"] + rows_d
     emit(out, args.md)
     lib.sb_chain_free(sb.h)
 
