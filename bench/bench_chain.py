@@ -149,27 +149,32 @@ KERNEL_FAMILIES = (  # (family, substrings of kernel names), first match wins
 
 
 def kernel_profile(fn):
-    """Every GPU kernel of one call of fn, by family: {family: (ms, launches)}, and the top kernels."""
+    """One call of fn under torch.profiler: GPU kernel time by family {family: (ms, launches)}, the
+    top kernels, the top CUDA runtime / driver calls by host time, and the call's wall time."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-    fam, top = {}, []
+        wall = time.perf_counter() - t0
+    fam, top, api = {}, [], []
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t <= 0 or e.key.startswith("cudaDeviceSynchronize") or e.key.startswith("cudaStream"):
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if e.key.startswith("cu") and e.self_cpu_time_total > 0:
+            api.append((e.self_cpu_time_total / 1e3, e.count, e.key))
+        if t <= 0 or e.key.startswith("cu") or e.key.startswith("aten::") or e.key.startswith("autograd::"):
             continue
         f = next((f for f, keys in KERNEL_FAMILIES if any(k in e.key for k in keys)), "elementwise / other")
         ms, n = fam.get(f, (0.0, 0))
         fam[f] = (ms + t / 1e3, n + e.count)
         top.append((t / 1e3, e.count, e.key))
-    return fam, sorted(top, reverse=True)[:12]
+    return fam, sorted(top, reverse=True)[:12], sorted(api, reverse=True)[:8], wall * 1e3
 
 
 def profile_rows(name_a, prof_a, name_b, prof_b):
-    (fa, ta), (fb, tb) = prof_a, prof_b
+    (fa, ta, aa, wa), (fb, tb, ab, wb) = prof_a, prof_b
     rows = [f"| kernel family | {name_a} ms (launches) | {name_b} ms (launches) | difference ms |",
             "| --- | --- | --- | --- |"]
     for f in [f for f, _ in KERNEL_FAMILIES] + ["elementwise / other"]:
@@ -178,9 +183,14 @@ def profile_rows(name_a, prof_a, name_b, prof_b):
             rows.append(f"| {f} | {a[0]:.1f} ({a[1]}) | {b[0]:.1f} ({b[1]}) | {a[0] - b[0]:+.1f} |")
     sa, sb_ = sum(v[0] for v in fa.values()), sum(v[0] for v in fb.values())
     rows.append(f"| **all kernels** | **{sa:.1f}** | **{sb_:.1f}** | **{sa - sb_:+.1f}** |")
-    for name, top in ((name_a, ta), (name_b, tb)):
+    rows.append(f"| wall time of the profiled step | {wa:.1f} | {wb:.1f} | {wa - wb:+.1f} |")
+    rows.append(f"| GPU not running kernels (wall − kernels) | {wa - sa:.1f} | {wb - sb_:.1f} | {(wa - sa) - (wb - sb_):+.1f} |")
+    for name, top, api in ((name_a, ta, aa), (name_b, tb, ab)):
         rows += ["", f"Top kernels, {name}:", "", "| ms | launches | kernel |", "| --- | --- | --- |"]
         rows += [f"| {ms:.1f} | {n} | `{k[:110]}` |" for ms, n, k in top]
+        rows += ["", f"Top CUDA runtime / driver calls by host time, {name}:", "", "| ms | calls | call |",
+                 "| --- | --- | --- |"]
+        rows += [f"| {ms:.1f} | {n} | `{k}` |" for ms, n, k in api]
     return rows
 
 

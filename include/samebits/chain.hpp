@@ -103,9 +103,9 @@ class Chain {
   std::vector<double> last_logprobs(const ChainBatch& batch, const ChainForward& f, const std::vector<int32_t>& tokens) const;
   // Backward of L = Σ dlogp[row]·logp[row]: adds every weight's gradient into `grads` (on the
   // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
-  // activation dtype, on the host).
-  harness::HostTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,
-                               ModelGrads& grads) const;
+  // activation dtype, on the chain's backend: to_host() it when wanted, a trainer seldom does).
+  DeviceTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,
+                        ModelGrads& grads) const;
 
   const Model& model() const { return model_; }
   DType act_dtype() const { return act_; }

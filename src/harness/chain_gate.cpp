@@ -84,7 +84,7 @@ struct Gate {
     v.fwd["logp"] = doubles(f.logp, s.row, s.len);
     v.fwd["entropy"] = doubles(f.entropy, s.row, s.len);
     ModelGrads g(model, chain.act_dtype() == DType::f64 ? DType::f64 : DType::f32, chain.backend());
-    const HostTensor d_embed = chain.backward(b, f, layout_dlogp(b, seqs), g);
+    const HostTensor d_embed = chain.backward(b, f, layout_dlogp(b, seqs), g).to_host();
     v.bwd["d_embed"] = d_embed.slice_rows(s.row, s.row + s.len);
     if (keep) *keep = f;
     return v;

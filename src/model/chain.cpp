@@ -396,8 +396,8 @@ std::vector<double> Chain::last_logprobs(const ChainBatch& batch, const ChainFor
 }
 
 // ---------------------------------------------------------------- backward
-HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const std::vector<double>& dlogp,
-                           ModelGrads& grads) const {
+DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const std::vector<double>& dlogp,
+                             ModelGrads& grads) const {
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
@@ -535,7 +535,7 @@ HostTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const
     dx = norm_back(dn1, &dx_mid, in_name, rstd1_name, p + "input_layernorm.weight");
   }
   embedding_backward(ctx_, {r.ids.view(), dx.view(), mask, G("model.embed_tokens.weight")});
-  return dx.to_host();
+  return dx;
 }
 
 }  // namespace samebits
