@@ -19,6 +19,7 @@ The two allocators share the card: before each phase the other side's cached, un
 back to the device (torch.cuda.empty_cache, sb_memory_release), so neither runs squeezed.
 """
 import argparse
+import contextlib
 import ctypes
 import os
 import statistics
@@ -194,6 +195,29 @@ def profile_rows(name_a, prof_a, name_b, prof_b):
     return rows
 
 
+def draw(points, path, title):
+    """Grouped bars: tokens/s of each side for each batch mix, prefill and forward + backward."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    x = range(len(points))
+    for ax, (what, a, b) in zip(axes, (("prefill (scoring)", 1, 2), ("forward + backward", 3, 4))):
+        ax.bar([i - 0.2 for i in x], [p[a] / 1e3 for p in points], 0.4, label="samebits")
+        ax.bar([i + 0.2 for i in x], [p[b] / 1e3 for p in points], 0.4, label="transformers (SDPA)")
+        for i, p in enumerate(points):
+            ax.text(i - 0.2, p[a] / 1e3, f"{p[b] / p[a]:.2f}×", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([p[0].replace(": ", ":\n") for p in points], fontsize=8)
+        ax.set_ylabel("thousand tokens / s")
+        ax.set_title(what + " (label: samebits time / transformers time)", fontsize=9)
+        ax.set_ylim(0, 1.12 * max(max(p[a], p[b]) for p in points) / 1e3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def used_bytes():
     free, total = torch.cuda.mem_get_info()
     return total - free
@@ -222,6 +246,7 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="add a kernel-time breakdown of one forward + backward of each side (16 × 1024)")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--plot", help="write tokens/s against the batch mix to this PNG (needs matplotlib)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
@@ -244,18 +269,31 @@ def main():
            "Wall-clock medians with the host work of each side included. samebits weights on the device: "
            f"{sb_weights / 2**30:.1f} GiB.", ""]
 
-    def hf_logp(ids, grad):
-        logits = hf(input_ids=ids).logits[:, :-1].float()
+    def hf_logp(ids, mask, grad):
+        """Selected logprobs of every next token (transformers: logits → fp32 log_softmax → gather);
+        `mask` [B, S] marks the real tokens of a right-padded batch (None: no padding)."""
+        logits = hf(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        if mask is not None:
+            lp = lp * mask[:, 1:]
         if grad:
             lp.sum().backward()
         return lp
 
-    rows_p, rows_fb, rows_prof = [], [], []
-    for B, S in ((32, 512), (16, 1024), (4, 4096)):
+    rows_p, rows_fb, rows_prof, plot = [], [], [], []
+    gen = torch.Generator().manual_seed(1)
+    mixes = [("32 × 512", [512] * 32), ("16 × 1024", [1024] * 16), ("4 × 4096", [4096] * 4),
+             ("RL mix: 4 of 1024 … 4096", [4096, 3072, 2048, 1024]),
+             ("RL mix: 16 of 256 … 1024", sorted(torch.randint(256, 1025, (16,), generator=gen).tolist(), reverse=True))]
+    for label, seq_lens in mixes:
+        B, S, T = len(seq_lens), max(seq_lens), sum(seq_lens)
         ids = torch.randint(0, V, (B, S), device="cuda")
-        tok, lens = Samebits.arrays(ids.tolist(), [S] * B)
-        logp = (ctypes.c_double * (B * S))()
+        padded = any(n != S for n in seq_lens)
+        mask = (torch.arange(S, device="cuda")[None, :] < torch.tensor(seq_lens, device="cuda")[:, None]).long() \
+            if padded else None
+        host = ids.tolist()
+        tok, lens = Samebits.arrays([host[i][:n] for i, n in enumerate(seq_lens)], seq_lens)
+        logp = (ctypes.c_double * T)()
         # prefill (scoring)
         torch.cuda.empty_cache()
         u0 = lib.sb_memory_in_use()
@@ -266,21 +304,20 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
         with torch.no_grad():
-            t_hf = timed(lambda: hf_logp(ids, False), args.reps)
+            t_hf = timed(lambda: hf_logp(ids, mask, False), args.reps)
         m_hf = torch.cuda.max_memory_allocated() - m0
         with torch.no_grad():
-            ref = hf_logp(ids[:1], False)[0].double().cpu()
-        ours = torch.tensor(list(logp)[:S - 1], dtype=torch.float64)
+            ref = hf_logp(ids[:1, :seq_lens[0]], None, False)[0].double().cpu()
+        ours = torch.tensor(list(logp)[:seq_lens[0] - 1], dtype=torch.float64)
         diff = (ours - ref).abs().max().item()
-        T = B * S
-        rows_p.append(f"| {B} × {S} | {T / t_sb:,.0f} tok/s ({t_sb * 1e3:.1f} ms) | {T / t_hf:,.0f} tok/s ({t_hf * 1e3:.1f} ms) | "
+        rows_p.append(f"| {label} | {T / t_sb:,.0f} tok/s ({t_sb * 1e3:.1f} ms) | {T / t_hf:,.0f} tok/s ({t_hf * 1e3:.1f} ms) | "
                       f"**{t_sb / t_hf:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB | {diff:.3g} |")
         # forward + backward
         lib.sb_chain_drop_grads(sb.h)  # the accumulators are made in the phase, as transformers' .grad are
         torch.cuda.empty_cache()
         u0 = lib.sb_memory_in_use()
         lib.sb_memory_peak(1)
-        t_sb = timed(lambda: sb.forward_backward(tok, lens, B), max(3, args.reps - 2))
+        t_sb_fb = timed(lambda: sb.forward_backward(tok, lens, B), max(3, args.reps - 2))
         m_sb = lib.sb_memory_peak(0) - u0
         lib.sb_chain_drop_grads(sb.h)
         sb.release()
@@ -289,10 +326,10 @@ def main():
 
         def hf_fb():
             hf.zero_grad(set_to_none=False)
-            hf_logp(ids, True)
-        t_hf = timed(hf_fb, max(3, args.reps - 2))
+            hf_logp(ids, mask, True)
+        t_hf_fb = timed(hf_fb, max(3, args.reps - 2))
         m_hf = torch.cuda.max_memory_allocated() - m0
-        if args.profile and (B, S) == (16, 1024):
+        if args.profile and label == "16 × 1024":
             p_hf = kernel_profile(hf_fb)
             hf.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
@@ -302,9 +339,10 @@ def main():
             rows_prof = profile_rows("samebits", p_sb, "transformers", p_hf)
             print("\n".join(rows_prof), flush=True)
         hf.zero_grad(set_to_none=True)
-        rows_fb.append(f"| {B} × {S} | {T / t_sb:,.0f} tok/s ({t_sb * 1e3:.1f} ms) | {T / t_hf:,.0f} tok/s ({t_hf * 1e3:.1f} ms) | "
-                       f"**{t_sb / t_hf:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB |")
-        del ids
+        rows_fb.append(f"| {label} | {T / t_sb_fb:,.0f} tok/s ({t_sb_fb * 1e3:.1f} ms) | {T / t_hf_fb:,.0f} tok/s "
+                       f"({t_hf_fb * 1e3:.1f} ms) | **{t_sb_fb / t_hf_fb:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB |")
+        plot.append((label, T / t_sb, T / t_hf, T / t_sb_fb, T / t_hf_fb))
+        del ids, mask
         torch.cuda.empty_cache()
         print(rows_p[-1], rows_fb[-1], sep="\n", flush=True)
 
@@ -314,7 +352,7 @@ def main():
         torch.cuda.empty_cache()
         ids = torch.randint(0, V, (B, prompt + steps), device="cuda")
         host = ids.tolist()
-        sb.cache(B, prompt + steps)
+        sb.cache(B, prompt + steps + 2)
         tok, lens = Samebits.arrays([r[:prompt] for r in host], [prompt] * B)
         sb.step(tok, lens, (ctypes.c_int64 * B)(*([0] * B)), B)
         sb_times = []
@@ -326,19 +364,41 @@ def main():
             sb.step(tok, lens, cached, B)
             torch.cuda.synchronize()
             sb_times.append(time.perf_counter() - t0)
+        if args.profile and B == 1:  # one more step (the cache has room for two)
+            tok, lens = Samebits.arrays([[r[-1]] for r in host], [1] * B)
+            n = [prompt + steps]
+            p = kernel_profile(lambda: sb.step(tok, lens, (ctypes.c_int64 * B)(*([n.pop()] if n else [prompt + steps + 1])), B))
+            print(f"samebits decode step: wall {p[3]:.2f} ms, kernels {sum(v[0] for v in p[0].values()):.2f} ms; "
+                  f"top host calls {p[2][:4]}; top kernels {p[1][:4]}", flush=True)
         sb.release()
-        with torch.no_grad():
-            o = hf(input_ids=ids[:, :prompt], use_cache=True)
-            pkv = o.past_key_values
-            hf_times = []
-            for t in range(steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                o = hf(input_ids=ids[:, prompt + t:prompt + t + 1], past_key_values=pkv, use_cache=True)
-                pkv = o.past_key_values
-                torch.cuda.synchronize()
-                hf_times.append(time.perf_counter() - t0)
-        del pkv, o
+
+        def hf_decode(backends):
+            """transformers' decode steps, SDPA restricted to `backends` (None: torch's own choice)."""
+            ctx = torch.nn.attention.sdpa_kernel(backends) if backends else contextlib.nullcontext()
+            with torch.no_grad(), ctx:
+                o = hf(input_ids=ids[:, :prompt], use_cache=True)
+                pkv, times = o.past_key_values, []
+                for t in range(steps):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    o = hf(input_ids=ids[:, prompt + t:prompt + t + 1], past_key_values=pkv, use_cache=True)
+                    pkv = o.past_key_values
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                if args.profile and B == 1:
+                    p = kernel_profile(lambda: hf(input_ids=ids[:, prompt:prompt + 1], past_key_values=pkv, use_cache=True))
+                    print(f"transformers decode step, SDPA {backends or 'default'}: wall {p[3]:.2f} ms, kernels "
+                          f"{sum(v[0] for v in p[0].values()):.2f} ms; top host calls {p[2][:4]}; top kernels {p[1][:4]}",
+                          flush=True)
+            return statistics.median(times)
+        SDP = torch.nn.attention.SDPBackend
+        hf_default = hf_decode(None)
+        hf_flash = hf_decode([SDP.FLASH_ATTENTION, SDP.EFFICIENT_ATTENTION, SDP.MATH])
+        hf_times = [min(hf_default, hf_flash)]
+        print(f"transformers decode B = {B}: {hf_default * 1e3:.2f} ms with torch's SDPA choice, "
+              f"{hf_flash * 1e3:.2f} ms without cuDNN attention", flush=True)
+        sdpa_ctx = torch.nn.attention.sdpa_kernel([SDP.FLASH_ATTENTION, SDP.EFFICIENT_ATTENTION, SDP.MATH])
+        sdpa_ctx.__enter__()
         plain = TorchDecoder(hf, B, prompt + steps)
         plain.step(ids[:, :prompt], 0)
         pt_times = []
@@ -348,6 +408,10 @@ def main():
             plain.step(ids[:, prompt + t:prompt + t + 1], prompt + t)
             torch.cuda.synchronize()
             pt_times.append(time.perf_counter() - t0)
+        if args.profile and B == 1:
+            p = kernel_profile(lambda: plain.step(ids[:, prompt + steps - 1:prompt + steps], prompt + steps - 1))
+            print(f"plain PyTorch decode step: wall {p[3]:.2f} ms, kernels {sum(v[0] for v in p[0].values()):.2f} ms; "
+                  f"top host calls {p[2][:4]}; top kernels {p[1][:4]}", flush=True)
         if B == 1:  # the plain model is the same model: its logits against transformers' at the last step
             with torch.no_grad():
                 want = hf(input_ids=ids[:, :prompt + steps]).logits[0, -1].float()
@@ -355,16 +419,21 @@ def main():
             print(f"plain PyTorch vs transformers, last-step logits: max |diff| {(got - want).abs().max().item():.3g} "
                   f"(logits up to {want.abs().max().item():.3g})", flush=True)
         del plain
+        sdpa_ctx.__exit__(None, None, None)
         a, b, c = statistics.median(sb_times), statistics.median(hf_times), statistics.median(pt_times)
         rows_d.append(f"| {B} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {c * 1e3:.2f} ms | **{a / b:.2f}×** / **{a / c:.2f}×** |")
         print(rows_d[-1], flush=True)
         torch.cuda.empty_cache()
 
+    if args.plot:
+        draw(plot, args.plot, f"samebits vs transformers (SDPA), Qwen3-8B shape, {args.layers} layers, {name}")
+    out += ["Tokens/s count real tokens only. The RL mixes are packed for samebits (no padding) and right-padded "
+            "with an attention mask for transformers (SDPA has no packed-sequence path).", ""]
     out += ["## Prefill (scoring every token)", "",
-            "| B × S | samebits | transformers | samebits time / transformers time | memory samebits / transformers | "
+            "| batch | samebits | transformers | samebits time / transformers time | memory samebits / transformers | "
             "max \\|Δlogp\\| (first sequence) |", "| --- | --- | --- | --- | --- | --- |"] + rows_p
     out += ["", "## Forward + backward (gradient of the summed logprobs, every weight)", "",
-            "| B × S | samebits | transformers | samebits time / transformers time | memory samebits / transformers |",
+            "| batch | samebits | transformers | samebits time / transformers time | memory samebits / transformers |",
             "| --- | --- | --- | --- | --- |"] + rows_fb
     if args.profile:
         out += ["", "## Where the forward + backward time goes (16 × 1024, one step, torch.profiler)", "",
