@@ -246,6 +246,7 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="add a kernel-time breakdown of one forward + backward of each side (16 × 1024)")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--plot", help="write tokens/s against the batch mix to this PNG (needs matplotlib)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -285,7 +286,7 @@ def main():
     mixes = [("32 × 512", [512] * 32), ("16 × 1024", [1024] * 16), ("4 × 4096", [4096] * 4),
              ("RL mix: 4 of 1024 … 4096", [4096, 3072, 2048, 1024]),
              ("RL mix: 16 of 256 … 1024", sorted(torch.randint(256, 1025, (16,), generator=gen).tolist(), reverse=True))]
-    for label, seq_lens in mixes:
+    for label, seq_lens in ([] if args.decode_only else mixes):
         B, S, T = len(seq_lens), max(seq_lens), sum(seq_lens)
         ids = torch.randint(0, V, (B, S), device="cuda")
         padded = any(n != S for n in seq_lens)
