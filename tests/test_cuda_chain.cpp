@@ -82,3 +82,7 @@ TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {
     EXPECT_NE(std::string(e.what()).find("backend"), std::string::npos) << e.what();
   }
 }
+
+TEST_F(CudaChain, ActivationsNeedNoPoison) {
+  for (bool tied : {false, true}) testing_model::expect_poisoning_changes_no_bit(Model::builtin(tied), Backend::cuda);
+}

@@ -431,3 +431,7 @@ TEST(Model, TiedGradientIsTheUntiedAccumulatorsSummedOnce) {
     EXPECT_EQ(std::memcmp(a.data(), bb.data(), a.bytes()), 0) << name;
   }
 }
+
+TEST(Model, ActivationsNeedNoPoisonOnTheCpu) {
+  testing_model::expect_poisoning_changes_no_bit(Model::builtin(true), Backend::cpu);
+}

@@ -114,6 +114,7 @@ class Chain {
  private:
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits) const;
   TensorView weight(const std::string& name) const;
+  DeviceTensor activation(DType dtype, std::vector<int64_t> shape) const;  // poisoned if ctx asks
   const Model& model_;
   Context ctx_;
   DType act_, acc_;

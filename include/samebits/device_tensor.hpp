@@ -17,6 +17,8 @@ class DeviceTensor {
   DeviceTensor() = default;
   DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape);  // zero-filled
   static DeviceTensor poisoned(Backend backend, DType dtype, std::vector<int64_t> shape);  // 0xFF bytes (NaN)
+  // Contents undefined: for outputs whose every element an op writes before anything reads it.
+  static DeviceTensor uninitialized(Backend backend, DType dtype, std::vector<int64_t> shape);
   static DeviceTensor from_host(Backend backend, const harness::HostTensor& host);
   static DeviceTensor from_host(Backend backend, const TensorView& host);  // a contiguous CPU view
   DeviceTensor(const DeviceTensor& other);  // a deep copy on the same backend

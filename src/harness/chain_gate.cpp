@@ -148,6 +148,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
   try {
     Context ctx;
     ctx.backend = opt.backend;
+    ctx.poison_activations = true;  // an element no op wrote shows as NaN
     Gate g{model, cfg, Chain(model, ctx), opt, out};
     Rng rng(opt.seed);
     const Seq target = random_sequences(rng, 1, opt.target_len, opt.target_len, cfg.vocab_size)[0];
@@ -350,6 +351,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
         const Model wide = m.widened();
         Context truth_ctx;
         truth_ctx.precision = Precision::truth_fp64;
+        truth_ctx.poison_activations = true;
         const Chain truth(wide, truth_ctx);
         Truth t{truth.forward(b), std::nullopt};
         t.g.emplace(wide, DType::f64);
@@ -364,6 +366,7 @@ CaseResult run_chain_gate(const Model& model, const std::string& label, const Co
       if (cfg.dtype != judged_dtype && judged_dtype != DType::f32) judged_truth.emplace(truth_of(judged_model));
       Context judged_ctx;
       judged_ctx.backend = opt.backend;
+      judged_ctx.poison_activations = true;
       std::optional<Chain> judged_chain;
       if (cfg.dtype != judged_dtype) judged_chain.emplace(judged_model, judged_ctx);
       struct Variant { const Chain* chain; const Model* model; DType dtype; bool judged; const Truth* truth; };

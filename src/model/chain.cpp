@@ -201,6 +201,11 @@ TensorView Chain::weight(const std::string& name) const {
   return it->second.view();
 }
 
+DeviceTensor Chain::activation(DType dtype, std::vector<int64_t> shape) const {
+  return ctx_.poison_activations ? DeviceTensor::poisoned(ctx_.backend, dtype, std::move(shape))
+                                 : DeviceTensor::uninitialized(ctx_.backend, dtype, std::move(shape));
+}
+
 ChainForward Chain::forward(const ChainBatch& batch) const { return run(batch, nullptr, nullptr); }
 
 ChainForward Chain::forward_cached(const ChainBatch& batch, KvCache& cache,
@@ -216,7 +221,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   const auto W = [&](const std::string& n) { return weight(n); };
   ChainForward f;
   auto add = [&](const std::string& name, DType dt, std::vector<int64_t> shape) -> DeviceTensor& {
-    f.trace.emplace_back(name, DeviceTensor::poisoned(ctx_.backend, dt, std::move(shape)));
+    f.trace.emplace_back(name, activation(dt, std::move(shape)));
     return f.trace.back().second;
   };
   auto act = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& { return add(name, act_, std::move(shape)); };
@@ -413,8 +418,8 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
   const auto A = [&](const std::string& n) { return f.at(n).view(); };
   const auto G = [&](const std::string& n) { return grads.accumulator(n).view(); };
   const TensorView mask = r.row_mask.view();
-  auto act = [&](std::vector<int64_t> shape) { return DeviceTensor::poisoned(ctx_.backend, act_, std::move(shape)); };
-  auto acc = [&](std::vector<int64_t> shape) { return DeviceTensor(ctx_.backend, acc_, std::move(shape)); };
+  auto act = [&](std::vector<int64_t> shape) { return activation(act_, std::move(shape)); };
+  auto acc = [&](std::vector<int64_t> shape) { return activation(acc_, std::move(shape)); };
 
   const HostTensor seqs = attention_table(batch, nullptr, 0, nullptr);
   const HostTensor segments = segments_of(batch);

@@ -27,6 +27,10 @@ DeviceTensor DeviceTensor::poisoned(Backend backend, DType dtype, std::vector<in
   return DeviceTensor(backend, dtype, std::move(shape), 0xFF);
 }
 
+DeviceTensor DeviceTensor::uninitialized(Backend backend, DType dtype, std::vector<int64_t> shape) {
+  return DeviceTensor(backend, dtype, std::move(shape), -1);
+}
+
 DeviceTensor DeviceTensor::from_host(Backend backend, const HostTensor& host) { return from_host(backend, host.view()); }
 
 DeviceTensor DeviceTensor::from_host(Backend backend, const TensorView& host) {
