@@ -435,3 +435,24 @@ TEST(Model, TiedGradientIsTheUntiedAccumulatorsSummedOnce) {
 TEST(Model, ActivationsNeedNoPoisonOnTheCpu) {
   testing_model::expect_poisoning_changes_no_bit(Model::builtin(true), Backend::cpu);
 }
+
+TEST(Model, ActivationsFileHoldsEveryActivationOfTheForward) {
+  const Model m = Model::builtin(false);
+  const fs::path dir = scratch("activations_file");
+  fs::create_directories(dir);
+  const std::string path = (dir / "a.safetensors").string();
+  std::stringstream in("{\"tokens\": [1, 2, 3, 4]}\n{\"tokens\": [5, 6, 7]}\n");
+  EXPECT_EQ(tools::write_activations(m, Backend::cpu, in, path), 7);
+  std::ifstream file(path, std::ios::binary);
+  const std::string bytes(std::istreambuf_iterator<char>(file), {});
+  const ChainForward f = Chain(m, Context{}).forward(ChainBatch::packed({{1, 2, 3, 4}, {5, 6, 7}}));
+  for (const auto& [name, t] : f.trace) {
+    EXPECT_NE(bytes.find("\"" + name + "\""), std::string::npos) << name << " is not in the header";
+    const harness::HostTensor host = t.to_host();
+    EXPECT_NE(bytes.find(std::string(static_cast<const char*>(host.data()), host.bytes())), std::string::npos)
+        << name << ": the file does not hold the forward's bits";
+  }
+  std::stringstream none("");
+  EXPECT_THROW(tools::write_activations(m, Backend::cpu, none, path), Error);
+  fs::remove_all(dir);
+}

@@ -1,5 +1,6 @@
 #include "tools/logprobs_io.hpp"
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -111,6 +112,26 @@ void write_logprobs(const Model& model, Backend backend, std::istream& in, std::
   ctx.backend = backend;
   const Chain chain(model, ctx);
   read_lines(in, model.config().vocab_size, batch_size, [&](std::vector<Line>& lines) { flush(chain, lines, out, entropy); });
+}
+
+int64_t write_activations(const Model& model, Backend backend, std::istream& in, const std::string& path) {
+  Context ctx;
+  ctx.backend = backend;
+  const Chain chain(model, ctx);
+  std::vector<Line> all;
+  read_lines(in, model.config().vocab_size, std::numeric_limits<int>::max(), [&](std::vector<Line>& lines) {
+    for (auto& l : lines) all.push_back(std::move(l));
+    lines.clear();
+  });
+  if (all.empty()) throw Error("activations", "--input", "no sequences");
+  const ChainBatch b = batch_of(all);
+  const ChainForward f = chain.forward(b);
+  std::vector<harness::HostTensor> host;
+  std::vector<std::pair<std::string, TensorView>> tensors;
+  for (const auto& [name, t] : f.trace) host.push_back(t.to_host());
+  for (size_t i = 0; i < host.size(); ++i) tensors.push_back({f.trace[i].first, host[i].view()});
+  write_safetensors(path, tensors);
+  return b.rows();
 }
 
 int64_t write_gradients(const Model& model, Backend backend, std::istream& in, const std::string& path, int batch_size) {

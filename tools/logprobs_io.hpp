@@ -23,4 +23,10 @@ void write_logprobs(const Model& model, Backend backend, std::istream& in, std::
 int64_t write_gradients(const Model& model, Backend backend, std::istream& in, const std::string& path,
                         int batch_size = 16);
 
+// `samebits activations`: every activation of one forward of all the JSONL sequences, packed in
+// input order (rows = tokens), written in the chain's dtypes as safetensors under the chain's own
+// names ("embed", "layer0.q", "layer0.q_rope", … "final.n1", "head.logp"): for locating where two
+// implementations, or two precisions, part. Returns the number of rows.
+int64_t write_activations(const Model& model, Backend backend, std::istream& in, const std::string& path);
+
 }  // namespace samebits::tools

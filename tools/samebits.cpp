@@ -198,6 +198,14 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
 
+  std::string ac_model, ac_input, ac_output, ac_backend = "auto";
+  auto* activations_cmd = app.add_subcommand(
+      "activations", "Every activation of one forward of JSONL sequences (packed), as safetensors, for drift hunting");
+  activations_cmd->add_option("--model", ac_model, "Hugging Face model directory")->required();
+  activations_cmd->add_option("--input", ac_input, "JSONL as for logprobs; - = stdin")->required();
+  activations_cmd->add_option("--output", ac_output, "The .safetensors file to write")->required();
+  activations_cmd->add_option("--backend", ac_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+
   std::string ex_dir, ex_shape = "builtin";
   bool ex_tied = false;
   uint64_t ex_seed = 1234;
@@ -249,6 +257,17 @@ int main(int argc, char** argv) {
       }
       const int64_t n = tools::write_gradients(model, pick_backend(gr_backend), gr_input == "-" ? std::cin : file, gr_output, gr_batch);
       std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, gr_output);
+      return 0;
+    }
+    if (activations_cmd->parsed()) {
+      const Model model = Model::load(ac_model);
+      std::ifstream file;
+      if (ac_input != "-") {
+        file.open(ac_input);
+        if (!file) throw Error("activations", "--input", "cannot open " + ac_input);
+      }
+      const int64_t n = tools::write_activations(model, pick_backend(ac_backend), ac_input == "-" ? std::cin : file, ac_output);
+      std::cerr << fmt::format("wrote the activations of {} rows to {}\n", n, ac_output);
       return 0;
     }
     if (logprobs->parsed()) {
