@@ -63,6 +63,11 @@ def build(name, config, seed):
     return model
 
 
+def load(model_dir, dtype):
+    """A saved model as users load it (buffers such as RoPE's inverse frequencies stay fp32)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
 def sequences(vocab, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (17, 64, 100, 130)]
@@ -169,11 +174,14 @@ def main():
             setattr(model16.config, key, torch.bfloat16)
         dir16 = os.path.join(work, f"{label}-bf16")
         model16.save_pretrained(dir16, safe_serialization=True)
+        # transformers runs the bf16 model as users load it: from_pretrained(dtype=bf16) keeps the
+        # RoPE inverse frequencies (a buffer) in fp32, while the .to(bf16) above rounded them to
+        # bf16 — a phase error that grows with position (transformers issue #30709).
+        model16 = load(dir16, torch.bfloat16)
         ref16, g16 = hf_logprobs_and_grads(model16, seqs, args.device, grads=True)
         ref16_head32 = hf_logprobs_fp32_head(model16, seqs, args.device)
         # fp32 arithmetic on the same bf16 weights (the upstream contract's reference for bf16).
-        ref_b32, _ = hf_logprobs_and_grads(build(label, config, args.seed).to(torch.bfloat16).float(), seqs,
-                                           args.device, grads=False)
+        ref_b32, _ = hf_logprobs_and_grads(load(dir16, torch.float32), seqs, args.device, grads=False)
         ours16 = samebits_logprobs(args.samebits, dir16, seq_file, sb_backend)
         sg16 = samebits_grads(args.samebits, dir16, seq_file, sb_backend, os.path.join(work, f"{label}-bf16.grads.safetensors"))
         spread = torch.cat(ref32).std().item()
@@ -223,7 +231,8 @@ def main():
              f"{transformers.__version__}); do not edit by hand. Random-initialised models (hidden 256, 2 layers, "
              "4 query / 2 key-value heads, head_dim 64, vocab 4096, norms 1 + 0.2·N(0, 1)), four sequences of "
              "17, 64, 100 and 130 tokens; every token after the first scored. d = logp_samebits − "
-             "logp_transformers.", "",
+             "logp_transformers. transformers loads each saved model with from_pretrained (its RoPE inverse "
+             "frequencies stay fp32 in a bf16 model; a model cast with .to(bfloat16) would round them).", "",
              "| model | dtype | samebits | tokens | max \\|d\\| | approx KL | clip fraction | "
              "max \\|d\\| to transformers fp32: samebits / transformers | std of logp | |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + rows + [
