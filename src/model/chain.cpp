@@ -5,6 +5,7 @@
 #include "samebits/chain.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -23,8 +24,11 @@ TensorView v3(const DeviceTensor& t, int64_t a, int64_t b) {
 
 std::string layer_name(int64_t l, const char* what) { return fmt::format("layer{}.{}", l, what); }
 
+// The batch's row tables in one buffer (one upload): ids, positions, targets (i32), then the loss
+// and row masks (u8), each [rows].
 struct Rows {
-  DeviceTensor ids, pos, targets, loss_mask, row_mask;
+  DeviceTensor storage;
+  TensorView ids, pos, targets, loss_mask, row_mask;
 };
 
 // The batch's row tables, checked on the host and placed in the backend's memory.
@@ -56,9 +60,22 @@ Rows rows_of(const ChainBatch& b, int64_t vocab, Backend backend) {
     const bool scored = r.row_mask.get(i) != 0 && (b.loss_mask.empty() || b.loss_mask[size_t(i)] != 0);
     r.loss_mask.set(i, scored ? 1 : 0);
   }
-  return {DeviceTensor::from_host(backend, r.ids), DeviceTensor::from_host(backend, r.pos),
-          DeviceTensor::from_host(backend, r.targets), DeviceTensor::from_host(backend, r.loss_mask),
-          DeviceTensor::from_host(backend, r.row_mask)};
+  HostTensor packed(DType::u8, {14 * T});
+  auto* bytes = static_cast<uint8_t*>(packed.data());
+  size_t at = 0;
+  for (const HostTensor* t : {&r.ids, &r.pos, &r.targets, &r.loss_mask, &r.row_mask}) {
+    std::memcpy(bytes + at, t->data(), t->bytes());
+    at += t->bytes();
+  }
+  Rows out{DeviceTensor::from_host(backend, packed), {}, {}, {}, {}, {}};
+  auto* base = static_cast<uint8_t*>(out.storage.view().data);
+  const Device device = out.storage.view().device;
+  out.ids = TensorView::of(base, DType::i32, {T}, device);
+  out.pos = TensorView::of(base + 4 * T, DType::i32, {T}, device);
+  out.targets = TensorView::of(base + 8 * T, DType::i32, {T}, device);
+  out.loss_mask = TensorView::of(base + 12 * T, DType::u8, {T}, device);
+  out.row_mask = TensorView::of(base + 13 * T, DType::u8, {T}, device);
+  return out;
 }
 
 // The attention sequence table {q_row, q_len, k_row, k_len}: keys are the batch's own rows, or,
@@ -250,7 +267,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   };
 
   DeviceTensor* x_in = &act("embed", {T, H});
-  embedding_forward(ctx_, {r.ids.view(), W("model.embed_tokens.weight"), x_in->view()});
+  embedding_forward(ctx_, {r.ids, W("model.embed_tokens.weight"), x_in->view()});
   DeviceTensor* n1 = &act("layer0.n1", {T, H});
   DeviceTensor* rstd1 = &acc("layer0.rstd1", {T});
   norm(*x_in, nullptr, "model.layers.0.input_layernorm.weight", *n1, nullptr, *rstd1);
@@ -270,7 +287,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     for (auto [src, dst, name, heads, w] : {std::tuple{&q, &qr, "q_norm", Hq, "self_attn.q_norm.weight"},
                                             std::tuple{&k, &kr, "k_norm", Hkv, "self_attn.k_norm.weight"}}) {
       if (!c.qk_norm) {
-        rope_forward(ctx_, {v3(*src, heads, D), r.pos.view(), v3(*dst, heads, D), c.rope});
+        rope_forward(ctx_, {v3(*src, heads, D), r.pos, v3(*dst, heads, D), c.rope});
         continue;
       }
       QkNormForwardArgs a;
@@ -279,7 +296,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
       a.y = v3(*dst, heads, D);
       a.rstd = acc(layer_name(l, name) + "_rstd", {T, heads}).view();
       a.eps = c.rms_norm_eps;
-      a.positions = r.pos.view();
+      a.positions = r.pos;
       a.rope = c.rope;
       qk_norm_forward(ctx_, a);
     }
@@ -341,8 +358,8 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   LmHeadLogprobForwardArgs lh;
   lh.hidden = n1->view();
   lh.weight = head;
-  lh.targets = r.targets.view();
-  lh.loss_mask = r.loss_mask.view();
+  lh.targets = r.targets;
+  lh.loss_mask = r.loss_mask;
   lh.logp = logp.view();
   lh.entropy = entropy.view();
   lh.lse = lse.view();
@@ -417,7 +434,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
   const auto W = [&](const std::string& n) { return weight(n); };
   const auto A = [&](const std::string& n) { return f.at(n).view(); };
   const auto G = [&](const std::string& n) { return grads.accumulator(n).view(); };
-  const TensorView mask = r.row_mask.view();
+  const TensorView mask = r.row_mask;
   auto act = [&](std::vector<int64_t> shape) { return activation(act_, std::move(shape)); };
   auto acc = [&](std::vector<int64_t> shape) { return activation(acc_, std::move(shape)); };
 
@@ -432,8 +449,8 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     LmHeadLogprobBackwardArgs a;
     a.hidden = A("final.n1");
     a.weight = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-    a.targets = r.targets.view();
-    a.loss_mask = r.loss_mask.view();
+    a.targets = r.targets;
+    a.loss_mask = r.loss_mask;
     a.lse = A("head.lse");
     a.dlogp = g_logp.view();
     a.dhidden = dn.view();
@@ -513,7 +530,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     for (auto [grad, out, name, heads, w] : {std::tuple{&dqr, &dq, "q", Hq, "self_attn.q_norm.weight"},
                                              std::tuple{&dkr, &dk, "k", Hkv, "self_attn.k_norm.weight"}}) {
       if (!c.qk_norm) {
-        rope_backward(ctx_, {v3(*grad, heads, D), r.pos.view(), v3(*out, heads, D), c.rope});
+        rope_backward(ctx_, {v3(*grad, heads, D), r.pos, v3(*out, heads, D), c.rope});
         continue;
       }
       QkNormBackwardArgs a;
@@ -525,7 +542,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
       a.dx = v3(*out, heads, D);
       a.dweight = G(p + w);
       a.eps = c.rms_norm_eps;
-      a.positions = r.pos.view();
+      a.positions = r.pos;
       a.rope = c.rope;
       a.segments = segments.view();
       qk_norm_backward(ctx_, a);
@@ -539,7 +556,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     sum_into(qkv, dn1);
     dx = norm_back(dn1, &dx_mid, in_name, rstd1_name, p + "input_layernorm.weight");
   }
-  embedding_backward(ctx_, {r.ids.view(), dx.view(), mask, G("model.embed_tokens.weight")});
+  embedding_backward(ctx_, {r.ids, dx.view(), mask, G("model.embed_tokens.weight")});
   return dx;
 }
 
