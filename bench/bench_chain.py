@@ -13,6 +13,12 @@ loaded by both sides from that directory.
    (samebits: fp32 accumulators; transformers: .grad of the bf16 parameters), tokens/s;
  * decode: one token per sequence against a KV cache after a 512-token prompt, B = 1, 8, 64,
    wall-clock per step (each side's host work included), median of 32 steps.
+ * batch mixes: 16k tokens as 32 × 512, 16 × 1024, 4 × 4096, and two RL-like mixes of lengths
+   (packed for samebits, right-padded with an attention mask for transformers); --plot draws
+   tokens/s against the mix;
+ * decode baselines: transformers is timed with torch's own SDPA choice and with cuDNN attention
+   excluded (torch 2.11's default rebuilt a cuDNN graph at every new key length, ~40 ms a step);
+   the faster is reported. --profile adds a kernel-time breakdown of one forward + backward.
 Peak memory beyond the weights: torch.cuda.max_memory_allocated for transformers, samebits' pool
 high-water mark (sb_memory_peak) for samebits; both minus what was allocated before the phase.
 The two allocators share the card: before each phase the other side's cached, unused memory goes
@@ -438,7 +444,9 @@ def main():
             "| --- | --- | --- | --- | --- |"] + rows_fb
     if args.profile:
         out += ["", "## Where the forward + backward time goes (16 × 1024, one step, torch.profiler)", "",
-                "GPU kernel time of one step of each side, by kernel family (launch gaps not included)."]
+                "GPU kernel time of one step of each side, by kernel family (launch gaps not included). Families "
+                "are told apart by kernel name: the totals are exact, the split of transformers' time is "
+                "approximate (cuDNN's attention kernels, for one, may not name themselves as attention)."]
         out += [""] + rows_prof
     if rows_d:
         out += ["", f"## Decode step ({prompt}-token prompts, median of {steps} steps)", "",
