@@ -23,6 +23,14 @@ using namespace samebits;
 
 namespace {
 
+// A command's --input: standard input for "-", else the file (opened into `file`).
+std::istream& open_input(const char* command, const std::string& path, std::ifstream& file) {
+  if (path == "-") return std::cin;
+  file.open(path);
+  if (!file) throw Error(command, "--input", "cannot open " + path);
+  return file;
+}
+
 Backend pick_backend(const std::string& arg) {
   if (arg == "auto") return cuda_device_present() ? Backend::cuda : Backend::cpu;
   const Backend b = backend_from_name(arg.c_str());
@@ -251,22 +259,16 @@ int main(int argc, char** argv) {
     if (grads_cmd->parsed()) {
       const Model model = Model::load(gr_model);
       std::ifstream file;
-      if (gr_input != "-") {
-        file.open(gr_input);
-        if (!file) throw Error("grads", "--input", "cannot open " + gr_input);
-      }
-      const int64_t n = tools::write_gradients(model, pick_backend(gr_backend), gr_input == "-" ? std::cin : file, gr_output, gr_batch);
+      std::istream& in = open_input("grads", gr_input, file);
+      const int64_t n = tools::write_gradients(model, pick_backend(gr_backend), in, gr_output, gr_batch);
       std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, gr_output);
       return 0;
     }
     if (activations_cmd->parsed()) {
       const Model model = Model::load(ac_model);
       std::ifstream file;
-      if (ac_input != "-") {
-        file.open(ac_input);
-        if (!file) throw Error("activations", "--input", "cannot open " + ac_input);
-      }
-      const int64_t n = tools::write_activations(model, pick_backend(ac_backend), ac_input == "-" ? std::cin : file, ac_output);
+      std::istream& in = open_input("activations", ac_input, file);
+      const int64_t n = tools::write_activations(model, pick_backend(ac_backend), in, ac_output);
       std::cerr << fmt::format("wrote the activations of {} rows to {}\n", n, ac_output);
       return 0;
     }
@@ -274,11 +276,7 @@ int main(int argc, char** argv) {
       const Backend backend = pick_backend(lp_backend);
       const Model model = load_or_builtin(lp_model, lp_tied);
       std::ifstream file;
-      if (lp_input != "-") {
-        file.open(lp_input);
-        if (!file) throw Error("logprobs", "--input", "cannot open " + lp_input);
-      }
-      std::istream& in = lp_input == "-" ? std::cin : file;
+      std::istream& in = open_input("logprobs", lp_input, file);
       std::ofstream ofile;
       if (!lp_output.empty()) ofile.open(lp_output);
       std::ostream& out = lp_output.empty() ? std::cout : ofile;
