@@ -1,0 +1,251 @@
+// samebits._core — the Python door to the C++ library (pybind11).
+//
+// Why it is shaped this way: Python should reach the same code the CLI and the tests run, not a
+// second implementation. So the module is thin: the model chain (load a Hugging Face directory,
+// score token sequences, take the gradient of their summed logprobs) and the ops on NumPy arrays
+// (CPU backend), each validated by the library itself; samebits::Error becomes samebits.Error
+// (a ValueError) carrying the library's message, which names the op, the argument and the problem.
+// Arrays must already be C-contiguous and of a supported dtype: nothing is copied or cast
+// silently, because a silent cast would change the bits the caller asked about.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "samebits/chain.hpp"
+#include "samebits/context.hpp"
+#include "samebits/error.hpp"
+#include "samebits/model.hpp"
+#include "samebits/ops.hpp"
+
+namespace py = pybind11;
+using namespace samebits;
+
+namespace {
+
+Backend backend_of(const std::string& name) {
+  if (name == "auto") return cuda_device_present() ? Backend::cuda : Backend::cpu;
+  if (name != "cpu" && name != "cuda") throw Error("Chain", "backend", "must be \"cpu\", \"cuda\" or \"auto\", not \"" + name + "\"");
+  const Backend b = backend_from_name(name.c_str());
+  if (b == Backend::cuda && !cuda_backend_built())
+    throw Error("Chain", "backend", "this build has no CUDA backend (nvcc was not found at build time)");
+  if (b == Backend::cuda && !cuda_device_present())
+    throw Error("Chain", "backend", "cuda was asked for, but no CUDA device is visible");
+  return b;
+}
+
+// A NumPy array as a CPU tensor view: C-contiguous, of a dtype the ops take; never copied.
+TensorView view_of(const py::array& a, const char* op, const char* arg) {
+  DType dt;
+  if (a.dtype().is(py::dtype::of<float>())) dt = DType::f32;
+  else if (a.dtype().is(py::dtype::of<int32_t>())) dt = DType::i32;
+  else if (a.dtype().is(py::dtype::of<uint8_t>())) dt = DType::u8;
+  else if (a.dtype().kind() == 'f' && a.itemsize() == 2) dt = DType::f16;
+  else
+    throw Error(op, arg, "dtype " + std::string(py::str(a.dtype())) +
+                             " is not taken (float32, float16, int32 for ids / targets, uint8 for masks)");
+  if (!(a.flags() & py::array::c_style)) throw Error(op, arg, "must be C-contiguous (np.ascontiguousarray)");
+  if (a.ndim() > int(kMaxDims)) throw Error(op, arg, "has too many dimensions");
+  std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
+  return TensorView::of(const_cast<void*>(a.data()), dt, shape.data(), int(shape.size()));
+}
+
+py::array_t<float> new_f32(std::vector<py::ssize_t> shape) { return py::array_t<float>(shape); }
+
+py::array linear(const py::array& x, const py::array& weight, const py::object& bias) {
+  LinearForwardArgs a;
+  a.x = view_of(x, "linear", "x");
+  a.weight = view_of(weight, "linear", "weight");
+  if (!bias.is_none()) a.bias = view_of(bias.cast<py::array>(), "linear", "bias");
+  if (a.x.ndim != 2 || a.weight.ndim != 2) throw Error("linear", "x", "x and weight must be 2-D ([M, K], [N, K])");
+  py::array y(x.dtype(), std::vector<py::ssize_t>{x.shape(0), weight.shape(0)});
+  a.y = view_of(y, "linear", "y");
+  linear_forward(Context{}, a);
+  return y;
+}
+
+py::array rms_norm(const py::array& x, const py::array& weight, double eps) {
+  RmsNormForwardArgs a;
+  a.x = view_of(x, "rms_norm", "x");
+  a.weight = view_of(weight, "rms_norm", "weight");
+  py::array y(x.dtype(), std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+  a.y = view_of(y, "rms_norm", "y");
+  a.eps = eps;
+  rmsnorm_forward(Context{}, a);
+  return y;
+}
+
+// Selected logprobs (and entropies) of targets under logits [T, V]; masked / ignored rows give 0.
+py::tuple token_logprobs(const py::array& logits, const py::array& targets, const py::object& loss_mask) {
+  LogprobForwardArgs a;
+  a.logits = view_of(logits, "token_logprobs", "logits");
+  a.targets = view_of(targets, "token_logprobs", "targets");
+  py::array mask;
+  if (loss_mask.is_none()) {
+    if (a.targets.ndim != 1) throw Error("token_logprobs", "targets", "must be 1-D [T]");
+    mask = py::array_t<uint8_t>(std::vector<py::ssize_t>{targets.shape(0)});
+    std::memset(mask.mutable_data(), 1, size_t(targets.shape(0)));
+  } else {
+    mask = loss_mask.cast<py::array>();
+  }
+  a.loss_mask = view_of(mask, "token_logprobs", "loss_mask");
+  const py::ssize_t T = logits.ndim() > 0 ? logits.shape(0) : 0;
+  py::array_t<float> logp = new_f32({T}), entropy = new_f32({T});
+  a.logp = view_of(logp, "token_logprobs", "logp");
+  a.entropy = view_of(entropy, "token_logprobs", "entropy");
+  logprob_forward(Context{}, a);
+  return py::make_tuple(logp, entropy);
+}
+
+std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, int64_t vocab) {
+  if (seqs.empty()) throw Error("Chain", "sequences", "empty batch: no sequences");
+  std::vector<std::vector<int32_t>> out;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    if (seqs[s].empty()) throw Error("Chain", "sequences", "sequence " + std::to_string(s) + " is empty");
+    std::vector<int32_t> t;
+    for (int64_t id : seqs[s]) {
+      if (id < 0 || id >= vocab)
+        throw Error("Chain", "sequences",
+                    "token id " + std::to_string(id) + " in sequence " + std::to_string(s) + " is outside [0, " +
+                        std::to_string(vocab) + ")");
+      t.push_back(int32_t(id));
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// The model chain of one model on one backend. Keeps its Model alive (keep_alive below).
+class PyChain {
+ public:
+  PyChain(const Model& model, const std::string& backend) : model_(model), chain_(model, ctx_for(backend)) {}
+
+  // Per sequence an array of its length: entry i is log p(token i | tokens < i); entry 0 is NaN.
+  py::object logprobs(const std::vector<std::vector<int64_t>>& seqs, bool entropy) const {
+    const ChainBatch b = ChainBatch::packed(token_lists(seqs, model_.config().vocab_size));
+    ChainForward f;
+    {
+      py::gil_scoped_release unlocked;
+      f = chain_.forward(b);
+    }
+    py::list lp, en;
+    for (const ChainSequence& s : b.seqs) {
+      py::array_t<double> a(s.len), e(s.len);
+      double *pa = a.mutable_data(), *pe = e.mutable_data();
+      pa[0] = pe[0] = std::numeric_limits<double>::quiet_NaN();
+      for (int64_t i = 0; i + 1 < s.len; ++i) {
+        pa[i + 1] = f.logp[size_t(s.row + i)];
+        pe[i + 1] = f.entropy[size_t(s.row + i)];
+      }
+      lp.append(a);
+      en.append(e);
+    }
+    if (entropy) return py::make_tuple(lp, en);
+    return std::move(lp);
+  }
+
+  // d(Σ logp over every scored token)/d(every weight), fp32, accumulated over micro-batches of
+  // `micro_batch` sequences (the bits do not depend on it). A tied embedding's is the sum of its uses.
+  py::dict gradients(const std::vector<std::vector<int64_t>>& seqs, int micro_batch) const {
+    if (micro_batch < 1) throw Error("Chain", "micro_batch", "must be at least 1");
+    const auto lists = token_lists(seqs, model_.config().vocab_size);
+    ModelGrads grads(model_, DType::f32, chain_.backend());
+    {
+      py::gil_scoped_release unlocked;
+      for (size_t at = 0; at < lists.size(); at += size_t(micro_batch)) {
+        const std::vector<std::vector<int32_t>> part(lists.begin() + long(at),
+                                                     lists.begin() + long(std::min(lists.size(), at + size_t(micro_batch))));
+        const ChainBatch b = ChainBatch::packed(part);
+        std::vector<double> dlogp(b.loss_mask.begin(), b.loss_mask.end());
+        chain_.backward(b, chain_.forward(b), dlogp, grads);
+      }
+    }
+    py::dict out;
+    for (const std::string& name : grads.names()) {
+      const harness::HostTensor g = grads.gradient(name);
+      std::vector<py::ssize_t> shape(g.shape().begin(), g.shape().end());
+      py::array_t<float> a(shape);
+      std::memcpy(a.mutable_data(), g.data(), g.bytes());
+      out[py::str(name)] = a;
+    }
+    return out;
+  }
+
+  std::string backend() const { return backend_name(chain_.backend()); }
+
+ private:
+  static Context ctx_for(const std::string& backend) {
+    Context ctx;
+    ctx.backend = backend_of(backend);
+    return ctx;
+  }
+  const Model& model_;
+  Chain chain_;
+};
+
+py::dict config_of(const Model& m) {
+  const ModelConfig& c = m.config();
+  py::dict d;
+  d["architecture"] = c.architecture;
+  d["vocab_size"] = c.vocab_size;
+  d["hidden_size"] = c.hidden_size;
+  d["intermediate_size"] = c.intermediate_size;
+  d["num_layers"] = c.num_layers;
+  d["num_heads"] = c.num_heads;
+  d["num_kv_heads"] = c.num_kv_heads;
+  d["head_dim"] = c.head_dim;
+  d["tie_word_embeddings"] = c.tie_word_embeddings;
+  d["dtype"] = dtype_name(c.dtype);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "samebits: batch-invariant transformer forward and backward (the C++ library's Python door)";
+  static py::exception<Error> error(m, "Error", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      error(e.what());
+    }
+  });
+  m.def("version", [] { return std::string("0.1.0"); });
+  m.def("backends", [] {
+    std::vector<std::string> b{"cpu"};
+    if (cuda_backend_built()) b.push_back("cuda");
+    return b;
+  }, "The backends this build has (cuda: compiled in; whether a GPU is visible is another matter).");
+  m.def("cuda_available", [] { return cuda_backend_built() && cuda_device_present(); });
+
+  py::class_<Model>(m, "Model", "A Qwen3 / Llama-3 model: a Hugging Face directory or the built-in one.")
+      .def_static("load", &Model::load, py::arg("path"), "Load config.json + safetensors from a directory.")
+      .def_static("builtin", &Model::builtin, py::arg("tied") = false, py::arg("seed") = 1234,
+                  "The built-in seeded Qwen3-shaped model (2 layers).")
+      .def_property_readonly("config", &config_of)
+      .def("save", &Model::save, py::arg("path"), "Write config.json and model.safetensors.");
+
+  py::class_<PyChain>(m, "Chain", "The model chain on a backend: batch-invariant logprobs and gradients.")
+      .def(py::init<const Model&, const std::string&>(), py::arg("model"), py::arg("backend") = "auto",
+           py::keep_alive<1, 2>())
+      .def("logprobs", &PyChain::logprobs, py::arg("sequences"), py::arg("entropy") = false,
+           "Per sequence: log p(token i | tokens < i) for every i (entry 0: NaN); with entropy, a "
+           "(logprobs, entropies) pair. A sequence's values never depend on the others in the call.")
+      .def("gradients", &PyChain::gradients, py::arg("sequences"), py::arg("micro_batch") = 16,
+           "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch.")
+      .def_property_readonly("backend", &PyChain::backend);
+
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        "y = x @ weight.T (+ bias), fp32 accumulation in a fixed K order (CPU backend).");
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps") = 1e-6,
+        "y = x * rsqrt(mean(x^2) + eps) * weight over the last dimension (CPU backend).");
+  m.def("token_logprobs", &token_logprobs, py::arg("logits"), py::arg("targets"), py::arg("loss_mask") = py::none(),
+        "(logp, entropy) of targets[t] under logits[t, :], fp32; masked rows give 0 (CPU backend).");
+}

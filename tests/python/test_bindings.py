@@ -1,0 +1,159 @@
+"""The Python bindings on the CPU backend: bitwise invariance through the Python API, accuracy of
+the ops against an fp64 NumPy reference, and clear exceptions for bad input."""
+import math
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+import samebits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return samebits.Model.builtin()
+
+
+@pytest.fixture(scope="module")
+def chain(model):
+    return samebits.Chain(model, backend="cpu")
+
+
+def seqs(n, vocab, seed=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(2, 40))).tolist() for _ in range(n)]
+
+
+def test_version_and_backends():
+    assert samebits.version() == "0.1.0"
+    assert "cpu" in samebits.backends()
+    assert isinstance(samebits.cuda_available(), bool)
+
+
+def test_model_config_and_round_trip(model):
+    c = model.config
+    assert c["architecture"] == "qwen3" and c["num_layers"] == 2 and c["head_dim"] == 64
+    with tempfile.TemporaryDirectory() as d:
+        model.save(d)
+        again = samebits.Model.load(d)
+        assert again.config == c
+        s = seqs(3, c["vocab_size"])
+        a = samebits.Chain(model, "cpu").logprobs(s)
+        b = samebits.Chain(again, "cpu").logprobs(s)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def test_a_sequence_has_the_same_bits_alone_and_in_any_batch(chain, model):
+    vocab = model.config["vocab_size"]
+    batch = seqs(12, vocab)
+    target = batch[5]
+    alone = chain.logprobs([target])[0]
+    assert math.isnan(alone[0]) and np.isfinite(alone[1:]).all()
+    for others in (batch, batch[::-1], [target] * 3, batch[:6]):
+        got = chain.logprobs(others)
+        where = [i for i, s in enumerate(others) if s == target]
+        assert where
+        for i in where:
+            assert got[i].tobytes() == alone.tobytes()  # raw bits (NaN included), not allclose
+
+
+def test_logprobs_with_entropy_are_probabilities(chain, model):
+    s = seqs(2, model.config["vocab_size"])
+    lp, ent = chain.logprobs(s, entropy=True)
+    for a, e, q in zip(lp, ent, s):
+        assert len(a) == len(q) == len(e)
+        assert (a[1:] <= 0).all() and (e[1:] >= 0).all()
+        assert (e[1:] <= math.log(model.config["vocab_size"]) + 1e-6).all()
+
+
+def test_gradients_are_the_same_bits_for_any_micro_batch(chain, model):
+    s = seqs(5, model.config["vocab_size"], seed=9)
+    whole = chain.gradients(s, micro_batch=16)
+    for mb in (1, 2, 3):
+        part = chain.gradients(s, micro_batch=mb)
+        assert part.keys() == whole.keys()
+        for name in whole:
+            assert part[name].dtype == np.float32
+            assert part[name].tobytes() == whole[name].tobytes(), (mb, name)
+    assert any(np.abs(g).max() > 0 for g in whole.values())
+
+
+def test_linear_matches_an_fp64_reference_and_is_batch_invariant():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((37, 96)).astype(np.float32)
+    w = rng.standard_normal((24, 96)).astype(np.float32)
+    b = rng.standard_normal(24).astype(np.float32)
+    y = samebits.linear(x, w, b)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + b
+    assert y.dtype == np.float32 and y.shape == (37, 24)
+    assert np.abs(y - ref).max() <= 1e-4 * (1 + np.abs(ref).max())
+    one = samebits.linear(np.ascontiguousarray(x[7:8]), w, b)
+    assert one.tobytes() == y[7:8].tobytes()  # a row's bits do not depend on M
+
+
+def test_rms_norm_matches_an_fp64_reference():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    y = samebits.rms_norm(x, w, eps=1e-6)
+    xd = x.astype(np.float64)
+    ref = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6) * w
+    assert np.abs(y - ref).max() <= 1e-5
+
+
+def test_token_logprobs_match_an_fp64_reference():
+    rng = np.random.default_rng(2)
+    logits = (3 * rng.standard_normal((6, 1000))).astype(np.float32)
+    targets = rng.integers(0, 1000, 6).astype(np.int32)
+    logp, entropy = samebits.token_logprobs(logits, targets)
+    ld = logits.astype(np.float64)
+    lse = np.log(np.exp(ld - ld.max(-1, keepdims=True)).sum(-1)) + ld.max(-1)
+    ref = ld[np.arange(6), targets] - lse
+    p = np.exp(ld - lse[:, None])
+    assert np.abs(logp - ref).max() <= 1e-5
+    assert np.abs(entropy - (-(p * np.log(p)).sum(-1))).max() <= 1e-4
+    masked, _ = samebits.token_logprobs(logits, targets, np.array([1, 0, 1, 1, 1, 1], dtype=np.uint8))
+    assert masked[1] == 0 and masked[0] == logp[0]
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: samebits.linear(np.zeros((4, 8), np.float64), np.zeros((2, 8), np.float32)), "dtype"),
+    (lambda: samebits.linear(np.zeros((8, 4), np.float32).T, np.zeros((2, 8), np.float32)), "contiguous"),
+    (lambda: samebits.linear(np.zeros((4, 8), np.float32), np.zeros((2, 7), np.float32)), "linear"),
+    (lambda: samebits.rms_norm(np.zeros((4, 8), np.float32), np.zeros(9, np.float32)), "rms"),
+    (lambda: samebits.token_logprobs(np.zeros((2, 5), np.float32), np.array([0, 5], np.int32)), "target"),
+    (lambda: samebits.Chain(samebits.Model.builtin(), "tpu"), "backend"),
+    (lambda: samebits.Chain(samebits.Model.builtin(), "cpu").logprobs([]), "empty"),
+    (lambda: samebits.Chain(samebits.Model.builtin(), "cpu").logprobs([[1, 2], []]), "empty"),
+    (lambda: samebits.Chain(samebits.Model.builtin(), "cpu").logprobs([[1, 10**6]]), "outside"),
+    (lambda: samebits.Chain(samebits.Model.builtin(), "cpu").gradients([[1, 2]], micro_batch=0), "micro_batch"),
+    (lambda: samebits.Model.load("/nonexistent/samebits-model"), "nonexistent"),
+])
+def test_bad_input_raises_a_clear_error(call, words):
+    with pytest.raises(samebits.Error) as e:
+        call()
+    assert words in str(e.value).lower()
+    assert isinstance(e.value, ValueError)
+
+
+def test_cuda_backend_when_no_gpu_is_a_clear_error():
+    if samebits.cuda_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(samebits.Error, match="cuda"):
+        samebits.Chain(samebits.Model.builtin(), "cuda")
+
+
+def test_the_chain_keeps_its_model_alive():
+    c = samebits.Chain(samebits.Model.builtin(tied=True), "cpu")  # the Model has no other reference
+    import gc
+    gc.collect()
+    assert np.isfinite(c.logprobs([[1, 2, 3]])[0][1:]).all()
+
+
+def test_malformed_model_directory_is_a_clear_error():
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write("{not json")
+        with pytest.raises(samebits.Error):
+            samebits.Model.load(d)
