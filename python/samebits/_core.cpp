@@ -103,6 +103,103 @@ py::tuple token_logprobs(const py::array& logits, const py::array& targets, cons
   return py::make_tuple(logp, entropy);
 }
 
+// ---------------------------------------------------------------- raw ops (torch / DLPack door)
+// A tensor described by the caller as (data pointer, dtype name, shape, device "cpu" | "cuda"), as
+// samebits.torch builds it from a torch.Tensor. The caller guarantees a contiguous layout and that
+// the memory outlives the call; the op validates dtypes and shapes. None: an omitted argument.
+DType dtype_from(const std::string& name, const char* op, const char* arg) {
+  for (DType d : {DType::bf16, DType::f16, DType::f32, DType::f64, DType::i32, DType::u8})
+    if (name == dtype_name(d)) return d;
+  throw Error(op, arg, "dtype \"" + name + "\" is not taken (bf16, fp16, fp32, int32, uint8)");
+}
+
+TensorView desc(const py::object& o, const char* op, const char* arg) {
+  if (o.is_none()) return TensorView{};
+  const auto t = o.cast<py::tuple>();
+  if (t.size() != 4) throw Error(op, arg, "a tensor is described as (pointer, dtype, shape, device)");
+  const auto shape = t[2].cast<std::vector<int64_t>>();
+  if (shape.size() > size_t(kMaxDims)) throw Error(op, arg, "has too many dimensions");
+  const auto device = t[3].cast<std::string>();
+  if (device != "cpu" && device != "cuda") throw Error(op, arg, "lives on device \"" + device + "\" (cpu or cuda only)");
+  return TensorView::of(reinterpret_cast<void*>(t[0].cast<uintptr_t>()), dtype_from(t[1].cast<std::string>(), op, arg),
+                        shape.data(), int(shape.size()), device == "cuda" ? Device::cuda : Device::cpu);
+}
+
+// The backend of an op's tensors (those of its first argument) and the caller's stream.
+Context raw_ctx(const TensorView& first, uintptr_t stream) {
+  Context ctx;
+  ctx.backend = first.device == Device::cuda ? Backend::cuda : Backend::cpu;
+  ctx.stream = reinterpret_cast<void*>(stream);
+  return ctx;
+}
+
+void bind_raw(py::module_& m) {
+  auto r = m.def_submodule("raw", "The ops on caller-described tensors (pointer, dtype, shape, device), on the "
+                                  "caller's stream; what samebits.torch calls. Outputs are written, fp32 "
+                                  "weight-gradient accumulators added into.");
+  r.def("linear_forward", [](py::object x, py::object w, py::object b, py::object y, uintptr_t stream) {
+    const LinearForwardArgs a{desc(x, "linear", "x"), desc(w, "linear", "weight"), desc(b, "linear", "bias"), desc(y, "linear", "y")};
+    linear_forward(raw_ctx(a.x, stream), a);
+  });
+  r.def("linear_backward_input", [](py::object dy, py::object w, py::object dx, uintptr_t stream) {
+    const LinearBackwardInputArgs a{desc(dy, "linear_backward", "dy"), desc(w, "linear_backward", "weight"),
+                                    desc(dx, "linear_backward", "dx")};
+    linear_backward_input(raw_ctx(a.dy, stream), a);
+  });
+  r.def("linear_backward_weight", [](py::object dy, py::object x, py::object dw, py::object db, uintptr_t stream) {
+    LinearBackwardWeightArgs a;
+    a.dy = desc(dy, "linear_backward", "dy");
+    a.x = desc(x, "linear_backward", "x");
+    a.dweight = desc(dw, "linear_backward", "dweight");
+    a.dbias = desc(db, "linear_backward", "dbias");
+    linear_backward_weight(raw_ctx(a.dy, stream), a);
+  });
+  r.def("rmsnorm_forward", [](py::object x, py::object w, py::object y, py::object rstd, double eps, uintptr_t stream) {
+    RmsNormForwardArgs a;
+    a.x = desc(x, "rms_norm", "x");
+    a.weight = desc(w, "rms_norm", "weight");
+    a.y = desc(y, "rms_norm", "y");
+    a.rstd = desc(rstd, "rms_norm", "rstd");
+    a.eps = eps;
+    rmsnorm_forward(raw_ctx(a.x, stream), a);
+  });
+  r.def("rmsnorm_backward", [](py::object dy, py::object x, py::object w, py::object rstd, py::object dx, py::object dw,
+                               double eps, uintptr_t stream) {
+    RmsNormBackwardArgs a;
+    a.dy = desc(dy, "rms_norm_backward", "dy");
+    a.x = desc(x, "rms_norm_backward", "x");
+    a.weight = desc(w, "rms_norm_backward", "weight");
+    a.rstd = desc(rstd, "rms_norm_backward", "rstd");
+    a.dx = desc(dx, "rms_norm_backward", "dx");
+    a.dweight = desc(dw, "rms_norm_backward", "dweight");
+    a.eps = eps;
+    rmsnorm_backward(raw_ctx(a.dy, stream), a);
+  });
+  r.def("logprob_forward", [](py::object logits, py::object targets, py::object mask, py::object logp, py::object entropy,
+                              py::object lse, uintptr_t stream) {
+    LogprobForwardArgs a;
+    a.logits = desc(logits, "token_logprobs", "logits");
+    a.targets = desc(targets, "token_logprobs", "targets");
+    a.loss_mask = desc(mask, "token_logprobs", "loss_mask");
+    a.logp = desc(logp, "token_logprobs", "logp");
+    a.entropy = desc(entropy, "token_logprobs", "entropy");
+    a.lse = desc(lse, "token_logprobs", "lse");
+    logprob_forward(raw_ctx(a.logits, stream), a);
+  });
+  r.def("logprob_backward", [](py::object logits, py::object targets, py::object mask, py::object lse, py::object dlogp,
+                               py::object dentropy, py::object dlogits, uintptr_t stream) {
+    LogprobBackwardArgs a;
+    a.logits = desc(logits, "token_logprobs_backward", "logits");
+    a.targets = desc(targets, "token_logprobs_backward", "targets");
+    a.loss_mask = desc(mask, "token_logprobs_backward", "loss_mask");
+    a.lse = desc(lse, "token_logprobs_backward", "lse");
+    a.dlogp = desc(dlogp, "token_logprobs_backward", "dlogp");
+    a.dentropy = desc(dentropy, "token_logprobs_backward", "dentropy");
+    a.dlogits = desc(dlogits, "token_logprobs_backward", "dlogits");
+    logprob_backward(raw_ctx(a.logits, stream), a);
+  });
+}
+
 std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, int64_t vocab) {
   if (seqs.empty()) throw Error("Chain", "sequences", "empty batch: no sequences");
   std::vector<std::vector<int32_t>> out;
@@ -242,6 +339,7 @@ PYBIND11_MODULE(_core, m) {
            "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch.")
       .def_property_readonly("backend", &PyChain::backend);
 
+  bind_raw(m);
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         "y = x @ weight.T (+ bias), fp32 accumulation in a fixed K order (CPU backend).");
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps") = 1e-6,

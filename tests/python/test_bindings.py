@@ -157,3 +157,28 @@ def test_malformed_model_directory_is_a_clear_error():
             f.write("{not json")
         with pytest.raises(samebits.Error):
             samebits.Model.load(d)
+
+
+def desc(a, dtype="fp32", device="cpu"):
+    return (a.ctypes.data, dtype, a.shape, device)
+
+
+def test_raw_ops_on_described_memory_equal_the_array_ops():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, 32)).astype(np.float32)
+    w = rng.standard_normal((5, 32)).astype(np.float32)
+    y = np.empty((9, 5), np.float32)
+    samebits._core.raw.linear_forward(desc(x), desc(w), None, desc(y), 0)
+    assert y.tobytes() == samebits.linear(x, w).tobytes()
+    dy = rng.standard_normal((9, 5)).astype(np.float32)
+    dx, dw = np.empty_like(x), np.zeros_like(w)
+    samebits._core.raw.linear_backward_input(desc(dy), desc(w), desc(dx), 0)
+    samebits._core.raw.linear_backward_weight(desc(dy), desc(x), desc(dw), None, 0)
+    assert np.abs(dx - dy.astype(np.float64) @ w).max() <= 1e-4
+    assert np.abs(dw - dy.T.astype(np.float64) @ x).max() <= 1e-4
+    with pytest.raises(samebits.Error, match="dtype"):
+        samebits._core.raw.linear_forward(desc(x, "fp8"), desc(w), None, desc(y), 0)
+    with pytest.raises(samebits.Error, match="device"):
+        samebits._core.raw.linear_forward(desc(x, device="mps"), desc(w), None, desc(y), 0)
+    with pytest.raises(samebits.Error, match="pointer"):
+        samebits._core.raw.linear_forward((x.ctypes.data, "fp32"), desc(w), None, desc(y), 0)
