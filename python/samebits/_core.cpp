@@ -116,7 +116,9 @@ DType dtype_from(const std::string& name, const char* op, const char* arg) {
 TensorView desc(const py::object& o, const char* op, const char* arg) {
   if (o.is_none()) return TensorView{};
   const auto t = o.cast<py::tuple>();
-  if (t.size() != 4) throw Error(op, arg, "a tensor is described as (pointer, dtype, shape, device)");
+  // A fifth element (the owning object, e.g. the torch.Tensor) is allowed and ignored: the tuple
+  // keeps it alive for the call.
+  if (t.size() != 4 && t.size() != 5) throw Error(op, arg, "a tensor is described as (pointer, dtype, shape, device[, owner])");
   const auto shape = t[2].cast<std::vector<int64_t>>();
   if (shape.size() > size_t(kMaxDims)) throw Error(op, arg, "has too many dimensions");
   const auto device = t[3].cast<std::string>();

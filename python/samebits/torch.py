@@ -34,7 +34,10 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def _desc(t: Optional[Tensor], op: str, arg: str):
-    """(pointer, dtype, shape, device) of a contiguous tensor, for samebits._core.raw."""
+    """(pointer, dtype, shape, device, tensor) of a contiguous tensor, for samebits._core.raw. The
+    tensor rides along so that a temporary (a .contiguous() copy made in the call's argument list)
+    stays alive until the op has run: the pointer alone would let torch's allocator hand its memory
+    to the next temporary."""
     if t is None:
         return None
     if t.dtype not in _DTYPES:
@@ -44,7 +47,7 @@ def _desc(t: Optional[Tensor], op: str, arg: str):
         raise Error(f"samebits.torch {op}: argument '{arg}': device {t.device} is not taken (cpu or cuda)")
     if not t.is_contiguous():
         raise Error(f"samebits.torch {op}: argument '{arg}': must be contiguous (.contiguous())")
-    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t.device.type)
+    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t.device.type, t)
 
 
 def _stream(t: Tensor) -> int:
