@@ -108,7 +108,8 @@ def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
     cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=4096, intermediate_size=12288, num_hidden_layers=2,
                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                    max_position_embeddings=512, tie_word_embeddings=False)
-    model = transformers.Qwen3ForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
+    with torch.device(DEV):
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, 8192, (32, 16), device=DEV)
 
     def logp(batch):
