@@ -53,6 +53,12 @@ class Model {
   static Model builtin(bool tied, uint64_t seed = 1234);
   // A model with the given config and seeded random weights.
   static Model random(const ModelConfig& config, uint64_t seed);
+  // A model over weights that live elsewhere (e.g. a PyTorch model's parameters): `config_json` is a
+  // Hugging Face config.json text, `weights` contiguous CPU views named as in a checkpoint, checked
+  // against the config (names, shapes, the config's torch_dtype); not copied. `owner` is kept alive
+  // with the model.
+  static Model from_views(const std::string& config_json, const std::map<std::string, TensorView>& weights,
+                          std::shared_ptr<void> owner = {});
   // Writes config.json and model.safetensors in the Hugging Face format.
   void save(const std::string& dir) const;
 

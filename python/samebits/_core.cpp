@@ -328,6 +328,24 @@ PYBIND11_MODULE(_core, m) {
       .def_static("load", &Model::load, py::arg("path"), "Load config.json + safetensors from a directory.")
       .def_static("builtin", &Model::builtin, py::arg("tied") = false, py::arg("seed") = 1234,
                   "The built-in seeded Qwen3-shaped model (2 layers).")
+      .def_static(
+          "from_tensors",
+          [](const std::string& config_json, const py::dict& tensors) {
+            std::map<std::string, TensorView> views;
+            for (auto item : tensors) {
+              const std::string name = item.first.cast<std::string>();
+              views[name] = desc(py::reinterpret_borrow<py::object>(item.second), "Model.from_tensors", name.c_str());
+            }
+            // The dict (and the owners in its descriptions) lives as long as the model.
+            std::shared_ptr<void> keep(new py::object(tensors), [](void* p) {
+              py::gil_scoped_acquire gil;
+              delete static_cast<py::object*>(p);
+            });
+            return Model::from_views(config_json, views, std::move(keep));
+          },
+          py::arg("config_json"), py::arg("tensors"),
+          "A model over weights in memory: config.json text and {name: (pointer, dtype, shape, \"cpu\", owner)}; "
+          "not copied (samebits.hf builds it from a transformers model).")
       .def_property_readonly("config", &config_of)
       .def("save", &Model::save, py::arg("path"), "Write config.json and model.safetensors.");
 

@@ -106,6 +106,36 @@ Model Model::load(const std::string& dir) {
   return m;
 }
 
+Model Model::from_views(const std::string& config_json, const std::map<std::string, TensorView>& weights,
+                        std::shared_ptr<void> owner) {
+  Model m;
+  m.source_ = "(weights in memory)";
+  m.config_ = ModelConfig::from_json(config_json);
+  if (owner) m.storage_.push_back(std::move(owner));
+  const auto expected = m.config_.expected_tensors();
+  std::map<std::string, std::vector<int64_t>> want(expected.begin(), expected.end());
+  for (const auto& [name, v] : weights) {
+    if (ignorable(name, m.config_)) continue;
+    auto w = want.find(name);
+    if (w == want.end()) throw Error("Model::from_views", name, "unexpected tensor for this config");
+    const std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + std::max(v.ndim, 0));
+    if (shape != w->second)
+      throw Error("Model::from_views", name,
+                  fmt::format("shape [{}] does not match the config's [{}]", fmt::join(shape, ", "),
+                              fmt::join(w->second, ", ")));
+    if (v.device != Device::cpu || !v.is_contiguous())
+      throw Error("Model::from_views", name, "must be a contiguous tensor in CPU memory");
+    if (v.dtype != m.config_.dtype)
+      throw Error("Model::from_views", name,
+                  fmt::format("dtype {} does not match the config's torch_dtype {}", dtype_name(v.dtype),
+                              dtype_name(m.config_.dtype)));
+    m.weights_[name] = v;
+  }
+  for (auto& [name, shape] : expected)
+    if (!m.weights_.count(name)) throw Error("Model::from_views", name, "missing tensor (expected by the config)");
+  return m;
+}
+
 Model Model::random(const ModelConfig& config, uint64_t seed) {
   config.validate();
   Model m;

@@ -182,3 +182,47 @@ def test_raw_ops_on_described_memory_equal_the_array_ops():
         samebits._core.raw.linear_forward(desc(x, device="mps"), desc(w), None, desc(y), 0)
     with pytest.raises(samebits.Error, match="pointer"):
         samebits._core.raw.linear_forward((x.ctypes.data, "fp32"), desc(w), None, desc(y), 0)
+
+
+def read_safetensors(path):
+    """{name: (raw little-endian array, dtype name)} with NumPy only (bf16 as uint16 bits)."""
+    import json
+    import struct
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = e["data_offsets"]
+        kind = {"BF16": (np.uint16, "bf16"), "F16": (np.float16, "fp16"), "F32": (np.float32, "fp32")}[e["dtype"]]
+        out[name] = (np.frombuffer(blob[8 + n + begin:8 + n + end], dtype=kind[0]).reshape(e["shape"]).copy(), kind[1])
+    return out
+
+
+def test_a_model_over_weights_in_memory_gives_the_loaded_models_bits():
+    with tempfile.TemporaryDirectory() as d:
+        samebits.Model.builtin(tied=True).save(d)
+        with open(os.path.join(d, "config.json")) as f:
+            config = f.read()
+        weights = read_safetensors(os.path.join(d, "model.safetensors"))
+        tensors = {n: (a.ctypes.data, dt, a.shape, "cpu", a) for n, (a, dt) in weights.items()}
+        in_memory = samebits.Model.from_tensors(config, tensors)
+        del tensors, weights  # the model keeps the arrays alive
+        s = seqs(4, in_memory.config["vocab_size"], seed=5)
+        a = samebits.Chain(in_memory, "cpu")
+        b = samebits.Chain(samebits.Model.load(d), "cpu")
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logprobs(s), b.logprobs(s)))
+        ga, gb = a.gradients(s), b.gradients(s)
+        assert all(ga[n].tobytes() == gb[n].tobytes() for n in gb)
+        weights = read_safetensors(os.path.join(d, "model.safetensors"))
+        bad = {n: (a.ctypes.data, dt, a.shape, "cpu", a) for n, (a, dt) in weights.items()}
+        name = "model.norm.weight"
+        bad[name] = (weights[name][0].ctypes.data, "bf16", (7,), "cpu", weights[name][0])
+        with pytest.raises(samebits.Error, match="shape"):
+            samebits.Model.from_tensors(config, bad)
+        del bad[name]
+        with pytest.raises(samebits.Error, match="missing"):
+            samebits.Model.from_tensors(config, bad)

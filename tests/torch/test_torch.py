@@ -126,3 +126,26 @@ def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
           f"max |diff| {(alone - batch).abs().max().item():.3g}; vs stock max |diff| {(alone - stock_alone).abs().max().item():.3g}")
     assert torch.equal(bits(alone), bits(batch))
     assert (alone - stock_alone).abs().max().item() < 0.1
+
+
+def test_hf_scorer_runs_the_chain_on_the_models_weights():
+    transformers = pytest.importorskip("transformers")
+    import samebits.hf
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    with torch.device(DEV):
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in (9, 40, 3, 64)]
+    scorer = samebits.hf.Scorer(model, backend="cuda")
+    together = scorer.logprobs(seqs)
+    for i, s in enumerate(seqs):
+        assert together[i].tobytes() == scorer.logprobs([s])[0].tobytes()
+    with torch.no_grad():
+        ids = torch.tensor([seqs[1]], device=DEV)
+        ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    assert abs(torch.from_numpy(together[1][1:]) - ref.double().cpu()).max().item() < 0.1
+    g1, g4 = scorer.gradients(seqs, micro_batch=1), scorer.gradients(seqs, micro_batch=4)
+    assert g1.keys() == {n for n, _ in model.named_parameters()}
+    assert all(g1[n].tobytes() == g4[n].tobytes() for n in g1)
