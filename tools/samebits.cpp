@@ -31,15 +31,7 @@ std::istream& open_input(const char* command, const std::string& path, std::ifst
   return file;
 }
 
-Backend pick_backend(const std::string& arg) {
-  if (arg == "auto") return cuda_device_present() ? Backend::cuda : Backend::cpu;
-  const Backend b = backend_from_name(arg.c_str());
-  if (b == Backend::cuda && !cuda_backend_built())
-    throw Error("command line", "--backend", "this build has no CUDA backend (nvcc was not found at build time)");
-  if (b == Backend::cuda && !cuda_device_present())
-    throw Error("command line", "--backend", "cuda was asked for, but no CUDA device is visible");
-  return b;
-}
+Backend pick_backend(const std::string& arg) { return choose_backend(arg.c_str(), "command line", "--backend"); }
 
 struct VerifyArgs {
   std::string backend = "auto", status_dir, model_dir;

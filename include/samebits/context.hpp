@@ -10,6 +10,9 @@ const char* backend_name(Backend b);
 Backend backend_from_name(const char* name);  // "cpu" | "cuda"; throws on anything else
 bool cuda_backend_built();                     // compiled with nvcc
 bool cuda_device_present();                    // built, and a GPU is visible
+// A user's backend choice: "cpu", "cuda" (an Error naming `who` and `arg` when this build or this
+// machine has none) or "auto" (the GPU when one is visible, else the CPU).
+Backend choose_backend(const char* choice, const char* who, const char* arg);
 
 // The CPU backend's two arithmetic modes.
 //  fixed_fp32: fp32 accumulation in a reduction order fixed by the reduced extent only: the

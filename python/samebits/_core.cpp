@@ -29,17 +29,6 @@ using namespace samebits;
 
 namespace {
 
-Backend backend_of(const std::string& name) {
-  if (name == "auto") return cuda_device_present() ? Backend::cuda : Backend::cpu;
-  if (name != "cpu" && name != "cuda") throw Error("Chain", "backend", "must be \"cpu\", \"cuda\" or \"auto\", not \"" + name + "\"");
-  const Backend b = backend_from_name(name.c_str());
-  if (b == Backend::cuda && !cuda_backend_built())
-    throw Error("Chain", "backend", "this build has no CUDA backend (nvcc was not found at build time)");
-  if (b == Backend::cuda && !cuda_device_present())
-    throw Error("Chain", "backend", "cuda was asked for, but no CUDA device is visible");
-  return b;
-}
-
 // A NumPy array as a CPU tensor view: C-contiguous, of a dtype the ops take; never copied.
 TensorView view_of(const py::array& a, const char* op, const char* arg) {
   DType dt;
@@ -281,7 +270,7 @@ class PyChain {
  private:
   static Context ctx_for(const std::string& backend) {
     Context ctx;
-    ctx.backend = backend_of(backend);
+    ctx.backend = choose_backend(backend.c_str(), "Chain", "backend");
     return ctx;
   }
   const Model& model_;

@@ -35,4 +35,16 @@ bool cuda_device_present() {
 #endif
 }
 
+Backend choose_backend(const char* choice, const char* who, const char* arg) {
+  if (std::strcmp(choice, "auto") == 0) return cuda_device_present() ? Backend::cuda : Backend::cpu;
+  if (std::strcmp(choice, "cpu") != 0 && std::strcmp(choice, "cuda") != 0)
+    throw Error(who, arg, std::string("must be \"cpu\", \"cuda\" or \"auto\", not \"") + choice + "\"");
+  const Backend b = backend_from_name(choice);
+  if (b == Backend::cuda && !cuda_backend_built())
+    throw Error(who, arg, "this build has no CUDA backend (nvcc was not found at build time)");
+  if (b == Backend::cuda && !cuda_device_present())
+    throw Error(who, arg, "cuda was asked for, but no CUDA device is visible");
+  return b;
+}
+
 }  // namespace samebits

@@ -17,6 +17,15 @@ def bits(t):
     return t.detach().contiguous().view(torch.uint8).cpu()
 
 
+def qwen3(transformers, vocab, hidden, mlp, heads, kv_heads, head_dim, tied):
+    """A random 2-layer transformers Qwen3 model in bf16, made on the GPU."""
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                                   max_position_embeddings=512, tie_word_embeddings=tied)
+    with torch.device(DEV):
+        return transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -105,11 +114,7 @@ def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
     torch.manual_seed(0)
     # Qwen3-8B's width (hidden 4096, 32 / 8 heads of 128, MLP 12288), 2 layers; short sequences, so
     # the sequence alone is a small-M GEMM (where cuBLAS changes its reduction) and the batch a large one.
-    cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=4096, intermediate_size=12288, num_hidden_layers=2,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                   max_position_embeddings=512, tie_word_embeddings=False)
-    with torch.device(DEV):
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = qwen3(transformers, vocab=8192, hidden=4096, mlp=12288, heads=32, kv_heads=8, head_dim=128, tied=False)
     ids = torch.randint(0, 8192, (32, 16), device=DEV)
 
     def logp(batch):
@@ -132,11 +137,7 @@ def test_hf_scorer_runs_the_chain_on_the_models_weights():
     transformers = pytest.importorskip("transformers")
     import samebits.hf
     torch.manual_seed(1)
-    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=512, tie_word_embeddings=True)
-    with torch.device(DEV):
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = qwen3(transformers, vocab=4096, hidden=256, mlp=512, heads=4, kv_heads=2, head_dim=64, tied=True)
     seqs = [torch.randint(0, 4096, (n,)).tolist() for n in (9, 40, 3, 64)]
     scorer = samebits.hf.Scorer(model, backend="cuda")
     together = scorer.logprobs(seqs)
