@@ -110,6 +110,12 @@ TensorView desc(const py::object& o, const char* op, const char* arg) {
   if (t.size() != 4 && t.size() != 5) throw Error(op, arg, "a tensor is described as (pointer, dtype, shape, device[, owner])");
   const auto shape = t[2].cast<std::vector<int64_t>>();
   if (shape.size() > size_t(kMaxDims)) throw Error(op, arg, "has too many dimensions");
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw Error(op, arg, "has a negative dimension");
+    numel *= d;
+  }
+  if (t[0].cast<uintptr_t>() == 0 && numel > 0) throw Error(op, arg, "is a null pointer");
   const auto device = t[3].cast<std::string>();
   if (device != "cpu" && device != "cuda") throw Error(op, arg, "lives on device \"" + device + "\" (cpu or cuda only)");
   return TensorView::of(reinterpret_cast<void*>(t[0].cast<uintptr_t>()), dtype_from(t[1].cast<std::string>(), op, arg),

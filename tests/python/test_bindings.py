@@ -182,6 +182,10 @@ def test_raw_ops_on_described_memory_equal_the_array_ops():
         samebits._core.raw.linear_forward(desc(x, device="mps"), desc(w), None, desc(y), 0)
     with pytest.raises(samebits.Error, match="pointer"):
         samebits._core.raw.linear_forward((x.ctypes.data, "fp32"), desc(w), None, desc(y), 0)
+    with pytest.raises(samebits.Error, match="null"):
+        samebits._core.raw.linear_forward((0, "fp32", x.shape, "cpu"), desc(w), None, desc(y), 0)
+    with pytest.raises(samebits.Error, match="negative"):
+        samebits._core.raw.linear_forward((x.ctypes.data, "fp32", (9, -32), "cpu"), desc(w), None, desc(y), 0)
 
 
 def read_safetensors(path):
