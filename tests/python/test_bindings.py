@@ -129,6 +129,8 @@ def test_token_logprobs_match_an_fp64_reference():
     (lambda: samebits.Chain(samebits.Model.builtin(), "cpu").logprobs([[1, 10**6]]), "outside"),
     (lambda: samebits.Chain(samebits.Model.builtin(), "cpu").gradients([[1, 2]], micro_batch=0), "micro_batch"),
     (lambda: samebits.Model.load("/nonexistent/samebits-model"), "nonexistent"),
+    (lambda: samebits.linear(np.full((2, 4), np.nan, np.float32), np.ones((3, 4), np.float32)), "nan"),
+    (lambda: samebits.rms_norm(np.ones((0, 4), np.float32), np.ones(4, np.float32)), "empty"),
 ])
 def test_bad_input_raises_a_clear_error(call, words):
     with pytest.raises(samebits.Error) as e:
