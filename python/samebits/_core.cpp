@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -130,71 +131,88 @@ Context raw_ctx(const TensorView& first, uintptr_t stream) {
   return ctx;
 }
 
+// One raw op: its argument struct's tensors and scalars, in the order they are taken positionally
+// (then "stream"), each also by keyword. The op's first tensor decides the backend. Tensors left
+// out (or None) are omitted arguments; scalars left out keep the struct's default.
+template <class A>
+struct RawOp {
+  const char* op;  // the name the errors carry
+  std::vector<std::pair<const char*, TensorView A::*>> tensors;
+  std::vector<std::pair<const char*, void (*)(A&, const py::handle&)>> scalars;
+  void (*run)(const Context&, const A&);
+};
+
+template <class A>
+void bind_raw_op(py::module_& r, const char* name, RawOp<A> t) {
+  std::string doc = std::string(name) + "(";
+  for (auto& [n, _] : t.tensors) doc += std::string(n) + ", ";
+  for (auto& [n, _] : t.scalars) doc += std::string(n) + ", ";
+  doc += "stream=0)";
+  r.def(name, [t](const py::args& args, const py::kwargs& kw) {
+    std::vector<std::string> names;
+    for (auto& [n, _] : t.tensors) names.push_back(n);
+    for (auto& [n, _] : t.scalars) names.push_back(n);
+    names.push_back("stream");
+    if (args.size() > names.size())
+      throw Error(t.op, "arguments", "takes at most " + std::to_string(names.size()) + " positional arguments");
+    for (auto item : kw) {
+      const std::string k = item.first.cast<std::string>();
+      if (std::find(names.begin(), names.end(), k) == names.end()) throw Error(t.op, k, "is not an argument of this op");
+    }
+    auto value = [&](size_t i) -> py::object {
+      if (i < args.size()) {
+        if (kw.contains(names[i].c_str())) throw Error(t.op, names[i].c_str(), "is given twice");
+        return args[i];
+      }
+      return kw.contains(names[i].c_str()) ? py::object(kw[names[i].c_str()]) : py::object(py::none());
+    };
+    A a{};
+    size_t i = 0;
+    for (auto& [n, member] : t.tensors) a.*member = desc(value(i++), t.op, n);
+    for (auto& [n, set] : t.scalars) {
+      const py::object v = value(i++);
+      if (!v.is_none()) set(a, v);
+    }
+    const py::object s = value(i);
+    t.run(raw_ctx(a.*(t.tensors.front().second), s.is_none() ? 0 : s.cast<uintptr_t>()), a);
+  }, doc.c_str());
+}
+
+template <class A>
+void set_eps(A& a, const py::handle& v) { a.eps = v.cast<double>(); }
+template <class A>
+void set_scale(A& a, const py::handle& v) { a.scale = v.cast<double>(); }
+
 void bind_raw(py::module_& m) {
-  auto r = m.def_submodule("raw", "The ops on caller-described tensors (pointer, dtype, shape, device), on the "
-                                  "caller's stream; what samebits.torch calls. Outputs are written, fp32 "
-                                  "weight-gradient accumulators added into.");
-  r.def("linear_forward", [](py::object x, py::object w, py::object b, py::object y, uintptr_t stream) {
-    const LinearForwardArgs a{desc(x, "linear", "x"), desc(w, "linear", "weight"), desc(b, "linear", "bias"), desc(y, "linear", "y")};
-    linear_forward(raw_ctx(a.x, stream), a);
-  });
-  r.def("linear_backward_input", [](py::object dy, py::object w, py::object dx, uintptr_t stream) {
-    const LinearBackwardInputArgs a{desc(dy, "linear_backward", "dy"), desc(w, "linear_backward", "weight"),
-                                    desc(dx, "linear_backward", "dx")};
-    linear_backward_input(raw_ctx(a.dy, stream), a);
-  });
-  r.def("linear_backward_weight", [](py::object dy, py::object x, py::object dw, py::object db, uintptr_t stream) {
-    LinearBackwardWeightArgs a;
-    a.dy = desc(dy, "linear_backward", "dy");
-    a.x = desc(x, "linear_backward", "x");
-    a.dweight = desc(dw, "linear_backward", "dweight");
-    a.dbias = desc(db, "linear_backward", "dbias");
-    linear_backward_weight(raw_ctx(a.dy, stream), a);
-  });
-  r.def("rmsnorm_forward", [](py::object x, py::object w, py::object y, py::object rstd, double eps, uintptr_t stream) {
-    RmsNormForwardArgs a;
-    a.x = desc(x, "rms_norm", "x");
-    a.weight = desc(w, "rms_norm", "weight");
-    a.y = desc(y, "rms_norm", "y");
-    a.rstd = desc(rstd, "rms_norm", "rstd");
-    a.eps = eps;
-    rmsnorm_forward(raw_ctx(a.x, stream), a);
-  });
-  r.def("rmsnorm_backward", [](py::object dy, py::object x, py::object w, py::object rstd, py::object dx, py::object dw,
-                               double eps, uintptr_t stream) {
-    RmsNormBackwardArgs a;
-    a.dy = desc(dy, "rms_norm_backward", "dy");
-    a.x = desc(x, "rms_norm_backward", "x");
-    a.weight = desc(w, "rms_norm_backward", "weight");
-    a.rstd = desc(rstd, "rms_norm_backward", "rstd");
-    a.dx = desc(dx, "rms_norm_backward", "dx");
-    a.dweight = desc(dw, "rms_norm_backward", "dweight");
-    a.eps = eps;
-    rmsnorm_backward(raw_ctx(a.dy, stream), a);
-  });
-  r.def("logprob_forward", [](py::object logits, py::object targets, py::object mask, py::object logp, py::object entropy,
-                              py::object lse, uintptr_t stream) {
-    LogprobForwardArgs a;
-    a.logits = desc(logits, "token_logprobs", "logits");
-    a.targets = desc(targets, "token_logprobs", "targets");
-    a.loss_mask = desc(mask, "token_logprobs", "loss_mask");
-    a.logp = desc(logp, "token_logprobs", "logp");
-    a.entropy = desc(entropy, "token_logprobs", "entropy");
-    a.lse = desc(lse, "token_logprobs", "lse");
-    logprob_forward(raw_ctx(a.logits, stream), a);
-  });
-  r.def("logprob_backward", [](py::object logits, py::object targets, py::object mask, py::object lse, py::object dlogp,
-                               py::object dentropy, py::object dlogits, uintptr_t stream) {
-    LogprobBackwardArgs a;
-    a.logits = desc(logits, "token_logprobs_backward", "logits");
-    a.targets = desc(targets, "token_logprobs_backward", "targets");
-    a.loss_mask = desc(mask, "token_logprobs_backward", "loss_mask");
-    a.lse = desc(lse, "token_logprobs_backward", "lse");
-    a.dlogp = desc(dlogp, "token_logprobs_backward", "dlogp");
-    a.dentropy = desc(dentropy, "token_logprobs_backward", "dentropy");
-    a.dlogits = desc(dlogits, "token_logprobs_backward", "dlogits");
-    logprob_backward(raw_ctx(a.logits, stream), a);
-  });
+  auto r = m.def_submodule("raw", "The ops on caller-described tensors (pointer, dtype, shape, device[, owner]), on "
+                                  "the caller's stream; what samebits.torch calls. Outputs are written, fp32 "
+                                  "weight-gradient accumulators added into. Argument meanings: samebits/ops.hpp.");
+  using LF = LinearForwardArgs;
+  bind_raw_op<LF>(r, "linear_forward", {"linear", {{"x", &LF::x}, {"weight", &LF::weight}, {"bias", &LF::bias}, {"y", &LF::y}}, {}, linear_forward});
+  using LI = LinearBackwardInputArgs;
+  bind_raw_op<LI>(r, "linear_backward_input", {"linear_backward", {{"dy", &LI::dy}, {"weight", &LI::weight}, {"dx", &LI::dx}}, {}, linear_backward_input});
+  using LW = LinearBackwardWeightArgs;
+  bind_raw_op<LW>(r, "linear_backward_weight", {"linear_backward", {{"dy", &LW::dy}, {"x", &LW::x}, {"dweight", &LW::dweight}, {"dbias", &LW::dbias}}, {}, linear_backward_weight});
+  using NF = RmsNormForwardArgs;
+  bind_raw_op<NF>(r, "rmsnorm_forward", {"rms_norm", {{"x", &NF::x}, {"weight", &NF::weight}, {"y", &NF::y}, {"rstd", &NF::rstd}}, {{"eps", set_eps<NF>}}, rmsnorm_forward});
+  using NB = RmsNormBackwardArgs;
+  bind_raw_op<NB>(r, "rmsnorm_backward", {"rms_norm_backward", {{"dy", &NB::dy}, {"x", &NB::x}, {"weight", &NB::weight}, {"rstd", &NB::rstd}, {"dx", &NB::dx}, {"dweight", &NB::dweight}}, {{"eps", set_eps<NB>}}, rmsnorm_backward});
+  using PF = LogprobForwardArgs;
+  bind_raw_op<PF>(r, "logprob_forward", {"token_logprobs", {{"logits", &PF::logits}, {"targets", &PF::targets}, {"loss_mask", &PF::loss_mask}, {"logp", &PF::logp}, {"entropy", &PF::entropy}, {"lse", &PF::lse}}, {}, logprob_forward});
+  using PB = LogprobBackwardArgs;
+  bind_raw_op<PB>(r, "logprob_backward", {"token_logprobs_backward", {{"logits", &PB::logits}, {"targets", &PB::targets}, {"loss_mask", &PB::loss_mask}, {"lse", &PB::lse}, {"dlogp", &PB::dlogp}, {"dentropy", &PB::dentropy}, {"dlogits", &PB::dlogits}}, {}, logprob_backward});
+  using AF = AttentionForwardArgs;
+  bind_raw_op<AF>(r, "attention_forward", {"attention", {{"q", &AF::q}, {"k", &AF::k}, {"v", &AF::v}, {"seqs", &AF::seqs}, {"out", &AF::out}, {"lse", &AF::lse}}, {{"scale", set_scale<AF>}}, attention_forward});
+  using AB = AttentionBackwardArgs;
+  bind_raw_op<AB>(r, "attention_backward", {"attention_backward", {{"q", &AB::q}, {"k", &AB::k}, {"v", &AB::v}, {"seqs", &AB::seqs}, {"out", &AB::out}, {"lse", &AB::lse}, {"dout", &AB::dout}, {"dq", &AB::dq}, {"dk", &AB::dk}, {"dv", &AB::dv}}, {{"scale", set_scale<AB>}}, attention_backward});
+  using EF = EmbeddingForwardArgs;
+  bind_raw_op<EF>(r, "embedding_forward", {"embedding", {{"ids", &EF::ids}, {"table", &EF::table}, {"y", &EF::y}}, {}, embedding_forward});
+  using EB = EmbeddingBackwardArgs;
+  bind_raw_op<EB>(r, "embedding_backward", {"embedding_backward", {{"ids", &EB::ids}, {"dy", &EB::dy}, {"row_mask", &EB::row_mask}, {"dtable", &EB::dtable}}, {}, embedding_backward});
+  using SF = SwiGluForwardArgs;
+  bind_raw_op<SF>(r, "swiglu_forward", {"swiglu", {{"gate", &SF::gate}, {"up", &SF::up}, {"y", &SF::y}}, {}, swiglu_forward});
+  using SB = SwiGluBackwardArgs;
+  bind_raw_op<SB>(r, "swiglu_backward", {"swiglu_backward", {{"dy", &SB::dy}, {"gate", &SB::gate}, {"up", &SB::up}, {"dgate", &SB::dgate}, {"dup", &SB::dup}}, {}, swiglu_backward});
 }
 
 std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, int64_t vocab) {

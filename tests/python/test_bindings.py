@@ -232,3 +232,67 @@ def test_a_model_over_weights_in_memory_gives_the_loaded_models_bits():
         del bad[name]
         with pytest.raises(samebits.Error, match="missing"):
             samebits.Model.from_tensors(config, bad)
+
+
+def test_raw_attention_embedding_swiglu_against_fp64():
+    raw = samebits._core.raw
+    rng = np.random.default_rng(6)
+    lens, hq, hkv, d = (5, 9), 4, 2, 16
+    t = sum(lens)
+    q, k, v, dout = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv, hq))
+    seqs = np.array([[0, 5, 0, 5], [5, 9, 5, 9]], np.int32)
+    out, lse = np.empty_like(q), np.empty((t, hq), np.float32)
+    raw.attention_forward(desc(q), desc(k), desc(v), desc(seqs, "int32"), desc(out), desc(lse), stream=0)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    raw.attention_backward(q=desc(q), k=desc(k), v=desc(v), seqs=desc(seqs, "int32"), out=desc(out), lse=desc(lse),
+                           dout=desc(dout), dq=desc(dq), dk=desc(dk), dv=desc(dv))
+    ro, rdq, rdk, rdv = (np.zeros(a.shape) for a in (q, q, k, v))
+    for start, n in ((0, 5), (5, 9)):
+        for h in range(hq):
+            g = h // (hq // hkv)
+            Q, K, V, dO = (a[start:start + n, hh].astype(np.float64) for a, hh in ((q, h), (k, g), (v, g), (dout, h)))
+            s = Q @ K.T / np.sqrt(d) + np.triu(np.full((n, n), -np.inf), 1)
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            o = p @ V
+            ds = p * (dO @ V.T - (dO * o).sum(1, keepdims=True))
+            ro[start:start + n, h] = o
+            rdq[start:start + n, h] = ds @ K / np.sqrt(d)
+            rdk[start:start + n, g] += ds.T @ Q / np.sqrt(d)
+            rdv[start:start + n, g] += p.T @ dO
+    for got, want in ((out, ro), (dq, rdq), (dk, rdk), (dv, rdv)):
+        assert np.abs(got - want).max() <= 1e-4 * (1 + np.abs(want).max())
+
+    table = rng.standard_normal((10, 8)).astype(np.float32)
+    ids = np.array([3, 0, 3, 9], np.int32)
+    y = np.empty((4, 8), np.float32)
+    raw.embedding_forward(desc(ids, "int32"), desc(table), desc(y))
+    assert y.tobytes() == table[ids].tobytes()
+    dy = rng.standard_normal((4, 8)).astype(np.float32)
+    dtable = np.zeros_like(table)
+    raw.embedding_backward(desc(ids, "int32"), desc(dy), None, desc(dtable))
+    want = np.zeros((10, 8))
+    np.add.at(want, ids, dy.astype(np.float64))
+    assert np.abs(dtable - want).max() <= 1e-6
+
+    gate, up = (rng.standard_normal((3, 7)).astype(np.float32) for _ in range(2))
+    y, dg, du = np.empty_like(gate), np.empty_like(gate), np.empty_like(gate)
+    raw.swiglu_forward(desc(gate), desc(up), desc(y))
+    dy = rng.standard_normal((3, 7)).astype(np.float32)
+    raw.swiglu_backward(desc(dy), desc(gate), desc(up), desc(dg), desc(du))
+    gd = gate.astype(np.float64)
+    sig = 1 / (1 + np.exp(-gd))
+    assert np.abs(y - gd * sig * up).max() <= 1e-5
+    assert np.abs(du - dy * gd * sig).max() <= 1e-5
+    assert np.abs(dg - dy * up * sig * (1 + gd * (1 - sig))).max() <= 1e-5
+
+
+def test_raw_op_argument_errors():
+    raw = samebits._core.raw
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(samebits.Error, match="not an argument"):
+        raw.linear_forward(desc(x), desc(x), None, desc(x), bogus=1)
+    with pytest.raises(samebits.Error, match="twice"):
+        raw.linear_forward(desc(x), desc(x), None, desc(x), x=desc(x))
+    with pytest.raises(samebits.Error, match="positional"):
+        raw.linear_forward(desc(x), desc(x), None, desc(x), 0, 0)
