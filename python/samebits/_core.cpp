@@ -2,8 +2,9 @@
 //
 // Why it is shaped this way: Python should reach the same code the CLI and the tests run, not a
 // second implementation. So the module is thin: the model chain (load a Hugging Face directory,
-// score token sequences, take the gradient of their summed logprobs) and the ops on NumPy arrays
-// (CPU backend), each validated by the library itself; samebits::Error becomes samebits.Error
+// score token sequences, take the gradient of their summed logprobs) and the ops on tensors the
+// caller describes (`raw`: NumPy arrays via samebits/__init__.py, torch tensors via
+// samebits/torch.py), each validated by the library itself; samebits::Error becomes samebits.Error
 // (a ValueError) carrying the library's message, which names the op, the argument and the problem.
 // Arrays must already be C-contiguous and of a supported dtype: nothing is copied or cast
 // silently, because a silent cast would change the bits the caller asked about.
@@ -29,69 +30,6 @@ namespace py = pybind11;
 using namespace samebits;
 
 namespace {
-
-// A NumPy array as a CPU tensor view: C-contiguous, of a dtype the ops take; never copied.
-TensorView view_of(const py::array& a, const char* op, const char* arg) {
-  DType dt;
-  if (a.dtype().is(py::dtype::of<float>())) dt = DType::f32;
-  else if (a.dtype().is(py::dtype::of<int32_t>())) dt = DType::i32;
-  else if (a.dtype().is(py::dtype::of<uint8_t>())) dt = DType::u8;
-  else if (a.dtype().kind() == 'f' && a.itemsize() == 2) dt = DType::f16;
-  else
-    throw Error(op, arg, "dtype " + std::string(py::str(a.dtype())) +
-                             " is not taken (float32, float16, int32 for ids / targets, uint8 for masks)");
-  if (!(a.flags() & py::array::c_style)) throw Error(op, arg, "must be C-contiguous (np.ascontiguousarray)");
-  if (a.ndim() > int(kMaxDims)) throw Error(op, arg, "has too many dimensions");
-  std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
-  return TensorView::of(const_cast<void*>(a.data()), dt, shape.data(), int(shape.size()));
-}
-
-py::array_t<float> new_f32(std::vector<py::ssize_t> shape) { return py::array_t<float>(shape); }
-
-py::array linear(const py::array& x, const py::array& weight, const py::object& bias) {
-  LinearForwardArgs a;
-  a.x = view_of(x, "linear", "x");
-  a.weight = view_of(weight, "linear", "weight");
-  if (!bias.is_none()) a.bias = view_of(bias.cast<py::array>(), "linear", "bias");
-  if (a.x.ndim != 2 || a.weight.ndim != 2) throw Error("linear", "x", "x and weight must be 2-D ([M, K], [N, K])");
-  py::array y(x.dtype(), std::vector<py::ssize_t>{x.shape(0), weight.shape(0)});
-  a.y = view_of(y, "linear", "y");
-  linear_forward(Context{}, a);
-  return y;
-}
-
-py::array rms_norm(const py::array& x, const py::array& weight, double eps) {
-  RmsNormForwardArgs a;
-  a.x = view_of(x, "rms_norm", "x");
-  a.weight = view_of(weight, "rms_norm", "weight");
-  py::array y(x.dtype(), std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
-  a.y = view_of(y, "rms_norm", "y");
-  a.eps = eps;
-  rmsnorm_forward(Context{}, a);
-  return y;
-}
-
-// Selected logprobs (and entropies) of targets under logits [T, V]; masked / ignored rows give 0.
-py::tuple token_logprobs(const py::array& logits, const py::array& targets, const py::object& loss_mask) {
-  LogprobForwardArgs a;
-  a.logits = view_of(logits, "token_logprobs", "logits");
-  a.targets = view_of(targets, "token_logprobs", "targets");
-  py::array mask;
-  if (loss_mask.is_none()) {
-    if (a.targets.ndim != 1) throw Error("token_logprobs", "targets", "must be 1-D [T]");
-    mask = py::array_t<uint8_t>(std::vector<py::ssize_t>{targets.shape(0)});
-    std::memset(mask.mutable_data(), 1, size_t(targets.shape(0)));
-  } else {
-    mask = loss_mask.cast<py::array>();
-  }
-  a.loss_mask = view_of(mask, "token_logprobs", "loss_mask");
-  const py::ssize_t T = logits.ndim() > 0 ? logits.shape(0) : 0;
-  py::array_t<float> logp = new_f32({T}), entropy = new_f32({T});
-  a.logp = view_of(logp, "token_logprobs", "logp");
-  a.entropy = view_of(entropy, "token_logprobs", "entropy");
-  logprob_forward(Context{}, a);
-  return py::make_tuple(logp, entropy);
-}
 
 // ---------------------------------------------------------------- raw ops (torch / DLPack door)
 // A tensor described by the caller as (data pointer, dtype name, shape, device "cpu" | "cuda"), as
@@ -373,10 +311,4 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", &PyChain::backend);
 
   bind_raw(m);
-  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        "y = x @ weight.T (+ bias), fp32 accumulation in a fixed K order (CPU backend).");
-  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps") = 1e-6,
-        "y = x * rsqrt(mean(x^2) + eps) * weight over the last dimension (CPU backend).");
-  m.def("token_logprobs", &token_logprobs, py::arg("logits"), py::arg("targets"), py::arg("loss_mask") = py::none(),
-        "(logp, entropy) of targets[t] under logits[t, :], fp32; masked rows give 0 (CPU backend).");
 }
