@@ -155,11 +155,13 @@ KERNEL_FAMILIES = (  # (family, substrings of kernel names), first match wins
 )
 
 
-def kernel_profile(fn):
-    """One call of fn under torch.profiler: GPU kernel time by family {family: (ms, launches)}, the
-    top kernels, the top CUDA runtime / driver calls by host time, and the call's wall time."""
+def kernel_profile(fn, warm=True):
+    """One call of fn under torch.profiler (after one unprofiled call when `warm`): GPU kernel time
+    by family {family: (ms, launches)}, the top kernels, the top CUDA runtime / driver calls by host
+    time, and the call's wall time."""
     from torch.profiler import ProfilerActivity, profile
-    fn()
+    if warm:
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -178,6 +180,13 @@ def kernel_profile(fn):
         fam[f] = (ms + t / 1e3, n + e.count)
         top.append((t / 1e3, e.count, e.key))
     return fam, sorted(top, reverse=True)[:12], sorted(api, reverse=True)[:8], wall * 1e3
+
+
+def print_step_profile(label, fn, warm=True):
+    """One decode step profiled, in a line: wall and kernel time, top host calls and kernels."""
+    fam, top, api, wall = kernel_profile(fn, warm)
+    print(f"{label}: wall {wall:.2f} ms, kernels {sum(v[0] for v in fam.values()):.2f} ms; "
+          f"top host calls {api[:4]}; top kernels {top[:4]}", flush=True)
 
 
 def profile_rows(name_a, prof_a, name_b, prof_b):
@@ -359,7 +368,7 @@ def main():
         torch.cuda.empty_cache()
         ids = torch.randint(0, V, (B, prompt + steps), device="cuda")
         host = ids.tolist()
-        sb.cache(B, prompt + steps + 2)
+        sb.cache(B, prompt + steps + 1)
         tok, lens = Samebits.arrays([r[:prompt] for r in host], [prompt] * B)
         sb.step(tok, lens, (ctypes.c_int64 * B)(*([0] * B)), B)
         sb_times = []
@@ -371,12 +380,10 @@ def main():
             sb.step(tok, lens, cached, B)
             torch.cuda.synchronize()
             sb_times.append(time.perf_counter() - t0)
-        if args.profile and B == 1:  # one more step (the cache has room for two)
+        if args.profile and B == 1:  # one more step (the cache has room for it)
             tok, lens = Samebits.arrays([[r[-1]] for r in host], [1] * B)
-            n = [prompt + steps]
-            p = kernel_profile(lambda: sb.step(tok, lens, (ctypes.c_int64 * B)(*([n.pop()] if n else [prompt + steps + 1])), B))
-            print(f"samebits decode step: wall {p[3]:.2f} ms, kernels {sum(v[0] for v in p[0].values()):.2f} ms; "
-                  f"top host calls {p[2][:4]}; top kernels {p[1][:4]}", flush=True)
+            cached = (ctypes.c_int64 * B)(*([prompt + steps] * B))
+            print_step_profile("samebits decode step", lambda: sb.step(tok, lens, cached, B), warm=False)
         sb.release()
 
         def hf_decode(backends):
@@ -393,10 +400,8 @@ def main():
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
                 if args.profile and B == 1:
-                    p = kernel_profile(lambda: hf(input_ids=ids[:, prompt:prompt + 1], past_key_values=pkv, use_cache=True))
-                    print(f"transformers decode step, SDPA {backends or 'default'}: wall {p[3]:.2f} ms, kernels "
-                          f"{sum(v[0] for v in p[0].values()):.2f} ms; top host calls {p[2][:4]}; top kernels {p[1][:4]}",
-                          flush=True)
+                    print_step_profile(f"transformers decode step, SDPA {backends or 'default'}",
+                                       lambda: hf(input_ids=ids[:, prompt:prompt + 1], past_key_values=pkv, use_cache=True))
             return statistics.median(times)
         SDP = torch.nn.attention.SDPBackend
         hf_default = hf_decode(None)
@@ -405,7 +410,7 @@ def main():
         print(f"transformers decode B = {B}: {hf_default * 1e3:.2f} ms with torch's SDPA choice, "
               f"{hf_flash * 1e3:.2f} ms without cuDNN attention", flush=True)
         sdpa_ctx = torch.nn.attention.sdpa_kernel([SDP.FLASH_ATTENTION, SDP.EFFICIENT_ATTENTION, SDP.MATH])
-        sdpa_ctx.__enter__()
+        sdpa_ctx.__enter__()  # left below, after the plain decoder's last step
         plain = TorchDecoder(hf, B, prompt + steps)
         plain.step(ids[:, :prompt], 0)
         pt_times = []
@@ -416,9 +421,8 @@ def main():
             torch.cuda.synchronize()
             pt_times.append(time.perf_counter() - t0)
         if args.profile and B == 1:
-            p = kernel_profile(lambda: plain.step(ids[:, prompt + steps - 1:prompt + steps], prompt + steps - 1))
-            print(f"plain PyTorch decode step: wall {p[3]:.2f} ms, kernels {sum(v[0] for v in p[0].values()):.2f} ms; "
-                  f"top host calls {p[2][:4]}; top kernels {p[1][:4]}", flush=True)
+            print_step_profile("plain PyTorch decode step",
+                               lambda: plain.step(ids[:, prompt + steps - 1:prompt + steps], prompt + steps - 1))
         if B == 1:  # the plain model is the same model: its logits against transformers' at the last step
             with torch.no_grad():
                 want = hf(input_ids=ids[:, :prompt + steps]).logits[0, -1].float()
