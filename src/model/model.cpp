@@ -34,6 +34,25 @@ bool ignorable(const std::string& name, const ModelConfig& c) {
          (c.tie_word_embeddings && name == "lm_head.weight");
 }
 
+// A checkpoint's tensor against the config: a name it expects (`want`: name → shape), its shape,
+// its torch_dtype. `where` says where the tensor came from, for the error.
+void check_tensor(const ModelConfig& c, const std::map<std::string, std::vector<int64_t>>& want, const char* who,
+                  const std::string& name, const std::vector<int64_t>& shape, DType dtype, const std::string& where) {
+  auto w = want.find(name);
+  if (w == want.end()) throw Error(who, name, "unexpected tensor" + where + " for this config");
+  if (shape != w->second)
+    throw Error(who, name,
+                fmt::format("shape [{}] does not match the config's [{}]", fmt::join(shape, ", "), fmt::join(w->second, ", ")));
+  if (dtype != c.dtype)
+    throw Error(who, name,
+                fmt::format("dtype {} does not match the config's torch_dtype {}", dtype_name(dtype), dtype_name(c.dtype)));
+}
+
+void check_complete(const ModelConfig& c, const std::map<std::string, TensorView>& weights, const char* who) {
+  for (auto& [name, shape] : c.expected_tensors())
+    if (!weights.count(name)) throw Error(who, name, "missing tensor (expected by the config)");
+}
+
 }  // namespace
 
 const TensorView& Model::weight(const std::string& name) const {
@@ -79,17 +98,8 @@ Model Model::load(const std::string& dir) {
     uint64_t data_start = 0;
     for (auto& e : parse_safetensors_header(mapped->data(), mapped->size(), path, &data_start)) {
       if (ignorable(e.name, m.config_)) continue;
-      auto w = want.find(e.name);
-      if (w == want.end()) throw Error("Model::load", e.name, "unexpected tensor in " + path + " for this config");
+      check_tensor(m.config_, want, "Model::load", e.name, e.shape, e.dtype, " in " + path);
       if (m.weights_.count(e.name)) throw Error("Model::load", e.name, "appears twice");
-      if (e.shape != w->second)
-        throw Error("Model::load", e.name,
-                    fmt::format("shape [{}] does not match the config's [{}]", fmt::join(e.shape, ", "),
-                                fmt::join(w->second, ", ")));
-      if (e.dtype != m.config_.dtype)
-        throw Error("Model::load", e.name,
-                    fmt::format("dtype {} does not match the config's torch_dtype {}", dtype_name(e.dtype),
-                                dtype_name(m.config_.dtype)));
       const uint8_t* p = mapped->data() + data_start + e.begin;
       void* data = const_cast<uint8_t*>(p);
       if (reinterpret_cast<uintptr_t>(p) % uintptr_t(dtype_size(e.dtype)) != 0) {  // misaligned: copy
@@ -101,8 +111,7 @@ Model Model::load(const std::string& dir) {
       m.weights_[e.name] = TensorView::of(data, e.dtype, e.shape.data(), int(e.shape.size()));
     }
   }
-  for (auto& [name, shape] : expected)
-    if (!m.weights_.count(name)) throw Error("Model::load", name, "missing tensor (expected by config.json)");
+  check_complete(m.config_, m.weights_, "Model::load");
   return m;
 }
 
@@ -116,23 +125,13 @@ Model Model::from_views(const std::string& config_json, const std::map<std::stri
   std::map<std::string, std::vector<int64_t>> want(expected.begin(), expected.end());
   for (const auto& [name, v] : weights) {
     if (ignorable(name, m.config_)) continue;
-    auto w = want.find(name);
-    if (w == want.end()) throw Error("Model::from_views", name, "unexpected tensor for this config");
-    const std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + std::max(v.ndim, 0));
-    if (shape != w->second)
-      throw Error("Model::from_views", name,
-                  fmt::format("shape [{}] does not match the config's [{}]", fmt::join(shape, ", "),
-                              fmt::join(w->second, ", ")));
+    check_tensor(m.config_, want, "Model::from_views", name,
+                 std::vector<int64_t>(v.shape.begin(), v.shape.begin() + std::max(v.ndim, 0)), v.dtype, "");
     if (v.device != Device::cpu || !v.is_contiguous())
       throw Error("Model::from_views", name, "must be a contiguous tensor in CPU memory");
-    if (v.dtype != m.config_.dtype)
-      throw Error("Model::from_views", name,
-                  fmt::format("dtype {} does not match the config's torch_dtype {}", dtype_name(v.dtype),
-                              dtype_name(m.config_.dtype)));
     m.weights_[name] = v;
   }
-  for (auto& [name, shape] : expected)
-    if (!m.weights_.count(name)) throw Error("Model::from_views", name, "missing tensor (expected by the config)");
+  check_complete(m.config_, m.weights_, "Model::from_views");
   return m;
 }
 
