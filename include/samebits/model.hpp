@@ -54,9 +54,10 @@ class Model {
   // A model with the given config and seeded random weights.
   static Model random(const ModelConfig& config, uint64_t seed);
   // A model over weights that live elsewhere (e.g. a PyTorch model's parameters): `config_json` is a
-  // Hugging Face config.json text, `weights` contiguous CPU views named as in a checkpoint, checked
+  // Hugging Face config.json text, `weights` contiguous views named as in a checkpoint, checked
   // against the config (names, shapes, the config's torch_dtype); not copied. `owner` is kept alive
-  // with the model.
+  // with the model. The views may all be in GPU memory: a cuda chain then reads them in place (it
+  // sees the framework's in-place updates; nothing is uploaded), and only such a chain takes them.
   static Model from_views(const std::string& config_json, const std::map<std::string, TensorView>& weights,
                           std::shared_ptr<void> owner = {});
   // Writes config.json and model.safetensors in the Hugging Face format.
@@ -71,12 +72,15 @@ class Model {
   // The weights converted to fp64 (exactly): the model the truth-mode chain runs.
   Model widened() const { return converted(DType::f64); }
   const std::string& source() const { return source_; }
+  // Where the weights are: cpu, or cuda for a from_views model over GPU tensors.
+  Device device() const;
 
  private:
   ModelConfig config_;
   std::map<std::string, TensorView> weights_;
   std::vector<std::shared_ptr<void>> storage_;  // mappings and owned buffers behind the views
   std::string source_;
+  void require_host(const char* what) const;  // throws for GPU-resident weights
 };
 
 }  // namespace samebits

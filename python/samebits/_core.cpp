@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,76 @@ std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int6
   return out;
 }
 
+// One forward of a packed batch, kept for its backward: the batch's tables and every activation
+// (in the chain's backend memory). `logp` / `entropy`: the scored tokens, flat, in sequence order —
+// sequence s contributes len_s - 1 values, for its tokens 1 … len_s - 1.
+struct PyForward {
+  ChainBatch batch;
+  ChainForward fwd;
+  py::array_t<double> flat(const std::vector<double>& per_row) const {
+    std::vector<double> out;
+    for (const ChainSequence& s : batch.seqs)
+      for (int64_t i = 0; i + 1 < s.len; ++i) out.push_back(per_row[size_t(s.row + i)]);
+    return py::array_t<double>(py::ssize_t(out.size()), out.data());
+  }
+  int64_t scored() const {
+    int64_t n = 0;
+    for (const ChainSequence& s : batch.seqs) n += s.len - 1;
+    return n;
+  }
+};
+
+// Gradient accumulators filled by backward calls (fp32, in the chain's backend memory).
+struct PyGrads {
+  std::shared_ptr<ModelGrads> grads;
+  bool tied = false;
+  Backend backend = Backend::cpu;
+
+  py::array_t<float> host(const std::string& name) const {
+    const harness::HostTensor g = grads->gradient(name);
+    std::vector<py::ssize_t> shape(g.shape().begin(), g.shape().end());
+    py::array_t<float> a(shape);
+    std::memcpy(a.mutable_data(), g.data(), g.bytes());
+    return a;
+  }
+  // The accumulator `name` in GPU memory as a __cuda_array_interface__ dict (torch.as_tensor takes
+  // it; the caller keeps this object alive). A tied model has two: model.embed_tokens.weight (the
+  // embedding's use) and lm_head.weight (the LM head's); the gradient is their sum.
+  py::dict cuda_array_interface(const std::string& name) {
+    if (backend != Backend::cuda) throw Error("Grads", name, "the gradients are in CPU memory: use host()");
+    const auto it = grads->accumulators().find(name);
+    if (it == grads->accumulators().end()) throw Error("Grads", name, "no such accumulator");
+    DeviceTensor& t = grads->accumulator(name);
+    py::dict d;
+    py::tuple shape(t.shape().size());
+    for (size_t i = 0; i < t.shape().size(); ++i) shape[i] = t.shape()[i];
+    d["shape"] = shape;
+    d["typestr"] = "<f4";
+    d["data"] = py::make_tuple(reinterpret_cast<uintptr_t>(t.view().data), false);
+    d["version"] = 3;
+    d["strides"] = py::none();
+    d["stream"] = 1;  // the legacy default stream: the chain's
+    return d;
+  }
+};
+
+std::vector<double> flat_to_rows(const ChainBatch& b, const py::array_t<double, py::array::c_style | py::array::forcecast>& flat,
+                                 int64_t scored) {
+  if (flat.ndim() != 1 || flat.shape(0) != scored)
+    throw Error("Chain.backward", "dlogp", "expected a 1-D array of " + std::to_string(scored) +
+                                               " values (one per scored token, as forward's logp), got " +
+                                               std::to_string(flat.ndim() == 1 ? flat.shape(0) : -1));
+  std::vector<double> rows(size_t(b.rows()), 0.0);
+  const double* d = flat.data();
+  int64_t k = 0;
+  for (const ChainSequence& s : b.seqs)
+    for (int64_t i = 0; i + 1 < s.len; ++i, ++k) {
+      if (!std::isfinite(d[k])) throw Error("Chain.backward", "dlogp", "value " + std::to_string(k) + " is not finite");
+      rows[size_t(s.row + i)] = d[k];
+    }
+  return rows;
+}
+
 // The model chain of one model on one backend. Keeps its Model alive (keep_alive below).
 class PyChain {
  public:
@@ -200,12 +271,34 @@ class PyChain {
     return std::move(lp);
   }
 
+  // A forward kept for backward (the sequences packed back to back).
+  std::shared_ptr<PyForward> forward(const std::vector<std::vector<int64_t>>& seqs) const {
+    auto f = std::make_shared<PyForward>();
+    f->batch = ChainBatch::packed(token_lists(seqs, model_.config().vocab_size));
+    py::gil_scoped_release unlocked;
+    f->fwd = chain_.forward(f->batch);
+    return f;
+  }
+
+  PyGrads new_grads() const { return PyGrads{std::make_shared<ModelGrads>(model_, DType::f32, chain_.backend()),
+                                             model_.config().tie_word_embeddings, chain_.backend()}; }
+
+  // Adds d(Σ dlogp·logp)/d(every weight) of one kept forward into `grads` (new ones when None).
+  PyGrads backward(const PyForward& f, const py::array_t<double, py::array::c_style | py::array::forcecast>& dlogp,
+                   std::optional<PyGrads> grads) const {
+    const std::vector<double> rows = flat_to_rows(f.batch, dlogp, f.scored());
+    PyGrads g = grads ? *grads : new_grads();
+    py::gil_scoped_release unlocked;
+    chain_.backward(f.batch, f.fwd, rows, *g.grads);
+    return g;
+  }
+
   // d(Σ logp over every scored token)/d(every weight), fp32, accumulated over micro-batches of
   // `micro_batch` sequences (the bits do not depend on it). A tied embedding's is the sum of its uses.
   py::dict gradients(const std::vector<std::vector<int64_t>>& seqs, int micro_batch) const {
     if (micro_batch < 1) throw Error("Chain", "micro_batch", "must be at least 1");
     const auto lists = token_lists(seqs, model_.config().vocab_size);
-    ModelGrads grads(model_, DType::f32, chain_.backend());
+    PyGrads grads = new_grads();
     {
       py::gil_scoped_release unlocked;
       for (size_t at = 0; at < lists.size(); at += size_t(micro_batch)) {
@@ -213,17 +306,11 @@ class PyChain {
                                                      lists.begin() + long(std::min(lists.size(), at + size_t(micro_batch))));
         const ChainBatch b = ChainBatch::packed(part);
         std::vector<double> dlogp(b.loss_mask.begin(), b.loss_mask.end());
-        chain_.backward(b, chain_.forward(b), dlogp, grads);
+        chain_.backward(b, chain_.forward(b), dlogp, *grads.grads);
       }
     }
     py::dict out;
-    for (const std::string& name : grads.names()) {
-      const harness::HostTensor g = grads.gradient(name);
-      std::vector<py::ssize_t> shape(g.shape().begin(), g.shape().end());
-      py::array_t<float> a(shape);
-      std::memcpy(a.mutable_data(), g.data(), g.bytes());
-      out[py::str(name)] = a;
-    }
+    for (const std::string& name : grads.grads->names()) out[py::str(name)] = grads.host(name);
     return out;
   }
 
@@ -295,8 +382,10 @@ PYBIND11_MODULE(_core, m) {
             return Model::from_views(config_json, views, std::move(keep));
           },
           py::arg("config_json"), py::arg("tensors"),
-          "A model over weights in memory: config.json text and {name: (pointer, dtype, shape, \"cpu\", owner)}; "
-          "not copied (samebits.hf builds it from a transformers model).")
+          "A model over weights in memory: config.json text and {name: (pointer, dtype, shape, device, owner)}, all "
+          "on one device (\"cpu\" or \"cuda\": a cuda chain reads GPU weights in place); not copied (samebits.hf "
+          "builds it from a transformers model).")
+      .def_property_readonly("device", [](const Model& m) { return std::string(device_name(m.device())); })
       .def_property_readonly("config", &config_of)
       .def("save", &Model::save, py::arg("path"), "Write config.json and model.safetensors.");
 
@@ -308,7 +397,29 @@ PYBIND11_MODULE(_core, m) {
            "(logprobs, entropies) pair. A sequence's values never depend on the others in the call.")
       .def("gradients", &PyChain::gradients, py::arg("sequences"), py::arg("micro_batch") = 16,
            "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch.")
+      .def("forward", &PyChain::forward, py::arg("sequences"),
+           "A forward of the packed sequences kept for backward(); .logp / .entropy: the scored tokens, flat "
+           "(sequence s gives len_s - 1 values: tokens 1 ... len_s - 1).")
+      .def("backward", &PyChain::backward, py::arg("forward"), py::arg("dlogp"), py::arg("grads") = py::none(),
+           "Adds d(sum dlogp * logp)/d(every weight) into grads (new Grads when None) and returns them; dlogp: one "
+           "value per scored token, as forward's logp.")
       .def_property_readonly("backend", &PyChain::backend);
+
+  py::class_<PyForward, std::shared_ptr<PyForward>>(m, "Forward", "One kept forward (its activations live until it is dropped).")
+      .def_property_readonly("logp", [](const PyForward& f) { return f.flat(f.fwd.logp); })
+      .def_property_readonly("entropy", [](const PyForward& f) { return f.flat(f.fwd.entropy); })
+      .def_property_readonly("lengths", [](const PyForward& f) {
+        std::vector<int64_t> n;
+        for (const ChainSequence& s : f.batch.seqs) n.push_back(s.len);
+        return n;
+      });
+
+  py::class_<PyGrads>(m, "Grads", "fp32 gradient accumulators in the chain's backend memory.")
+      .def("names", [](const PyGrads& g) { return g.grads->names(); }, "The weights' names (a tied LM head has none).")
+      .def("host", &PyGrads::host, py::arg("name"), "The gradient of a weight, copied to a NumPy fp32 array.")
+      .def("cuda_array_interface", &PyGrads::cuda_array_interface, py::arg("name"),
+           "An accumulator in GPU memory as a __cuda_array_interface__ dict (no copy).")
+      .def_readonly("tied", &PyGrads::tied);
 
   bind_raw(m);
 }

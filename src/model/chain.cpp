@@ -207,12 +207,15 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
   // allocations, copies and frees), so its ops must run there too.
   if (ctx.backend != Backend::cpu && ctx.stream != nullptr)
     throw Error("Chain", "context.stream", "the chain runs on the default stream: pass a null stream");
-  if (ctx.backend != Backend::cpu)  // the weights, once, into the backend's memory
+  if (model.device() == Device::cuda && ctx.backend != Backend::cuda)
+    throw Error("Chain", "model", "its weights are in GPU memory: run it on the cuda backend");
+  // The weights, once, into the backend's memory (unless they are there already: read in place).
+  if (ctx.backend != Backend::cpu && model.device() == Device::cpu)
     for (auto& [name, w] : model.weights()) device_weights_.emplace(name, DeviceTensor::from_host(ctx.backend, w));
 }
 
 TensorView Chain::weight(const std::string& name) const {
-  if (ctx_.backend == Backend::cpu) return model_.weight(name);
+  if (ctx_.backend == Backend::cpu || model_.device() != Device::cpu) return model_.weight(name);
   const auto it = device_weights_.find(name);
   if (it == device_weights_.end()) return model_.weight(name);  // throws its "no such weight" error
   return it->second.view();

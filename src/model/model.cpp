@@ -127,8 +127,11 @@ Model Model::from_views(const std::string& config_json, const std::map<std::stri
     if (ignorable(name, m.config_)) continue;
     check_tensor(m.config_, want, "Model::from_views", name,
                  std::vector<int64_t>(v.shape.begin(), v.shape.begin() + std::max(v.ndim, 0)), v.dtype, "");
-    if (v.device != Device::cpu || !v.is_contiguous())
-      throw Error("Model::from_views", name, "must be a contiguous tensor in CPU memory");
+    if (!v.is_contiguous()) throw Error("Model::from_views", name, "must be a contiguous tensor");
+    if (!m.weights_.empty() && v.device != m.weights_.begin()->second.device)
+      throw Error("Model::from_views", name,
+                  std::string("is in ") + device_name(v.device) + " memory but the other weights are in " +
+                      device_name(m.weights_.begin()->second.device) + " memory: keep a model on one device");
     m.weights_[name] = v;
   }
   check_complete(m.config_, m.weights_, "Model::from_views");
@@ -174,7 +177,16 @@ Model Model::builtin(bool tied, uint64_t seed) {
   return m;
 }
 
+void Model::require_host(const char* what) const {
+  if (device() != Device::cpu)
+    throw Error(what, "model", "its weights are in GPU memory (a model over a GPU framework's tensors): only a "
+                               "chain on the cuda backend reads them");
+}
+
+Device Model::device() const { return weights_.empty() ? Device::cpu : weights_.begin()->second.device; }
+
 void Model::save(const std::string& dir) const {
+  require_host("Model::save");
   fs::create_directories(dir);
   std::ofstream(fs::path(dir) / "config.json") << config_.to_json();
   std::vector<std::pair<std::string, TensorView>> tensors;
@@ -183,6 +195,7 @@ void Model::save(const std::string& dir) const {
 }
 
 Model Model::converted(DType dtype) const {
+  require_host("Model::converted");
   Model m;
   m.config_ = config_;
   if (dtype != DType::f64) m.config_.dtype = dtype;  // fp64 is the truth mode's, not a model dtype

@@ -79,6 +79,42 @@ def test_gradients_are_the_same_bits_for_any_micro_batch(chain, model):
     assert any(np.abs(g).max() > 0 for g in whole.values())
 
 
+def test_kept_forward_and_backward_are_the_chains_logprobs_and_gradients(chain, model):
+    s = seqs(4, model.config["vocab_size"], seed=11)
+    f = chain.forward(s)
+    assert f.lengths == [len(q) for q in s]
+    flat = np.concatenate([a[1:] for a in chain.logprobs(s)])
+    assert f.logp.tobytes() == flat.tobytes()
+    assert f.entropy.shape == f.logp.shape and (f.entropy >= 0).all()
+    ones = chain.backward(f, np.ones(len(flat)))
+    whole = chain.gradients(s)
+    assert sorted(ones.names()) == sorted(whole)
+    assert all(ones.host(n).tobytes() == whole[n].tobytes() for n in whole)
+    # Σ 2·logp: every op is linear in dlogp and a power of two commutes with rounding.
+    twice = chain.backward(f, np.full(len(flat), 2.0))
+    assert all((2 * ones.host(n)).tobytes() == twice.host(n).tobytes() for n in whole)
+    # Two micro-batches' backward calls into one Grads = the whole batch's gradient, bit for bit.
+    f1, f2 = chain.forward(s[:2]), chain.forward(s[2:])
+    acc = chain.backward(f1, np.ones(len(f1.logp)))
+    chain.backward(f2, np.ones(len(f2.logp)), grads=acc)
+    assert all(acc.host(n).tobytes() == whole[n].tobytes() for n in whole)
+    # A weighted loss: only sequence 1's tokens (others 0) = that sequence's gradient alone.
+    w = np.zeros(len(flat))
+    start = sum(len(q) - 1 for q in s[:1])
+    w[start:start + len(s[1]) - 1] = 1.0
+    alone = chain.gradients([s[1]])
+    only = chain.backward(f, w)
+    assert all(np.allclose(only.host(n), alone[n], rtol=0, atol=1e-6) for n in alone)
+    with pytest.raises(samebits.Error, match="dlogp"):
+        chain.backward(f, np.ones(len(flat) + 1))
+    bad = np.ones(len(flat))
+    bad[3] = np.nan
+    with pytest.raises(samebits.Error, match="not finite"):
+        chain.backward(f, bad)
+    with pytest.raises(samebits.Error, match="CPU memory"):
+        ones.cuda_array_interface("model.norm.weight")
+
+
 def test_linear_matches_an_fp64_reference_and_is_batch_invariant():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((37, 96)).astype(np.float32)
@@ -232,6 +268,18 @@ def test_a_model_over_weights_in_memory_gives_the_loaded_models_bits():
         del bad[name]
         with pytest.raises(samebits.Error, match="missing"):
             samebits.Model.from_tensors(config, bad)
+        # Weights described as GPU memory: only a cuda chain reads them; nothing dereferences them here.
+        on_gpu = {n: (a.ctypes.data, dt, a.shape, "cuda", a) for n, (a, dt) in weights.items()}
+        gpu_model = samebits.Model.from_tensors(config, on_gpu)
+        assert gpu_model.device == "cuda" and in_memory.device == "cpu"
+        with pytest.raises(samebits.Error, match="GPU memory"):
+            samebits.Chain(gpu_model, "cpu")
+        with pytest.raises(samebits.Error, match="GPU memory"):
+            gpu_model.save(d)
+        mixed = dict(on_gpu, **{name: (weights[name][0].ctypes.data, "bf16", weights[name][0].shape, "cpu",
+                                       weights[name][0])})
+        with pytest.raises(samebits.Error, match="one device"):
+            samebits.Model.from_tensors(config, mixed)
 
 
 def test_raw_attention_embedding_swiglu_against_fp64():
