@@ -86,3 +86,46 @@ TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {
 TEST_F(CudaChain, ActivationsNeedNoPoison) {
   for (bool tied : {false, true}) testing_model::expect_poisoning_changes_no_bit(Model::builtin(tied), Backend::cuda);
 }
+
+// A model over weights already in GPU memory (a framework's parameters) is read in place: the same
+// bits as the chain that uploads its own copy, and an update of that memory is what it reads next.
+TEST_F(CudaChain, AModelOverGpuMemoryIsReadInPlace) {
+  for (bool tied : {false, true}) {
+    const Model host = Model::builtin(tied);
+    std::map<std::string, DeviceTensor> on_gpu;
+    std::map<std::string, TensorView> views;
+    for (auto& [name, w] : host.weights()) views[name] = on_gpu.emplace(name, DeviceTensor::from_host(Backend::cuda, w)).first->second.view();
+    const Model device = Model::from_views(host.config().to_json(), views);
+    EXPECT_EQ(device.device(), Device::cuda);
+    Context ctx;
+    ctx.backend = Backend::cuda;
+    const Chain a(host, ctx), b(device, ctx);
+    const ChainBatch batch = ChainBatch::packed({{1, 2, 3, 4, 5, 6, 7}, {9, 8, 7}});
+    const ChainForward fa = a.forward(batch), fb = b.forward(batch);
+    EXPECT_EQ(0, std::memcmp(fa.logp.data(), fb.logp.data(), fa.logp.size() * sizeof(double)));
+    ModelGrads ga(host, DType::f32, Backend::cuda), gb(device, DType::f32, Backend::cuda);
+    const std::vector<double> dlogp(batch.loss_mask.begin(), batch.loss_mask.end());
+    a.backward(batch, fa, dlogp, ga);
+    b.backward(batch, fb, dlogp, gb);
+    for (const std::string& name : ga.names()) {
+      const harness::HostTensor x = ga.gradient(name), y = gb.gradient(name);
+      EXPECT_EQ(0, std::memcmp(x.data(), y.data(), size_t(x.bytes()))) << name;
+    }
+    // Overwrite the final norm's weights where they are (as an optimizer step does): the same chain's
+    // next forward reads the new values, and equals a fresh upload of the new weights.
+    DeviceTensor& norm = on_gpu.at("model.norm.weight");
+    harness::HostTensor scaled = norm.to_host();
+    for (int64_t i = 0; i < scaled.numel(); ++i) scaled.set(i, scaled.get(i) * 1.5);
+    norm.upload(scaled);
+    const ChainForward fc = b.forward(batch);
+    EXPECT_NE(0, std::memcmp(fa.logp.data(), fc.logp.data(), fa.logp.size() * sizeof(double)));
+    std::map<std::string, TensorView> host_views = host.weights();
+    host_views["model.norm.weight"] = scaled.view();
+    const ChainForward fd = Chain(Model::from_views(host.config().to_json(), host_views), ctx).forward(batch);
+    EXPECT_EQ(0, std::memcmp(fc.logp.data(), fd.logp.data(), fc.logp.size() * sizeof(double)));
+    const Model& moved = device;
+    EXPECT_THROW(moved.save("/nonexistent/never-written"), Error);
+    Context cpu;
+    EXPECT_THROW(Chain(moved, cpu), Error);
+  }
+}

@@ -2,7 +2,7 @@
 
     import samebits.torch as sbt
     y = sbt.linear(x, w)                       # bitwise the same rows whatever the batch
-    with sbt.enable():                          # route aten mm / addmm / _log_softmax to samebits
+    with sbt.enable():                          # route matmuls, attention, norms, log_softmax to samebits
         logits = model(input_ids).logits
 
 Why it is shaped this way: every op is a `torch.library.custom_op` (so autograd, torch.compile and
@@ -12,11 +12,10 @@ torch's current stream, and the backward is samebits' own backward kernel (weigh
 fp32 accumulator, cast once to the weight's dtype). Inputs must be contiguous; dtypes and shapes
 are checked by the library, whose errors arrive as samebits.Error (a ValueError).
 
-Covered by enable(): aten::mm, aten::addmm (16-bit CUDA tensors: samebits' GEMM, whose K order
-depends on K only) and aten::_log_softmax (fp32 / 16-bit CUDA: the row's log-sum-exp from samebits'
-vocab-blocked logprob op). Not covered (run as stock torch): bmm / matmul of 3-D operands, fp32
-matmuls, RMSNorm written as elementwise torch code, scaled_dot_product_attention, reductions — use
-samebits.torch.rms_norm / the model chain for those. See docs/python.md.
+Ops: linear, rms_norm, token_logprobs, attention (packed causal GQA), swiglu, embedding — each
+forward and backward. enable() routes a model's own torch code to them (aten mm / addmm /
+_log_softmax at the dispatcher; scaled_dot_product_attention, rms_norm and per-row mean / sum at the
+Python level); its table of what is and is not covered is in docs/python.md.
 """
 import contextlib
 from typing import Optional, Tuple
@@ -56,6 +55,16 @@ def _stream(t: Tensor) -> int:
 
 def _device(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _int32(t: Tensor, op: str, arg: str) -> Tensor:
+    """Token ids / targets as int32, refusing an int64 value int32 cannot hold (a cast would wrap it
+    into a valid-looking id)."""
+    if t.dtype == torch.int64 and t.numel() and bool((t.max() >= 2**31) | (t.min() < -2**31)):
+        raise Error(f"samebits.torch {op}: argument '{arg}': a value does not fit in int32")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken (int32 or int64)")
+    return t.reshape(-1).to(torch.int32).contiguous()
 
 
 def _rows(x: Tensor, op: str) -> Tensor:
@@ -183,7 +192,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 @torch.library.custom_op("samebits::token_logprobs", mutates_args=())
 def _token_logprobs(logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     l2 = _rows(logits, "token_logprobs")
-    t = targets.reshape(-1).to(torch.int32).contiguous()
+    t = _int32(targets, "token_logprobs", "targets")
     mask = torch.ones(t.shape[0], dtype=torch.uint8, device=logits.device)
     logp, entropy, lse = (torch.empty(t.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3))
     with _device(logits):
@@ -204,7 +213,7 @@ def _(logits, targets):
 @torch.library.custom_op("samebits::token_logprobs_backward", mutates_args=())
 def _token_logprobs_backward(logits: Tensor, targets: Tensor, lse: Tensor, dlogp: Tensor, dentropy: Tensor) -> Tensor:
     l2 = _rows(logits, "token_logprobs_backward")
-    t = targets.reshape(-1).to(torch.int32).contiguous()
+    t = _int32(targets, "token_logprobs_backward", "targets")
     mask = torch.ones(t.shape[0], dtype=torch.uint8, device=logits.device)
     dl = torch.empty_like(l2)
     with _device(logits):
@@ -245,20 +254,227 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
     return logp, entropy
 
 
-# ---------------------------------------------------------------- enable(): aten routing
+# ---------------------------------------------------------------- attention (packed, causal, GQA)
+def _seq_table(lengths) -> Tensor:
+    """int32 [B, 4] {q_row, q_len, k_row, k_len} on the host for sequences packed back to back."""
+    rows, at = [], 0
+    for n in lengths:
+        n = int(n)
+        rows.append([at, n, at, n])
+        at += n
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
+
+
+@torch.library.custom_op("samebits::attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, seqs: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    with _device(q):
+        raw.attention_forward(_desc(q, "attention", "q"), _desc(k, "attention", "k"), _desc(v, "attention", "v"),
+                              _desc(seqs, "attention", "seqs"), _desc(out, "attention", "out"),
+                              _desc(lse, "attention", "lse"), scale, _stream(q))
+    return out, lse
+
+
+@_attention.register_fake
+def _(q, k, v, seqs, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("samebits::attention_backward", mutates_args=())
+def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, seqs: Tensor, out: Tensor, lse: Tensor,
+                        scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    name = "attention_backward"
+    with _device(q):
+        raw.attention_backward(_desc(q, name, "q"), _desc(k, name, "k"), _desc(v, name, "v"), _desc(seqs, name, "seqs"),
+                               _desc(out, name, "out"), _desc(lse, name, "lse"),
+                               _desc(dout.contiguous(), name, "dout"), _desc(dq, name, "dq"), _desc(dk, name, "dk"),
+                               _desc(dv, name, "dv"), scale, _stream(q))
+    return dq, dk, dv
+
+
+@_attention_backward.register_fake
+def _(dout, q, k, v, seqs, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, seqs, scale = inputs
+    ctx.save_for_backward(q, k, v, seqs, output[0], output[1])
+    ctx.scale = scale
+
+
+def _attention_grad(ctx, dout, _dlse):
+    q, k, v, seqs, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(dout, q, k, v, seqs, out, lse, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, lengths, scale: Optional[float] = None) -> Tensor:
+    """Causal attention over sequences packed back to back: q [T, Hq, D], k / v [T, Hkv, D]
+    (Hq % Hkv == 0, GQA), `lengths` the sequences' lengths (summing to T). Keys are reduced in
+    ascending position, so a sequence's rows do not depend on the others packed with it."""
+    return _attention(q, k, v, _seq_table(lengths), float(scale or 0.0))[0]
+
+
+# ---------------------------------------------------------------- SwiGLU
+@torch.library.custom_op("samebits::swiglu", mutates_args=())
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    y = torch.empty_like(gate)
+    with _device(gate):
+        raw.swiglu_forward(_desc(gate, "swiglu", "gate"), _desc(up, "swiglu", "up"), _desc(y, "swiglu", "y"),
+                           _stream(gate))
+    return y
+
+
+@_swiglu.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("samebits::swiglu_backward", mutates_args=())
+def _swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    name = "swiglu_backward"
+    with _device(gate):
+        raw.swiglu_backward(_desc(dy.contiguous(), name, "dy"), _desc(gate, name, "gate"), _desc(up, name, "up"),
+                            _desc(dg, name, "dgate"), _desc(du, name, "dup"), _stream(gate))
+    return dg, du
+
+
+@_swiglu_backward.register_fake
+def _(dy, gate, up):
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return _swiglu_backward(dy, gate, up)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up computed in fp32 and rounded once (the MLP's activation)."""
+    return _swiglu(gate, up)
+
+
+# ---------------------------------------------------------------- embedding
+@torch.library.custom_op("samebits::embedding", mutates_args=())
+def _embedding(ids: Tensor, table: Tensor) -> Tensor:
+    flat = _int32(ids, "embedding", "ids")
+    y = table.new_empty(flat.shape[0], table.shape[1])
+    with _device(table):
+        raw.embedding_forward(_desc(flat, "embedding", "ids"), _desc(table, "embedding", "table"),
+                              _desc(y, "embedding", "y"), _stream(table))
+    return y.reshape(*ids.shape, table.shape[1])
+
+
+@_embedding.register_fake
+def _(ids, table):
+    return table.new_empty(*ids.shape, table.shape[1])
+
+
+@torch.library.custom_op("samebits::embedding_backward", mutates_args=())
+def _embedding_backward(dy: Tensor, ids: Tensor, table: Tensor) -> Tensor:
+    flat = _int32(ids, "embedding_backward", "ids")
+    dt = torch.zeros(table.shape, dtype=torch.float32, device=table.device)  # fp32 accumulator
+    with _device(table):
+        raw.embedding_backward(_desc(flat, "embedding_backward", "ids"),
+                               _desc(dy.reshape(-1, table.shape[1]).contiguous(), "embedding_backward", "dy"), None,
+                               _desc(dt, "embedding_backward", "dtable"), _stream(table))
+    return dt.to(table.dtype)
+
+
+@_embedding_backward.register_fake
+def _(dy, ids, table):
+    return torch.empty_like(table)
+
+
+def _embedding_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _embedding_grad(ctx, dy):
+    ids, table = ctx.saved_tensors
+    return None, _embedding_backward(dy, ids, table)
+
+
+_embedding.register_autograd(_embedding_grad, setup_context=_embedding_setup)
+
+
+def embedding(ids: Tensor, table: Tensor) -> Tensor:
+    """table[ids] (int32 / int64 ids); the table's gradient sums each row's uses in ascending token order
+    in an fp32 accumulator, without atomics."""
+    return _embedding(ids, table)
+
+
+# ---------------------------------------------------------------- enable(): routing torch to samebits
 _SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+class _Uncovered(Exception):
+    """A call enable() does not route; strict mode turns it into samebits.Error, else stock torch runs."""
+
+
+def _row_sum(x: Tensor) -> Tensor:
+    """Σ over the last dimension (keepdim) in a fixed pairwise order set by its extent alone: the
+    row is zero-padded to a power of two and halved by elementwise adds, so no kernel's choice of
+    split (which depends on how many rows there are) can move a bit. fp32 for 16-bit inputs."""
+    if x.dtype in _SIXTEEN:
+        x = x.float()
+    d = x.shape[-1]
+    width = 1 << max(d - 1, 0).bit_length()
+    if width != d:
+        x = torch.nn.functional.pad(x, (0, width - d))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def _last_dim(x: Tensor, dim) -> bool:
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    return isinstance(dim, int) and x.dim() > 0 and dim in (-1, x.dim() - 1)
+
+
+def _reduce_last(kind: str):
+    def route(x, dim=None, keepdim=False, *, dtype=None, out=None):
+        if not (isinstance(x, Tensor) and x.is_cuda and x.is_floating_point() and dtype is None and out is None
+                and _last_dim(x, dim) and x.shape[-1] > 0):
+            raise _Uncovered  # not a per-row reduction: stock torch (reductions over batch dims are the batch's)
+        r = _row_sum(x)
+        if kind == "mean":
+            r = r / x.shape[-1]
+        r = r if keepdim else r.squeeze(-1)
+        return r.to(x.dtype)
+    return route
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     if a.dtype not in _SIXTEEN:
-        raise Error(f"samebits.torch enable(): aten::mm of {a.dtype} CUDA tensors is not covered "
-                    "(samebits' GEMM takes bfloat16 / float16)")
+        if _STATE["strict"]:
+            raise Error(f"samebits.torch enable(): aten::mm of {a.dtype} CUDA tensors is not covered "
+                        "(samebits' GEMM takes bfloat16 / float16); enable(strict=False) runs it as stock torch")
+        return torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0]  # bmm is not routed: stock cuBLAS
     # b [K, N] is usually weight.T: its transpose [N, K] is then contiguous and no copy is made.
     return _linear(a.contiguous(), b.t().contiguous(), None)
 
 
 def _addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
-    if beta != 1 or alpha != 1 or bias.dim() != 1:
+    if beta != 1 or alpha != 1 or bias.dim() != 1 or a.dtype not in _SIXTEEN:
         y = _mm(a, b)
         return y * alpha + bias * beta if (beta != 0) else y * alpha
     return _linear(a.contiguous(), b.t().contiguous(), bias.contiguous())
@@ -274,15 +490,100 @@ def _log_softmax(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
     return out if (half_to_float or x.dtype == torch.float32) else out.to(x.dtype)
 
 
+def _log_softmax_backward(grad: Tensor, output: Tensor, dim: int, input_dtype) -> Tensor:
+    if dim not in (-1, output.dim() - 1):
+        raise Error("samebits.torch enable(): aten::_log_softmax_backward_data over a dimension other than the last "
+                    "is not covered")
+    g = grad.float()
+    gi = g - torch.exp(output.float()) * _row_sum(g)  # dx = dy − softmax · Σ dy, Σ in a fixed order
+    return gi.to(input_dtype)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention [B, H, S, D] → samebits' packed causal attention, B sequences of S."""
+    if attn_mask is not None or dropout_p != 0.0:
+        raise _Uncovered("scaled_dot_product_attention with an attention mask or dropout (pack the sequences: "
+                         "samebits.torch.attention, or score with samebits.hf)")
+    if query.dim() != 4 or key.dim() != 4 or query.shape[2] != key.shape[2] or not (is_causal or query.shape[2] == 1):
+        raise _Uncovered("scaled_dot_product_attention other than causal self-attention over [B, H, S, D] "
+                         "(or one query against one key)")
+    if not query.is_cuda:
+        raise _Uncovered  # enable() routes CUDA tensors
+    if query.dtype not in _SIXTEEN:
+        raise _Uncovered(f"scaled_dot_product_attention on {query.dtype} (samebits' attention takes 16-bit)")
+    b, h, s, d = query.shape
+    q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
+    out = _attention(q, k, v, _seq_table([s] * b), float(scale or 0.0))[0]
+    return out.reshape(b, s, h, d).transpose(1, 2)
+
+
+def _rms_norm_route(x, normalized_shape, weight=None, eps=None):
+    shape = tuple(normalized_shape) if isinstance(normalized_shape, (list, tuple)) else (normalized_shape,)
+    if not x.is_cuda:
+        raise _Uncovered  # enable() routes CUDA tensors
+    if weight is None or len(shape) != 1 or shape[0] != x.shape[-1] or weight.dtype != x.dtype:
+        raise _Uncovered("rms_norm without a weight of the input's dtype, or over more than the last dimension")
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return rms_norm(x.contiguous(), weight.contiguous(), eps)
+
+
+_STATE = {"strict": True}
+
+
+def _function_routes():
+    f = torch.nn.functional
+    mean, summed = _reduce_last("mean"), _reduce_last("sum")
+    routes = {f.scaled_dot_product_attention: _sdpa, f.rms_norm: _rms_norm_route,
+              torch.mean: mean, Tensor.mean: mean, torch.sum: summed, Tensor.sum: summed}
+    if hasattr(torch, "rms_norm"):
+        routes[torch.rms_norm] = _rms_norm_route
+    return routes
+
+
+class _Routes(torch.overrides.TorchFunctionMode):
+    """The Python-level half of enable(): functions a model calls from Python (attention, norms,
+    per-row reductions), routed above autograd so their backward is samebits' (or, for the
+    reductions, the elementwise ops' exact backward)."""
+
+    def __init__(self, strict: bool):
+        super().__init__()
+        self.strict = strict
+        self.routes = _function_routes()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = self.routes.get(func)
+        if route is not None:
+            try:
+                return route(*args, **kwargs)
+            except _Uncovered as e:
+                if self.strict and e.args:
+                    raise Error(f"samebits.torch enable(): {e.args[0]} is not covered; enable(strict=False) runs it "
+                                "as stock torch") from None
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def enable():
-    """Route aten::mm, aten::addmm and aten::_log_softmax on CUDA tensors to samebits for the block.
-    What is not covered runs as stock torch (see the module's docstring)."""
+def enable(strict: bool = True):
+    """Route torch to samebits for the block (CUDA tensors; see docs/python.md for the table):
+    aten mm / addmm (so nn.Linear, F.linear, matmul on 2-D weights) → samebits' GEMM, forward and
+    backward; aten _log_softmax and its backward → samebits' vocab-blocked log-sum-exp and a
+    fixed-order row sum; F.scaled_dot_product_attention (causal, no mask) → samebits' attention and
+    its backward; F.rms_norm → samebits' RMSNorm; mean / sum over the last dimension → a fixed
+    pairwise order. With strict (the default) a call enable() cannot route where batch invariance
+    is at stake (an fp32 matmul, attention with a mask) raises samebits.Error; strict=False runs it
+    as stock torch."""
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("mm", _mm, "CUDA")
     lib.impl("addmm", _addmm, "CUDA")
     lib.impl("_log_softmax", _log_softmax, "CUDA")
+    lib.impl("_log_softmax_backward_data", _log_softmax_backward, "CUDA")
+    previous = _STATE["strict"]
+    _STATE["strict"] = strict
     try:
-        yield
+        with _Routes(strict):
+            yield
     finally:
+        _STATE["strict"] = previous
         lib._destroy()

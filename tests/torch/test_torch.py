@@ -109,6 +109,99 @@ def test_bad_input_is_a_python_exception(call, words):
     assert words in str(e.value).lower()
 
 
+def test_attention_rows_alone_equal_the_pack_and_match_fp64():
+    g = torch.Generator(device=DEV).manual_seed(4)
+    lengths = [37, 5, 130, 64]
+    t, hq, hkv, d = sum(lengths), 8, 2, 128
+    q, k, v = (torch.randn(t, h, d, device=DEV, generator=g).bfloat16().requires_grad_() for h in (hq, hkv, hkv))
+    out = sbt.attention(q, k, v, lengths)
+    dout = torch.randn(out.shape, device=DEV, generator=g).bfloat16()
+    out.backward(dout)
+    at = 0
+    for n in lengths:
+        rows = slice(at, at + n)
+        qs, ks, vs = (x.detach()[rows].clone().requires_grad_() for x in (q, k, v))
+        alone = sbt.attention(qs, ks, vs, [n])
+        alone.backward(dout[rows])
+        assert torch.equal(bits(alone), bits(out[rows])), n
+        for got, whole in ((qs.grad, q.grad), (ks.grad, k.grad), (vs.grad, v.grad)):
+            assert torch.equal(bits(got), bits(whole[rows])), n
+        # fp64 reference: causal softmax attention with GQA.
+        qd, kd, vd = (x.detach()[rows].double().requires_grad_() for x in (q, k, v))
+        kr, vr = (x.repeat_interleave(hq // hkv, dim=1) for x in (kd, vd))
+        s = torch.einsum("qhd,khd->hqk", qd, kr) / d ** 0.5
+        s = s.masked_fill(torch.ones(n, n, device=DEV, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vr)
+        ref.backward(dout[rows].double())
+        assert rel(out[rows], ref) < 1e-2
+        for got, want in ((q.grad[rows], qd.grad), (k.grad[rows], kd.grad), (v.grad[rows], vd.grad)):
+            assert rel(got, want) < 2e-2
+        at += n
+
+
+def test_swiglu_and_embedding_match_fp64():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    gate, up = (torch.randn(65, 300, device=DEV, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    y = sbt.swiglu(gate, up)
+    dy = torch.randn(y.shape, device=DEV, generator=g).bfloat16()
+    y.backward(dy)
+    gd, ud = (x.detach().double().requires_grad_() for x in (gate, up))
+    ref = torch.nn.functional.silu(gd) * ud
+    ref.backward(dy.double())
+    assert rel(y, ref) < 4e-3 and rel(gate.grad, gd.grad) < 4e-3 and rel(up.grad, ud.grad) < 4e-3
+    table = torch.randn(50, 64, device=DEV, generator=g).bfloat16().requires_grad_()
+    ids = torch.randint(0, 50, (3, 40), device=DEV, generator=g)  # int64, repeated ids
+    e = sbt.embedding(ids, table)
+    assert torch.equal(bits(e), bits(table.detach()[ids]))
+    de = torch.randn(e.shape, device=DEV, generator=g).bfloat16()
+    e.backward(de)
+    want = torch.zeros(50, 64, dtype=torch.float64, device=DEV).index_add_(0, ids.reshape(-1), de.reshape(-1, 64).double())
+    assert rel(table.grad, want) < 4e-3
+    with pytest.raises(samebits.Error, match="outside|range"):
+        sbt.embedding(torch.tensor([3, 50], device=DEV), table)
+    with pytest.raises(samebits.Error, match="int32"):
+        sbt.embedding(torch.tensor([2**33], device=DEV), table)
+
+
+def test_enable_routes_attention_norms_and_reductions():
+    g = torch.Generator(device=DEV).manual_seed(6)
+    b, h, s, d = 4, 8, 96, 64
+    q, k, v = (torch.randn(b, h, s, d, device=DEV, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    with sbt.enable():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+    packed = [x.detach().transpose(1, 2).reshape(b * s, h, d).requires_grad_() for x in (q, k, v)]
+    ref = sbt.attention(*packed, [s] * b)
+    ref.sum().backward()
+    assert torch.equal(bits(out.transpose(1, 2).reshape(b * s, h, d)), bits(ref))
+    assert torch.equal(bits(q.grad.transpose(1, 2).reshape(b * s, h, d)), bits(packed[0].grad))
+    with sbt.enable(), pytest.raises(samebits.Error, match="mask"):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, s, dtype=torch.bool, device=DEV))
+    with sbt.enable(strict=False):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, s, dtype=torch.bool, device=DEV))
+    # Per-row mean / sum and log_softmax's backward: a row alone = the row in a batch of 512.
+    x = torch.randn(512, 4096, device=DEV, generator=g).requires_grad_()
+    w = torch.randn(512, 4096, device=DEV, generator=g)
+    with sbt.enable():
+        m_all, s_all = x.pow(2).mean(-1, keepdim=True), torch.sum(x, dim=-1)
+        m_one, s_one = x[3:4].pow(2).mean(-1, keepdim=True), torch.sum(x[3:4], dim=-1)
+        lp = torch.log_softmax(x, -1)
+        (lp * w).sum().backward()
+        g_all = x.grad.clone()
+        x.grad = None
+        (torch.log_softmax(x[3:4], -1) * w[3:4]).sum().backward()
+    assert torch.equal(bits(m_all[3:4]), bits(m_one)) and torch.equal(bits(s_all[3:4]), bits(s_one))
+    assert torch.equal(bits(g_all[3:4]), bits(x.grad[3:4]))
+    xd = x.detach().double()
+    assert rel(m_all, xd.pow(2).mean(-1, keepdim=True)) < 1e-6 and rel(s_all, xd.sum(-1)) < 1e-5
+    # F.rms_norm → samebits.torch.rms_norm
+    hx = torch.randn(10, 256, device=DEV, generator=g).bfloat16()
+    hw = torch.randn(256, device=DEV, generator=g).bfloat16()
+    with sbt.enable():
+        routed = torch.nn.functional.rms_norm(hx, (256,), hw, 1e-6)
+    assert torch.equal(bits(routed), bits(sbt.rms_norm(hx, hw, 1e-6)))
+
+
 def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -131,6 +224,40 @@ def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
           f"max |diff| {(alone - batch).abs().max().item():.3g}; vs stock max |diff| {(alone - stock_alone).abs().max().item():.3g}")
     assert torch.equal(bits(alone), bits(batch))
     assert (alone - stock_alone).abs().max().item() < 0.1
+
+
+def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path):
+    """The acceptance's "gradients equal the C++ chain's bit for bit on the same weights": a loss over
+    samebits.hf's differentiable logprobs puts the chain's gradients into the transformers model's
+    .grad; the reference is the C++ chain on the same weights loaded from the model's checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    import samebits.hf
+    torch.manual_seed(2)
+    model = qwen3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64, tied=False)
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in (17, 64, 5, 130)]
+    scorer = samebits.hf.Scorer(model)
+    assert scorer.in_place and scorer.model.device == "cuda"
+    logps = scorer.token_logprobs(seqs)
+    assert [len(x) for x in logps] == [len(q) - 1 for q in seqs]
+    adv = [torch.full((len(q) - 1,), a, device=DEV) for q, a in zip(seqs, (1.0, -0.5, 2.0, 0.25))]
+    sum((a * lp).sum() for a, lp in zip(adv, logps)).backward()
+    model.save_pretrained(tmp_path)
+    chain = samebits.Chain(samebits.Model.load(str(tmp_path)), "cuda")
+    kept = chain.forward(seqs)
+    assert torch.equal(bits(torch.cat(logps)), bits(torch.from_numpy(kept.logp).float().to(DEV)))
+    want = chain.backward(kept, torch.cat(adv).double().cpu().numpy())
+    for name, p in model.named_parameters():
+        ref = torch.from_numpy(want.host(name)).to(DEV)
+        assert torch.equal(bits(scorer.last_grads[name]), bits(ref)), name
+        assert torch.equal(bits(p.grad), bits(ref.to(p.dtype))), name
+    # In place: an optimizer-style update of the module's tensors is what the next call reads.
+    alone = scorer.token_logprobs([seqs[1]])[0]
+    assert torch.equal(bits(alone), bits(logps[1]))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    after = scorer.token_logprobs([seqs[1]])[0]
+    assert not torch.equal(bits(after), bits(alone))
+    assert torch.equal(bits(after), bits(samebits.hf.Scorer(model).token_logprobs([seqs[1]])[0]))
 
 
 def test_hf_scorer_runs_the_chain_on_the_models_weights():
