@@ -62,10 +62,13 @@ TensorView desc(const py::object& o, const char* op, const char* arg) {
                         shape.data(), int(shape.size()), device == "cuda" ? Device::cuda : Device::cpu);
 }
 
-// The backend of an op's tensors (those of its first argument) and the caller's stream.
+// The backend of an op's tensors (those of its first argument) and the caller's stream. fp64
+// tensors select the truth mode (the CPU's fp64 arithmetic, whose accumulators and per-row
+// statistics are fp64 too): what torch.autograd.gradcheck runs the ops in.
 Context raw_ctx(const TensorView& first, uintptr_t stream) {
   Context ctx;
   ctx.backend = first.device == Device::cuda ? Backend::cuda : Backend::cpu;
+  if (first.dtype == DType::f64) ctx.precision = Precision::truth_fp64;
   ctx.stream = reinterpret_cast<void*>(stream);
   return ctx;
 }

@@ -28,8 +28,14 @@ from ._core import Error
 
 raw = _core.raw
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "int32",
-           torch.uint8: "uint8"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+           torch.int32: "int32", torch.uint8: "uint8"}
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """The dtype of accumulators and per-row statistics: fp32, or fp64 for fp64 tensors (the CPU's
+    truth mode, which torch.autograd.gradcheck runs the ops in)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _desc(t: Optional[Tensor], op: str, arg: str):
@@ -41,7 +47,7 @@ def _desc(t: Optional[Tensor], op: str, arg: str):
         return None
     if t.dtype not in _DTYPES:
         raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken "
-                    f"(bfloat16, float16, float32; int32 ids / targets; uint8 masks)")
+                    f"(bfloat16, float16, float32; float64 on the CPU; int32 ids / targets; uint8 masks)")
     if t.device.type not in ("cpu", "cuda"):
         raise Error(f"samebits.torch {op}: argument '{arg}': device {t.device} is not taken (cpu or cuda)")
     if not t.is_contiguous():
@@ -95,8 +101,8 @@ def _(x, weight, bias):
 def _linear_backward(dy: Tensor, x: Tensor, weight: Tensor, need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     dy2, x2 = _rows(dy.contiguous(), "linear_backward"), _rows(x, "linear_backward")
     dx = x2.new_empty(x2.shape)
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # fp32 accumulator
-    db = torch.zeros(weight.shape[0] if need_bias else 0, dtype=torch.float32, device=weight.device)
+    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
+    db = torch.zeros(weight.shape[0] if need_bias else 0, dtype=_acc(weight), device=weight.device)
     with _device(x):
         s = _stream(x)
         raw.linear_backward_input(_desc(dy2, "linear_backward", "dy"), _desc(weight, "linear_backward", "weight"),
@@ -137,7 +143,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     x2 = _rows(x, "rms_norm")
     y = torch.empty_like(x2)
-    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    rstd = torch.empty(x2.shape[0], dtype=_acc(x), device=x.device)
     with _device(x):
         raw.rmsnorm_forward(_desc(x2, "rms_norm", "x"), _desc(weight, "rms_norm", "weight"), _desc(y, "rms_norm", "y"),
                             _desc(rstd, "rms_norm", "rstd"), eps, _stream(x))
@@ -147,14 +153,14 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
 @_rms_norm.register_fake
 def _(x, weight, eps):
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty(rows, dtype=_acc(x))
 
 
 @torch.library.custom_op("samebits::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     dy2, x2 = _rows(dy.contiguous(), "rms_norm_backward"), _rows(x, "rms_norm_backward")
     dx = torch.empty_like(x2)
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)
     with _device(x):
         raw.rmsnorm_backward(_desc(dy2, "rms_norm_backward", "dy"), _desc(x2, "rms_norm_backward", "x"),
                              _desc(weight, "rms_norm_backward", "weight"), _desc(rstd, "rms_norm_backward", "rstd"),
@@ -194,7 +200,7 @@ def _token_logprobs(logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, Te
     l2 = _rows(logits, "token_logprobs")
     t = _int32(targets, "token_logprobs", "targets")
     mask = torch.ones(t.shape[0], dtype=torch.uint8, device=logits.device)
-    logp, entropy, lse = (torch.empty(t.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3))
+    logp, entropy, lse = (torch.empty(t.shape[0], dtype=_acc(logits), device=logits.device) for _ in range(3))
     with _device(logits):
         raw.logprob_forward(_desc(l2, "token_logprobs", "logits"), _desc(t, "token_logprobs", "targets"),
                             _desc(mask, "token_logprobs", "loss_mask"), _desc(logp, "token_logprobs", "logp"),
@@ -207,7 +213,7 @@ def _token_logprobs(logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, Te
 @_token_logprobs.register_fake
 def _(logits, targets):
     shape = logits.shape[:-1]
-    return tuple(logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
+    return tuple(logits.new_empty(shape, dtype=_acc(logits)) for _ in range(3))
 
 
 @torch.library.custom_op("samebits::token_logprobs_backward", mutates_args=())
@@ -220,8 +226,9 @@ def _token_logprobs_backward(logits: Tensor, targets: Tensor, lse: Tensor, dlogp
         raw.logprob_backward(_desc(l2, "token_logprobs_backward", "logits"), _desc(t, "token_logprobs_backward", "targets"),
                              _desc(mask, "token_logprobs_backward", "loss_mask"),
                              _desc(lse.reshape(-1).contiguous(), "token_logprobs_backward", "lse"),
-                             _desc(dlogp.reshape(-1).float().contiguous(), "token_logprobs_backward", "dlogp"),
-                             _desc(dentropy.reshape(-1).float().contiguous(), "token_logprobs_backward", "dentropy"),
+                             _desc(dlogp.reshape(-1).to(_acc(logits)).contiguous(), "token_logprobs_backward", "dlogp"),
+                             _desc(dentropy.reshape(-1).to(_acc(logits)).contiguous(), "token_logprobs_backward",
+                                   "dentropy"),
                              _desc(dl, "token_logprobs_backward", "dlogits"), _stream(logits))
     return dl.reshape(logits.shape)
 
@@ -268,7 +275,7 @@ def _seq_table(lengths) -> Tensor:
 @torch.library.custom_op("samebits::attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, seqs: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=_acc(q), device=q.device)
     with _device(q):
         raw.attention_forward(_desc(q, "attention", "q"), _desc(k, "attention", "k"), _desc(v, "attention", "v"),
                               _desc(seqs, "attention", "seqs"), _desc(out, "attention", "out"),
@@ -278,7 +285,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, seqs: Tensor, scale: float) -> T
 
 @_attention.register_fake
 def _(q, k, v, seqs, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=_acc(q))
 
 
 @torch.library.custom_op("samebits::attention_backward", mutates_args=())
@@ -387,7 +394,7 @@ def _(ids, table):
 @torch.library.custom_op("samebits::embedding_backward", mutates_args=())
 def _embedding_backward(dy: Tensor, ids: Tensor, table: Tensor) -> Tensor:
     flat = _int32(ids, "embedding_backward", "ids")
-    dt = torch.zeros(table.shape, dtype=torch.float32, device=table.device)  # fp32 accumulator
+    dt = torch.zeros(table.shape, dtype=_acc(table), device=table.device)  # fp32 accumulator
     with _device(table):
         raw.embedding_backward(_desc(flat, "embedding_backward", "ids"),
                                _desc(dy.reshape(-1, table.shape[1]).contiguous(), "embedding_backward", "dy"), None,
@@ -512,7 +519,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if query.dtype not in _SIXTEEN:
         raise _Uncovered(f"scaled_dot_product_attention on {query.dtype} (samebits' attention takes 16-bit)")
     b, h, s, d = query.shape
-    q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
+    q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d).contiguous() for t in (query, key, value))
     out = _attention(q, k, v, _seq_table([s] * b), float(scale or 0.0))[0]
     return out.reshape(b, s, h, d).transpose(1, 2)
 

@@ -89,7 +89,9 @@ def test_torch_compile_traces_the_custom_ops():
     nw = torch.ones(256, device=DEV).bfloat16()
 
     def f(x):
-        return sbt.rms_norm(sbt.linear(x, w), nw)
+        h = sbt.rms_norm(sbt.linear(x, w), nw)
+        q = h.reshape(16, 4, 64)
+        return sbt.swiglu(sbt.attention(q, q, q, [7, 9]), q)
 
     eager = f(x)
     compiled = torch.compile(f, fullgraph=True)(x)
@@ -225,15 +227,30 @@ def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
     assert torch.equal(bits(alone), bits(batch))
     assert (alone - stock_alone).abs().max().item() < 0.1
 
+    def embed_grad(batch):  # d(Σ logp of sequence 0)/d(its input embeddings): a per-sequence gradient
+        emb = model.get_input_embeddings()(batch).detach().requires_grad_()
+        logits = model(inputs_embeds=emb).logits[:1, :-1]
+        torch.log_softmax(logits.float(), -1).gather(-1, batch[:1, 1:, None]).sum().backward()
+        return emb.grad[:1]
 
-def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path):
+    stock = torch.equal(bits(embed_grad(ids[:1])), bits(embed_grad(ids)))
+    with sbt.enable():
+        ga, gb = embed_grad(ids[:1]), embed_grad(ids)
+    print(f"gradient of sequence 0's logprobs w.r.t. its input embeddings, alone vs in the batch of 32: "
+          f"stock bitwise equal {stock}; enable() bitwise equal {torch.equal(bits(ga), bits(gb))}, "
+          f"max |diff| {(ga.float() - gb.float()).abs().max().item():.3g}")
+    assert torch.equal(bits(ga), bits(gb))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path, tied):
     """The acceptance's "gradients equal the C++ chain's bit for bit on the same weights": a loss over
     samebits.hf's differentiable logprobs puts the chain's gradients into the transformers model's
     .grad; the reference is the C++ chain on the same weights loaded from the model's checkpoint."""
     transformers = pytest.importorskip("transformers")
     import samebits.hf
     torch.manual_seed(2)
-    model = qwen3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64, tied=False)
+    model = qwen3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64, tied=tied)
     seqs = [torch.randint(0, 4096, (n,)).tolist() for n in (17, 64, 5, 130)]
     scorer = samebits.hf.Scorer(model)
     assert scorer.in_place and scorer.model.device == "cuda"
