@@ -97,6 +97,15 @@ def main():
               f"forward + backward stock {t['fb']:.2f} ms, enable() {t['fb_on']:.2f} ms "
               f"({t['fb_on'] / t['fb']:.2f}x), samebits.hf {t['hf_fb']:.2f} ms ({t['hf_fb'] / t['fb']:.2f}x)",
               flush=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        with sbt.enable():
+            pass
+    end.record()
+    end.synchronize()
+    enter = start.elapsed_time(end) / 20
+    print(f"entering and leaving enable(): {enter:.3f} ms", flush=True)
     if args.md:
         with open(args.md, "w") as f:
             f.write(f"# The Python doors against stock transformers — {card}\n\n"
@@ -111,6 +120,8 @@ def main():
                 f.write(f"| {b} × {s} | {t['fwd']:.2f} | {t['fwd_on']:.2f} | {t['fwd_on'] / t['fwd']:.2f} "
                         f"| {t['hf_fwd']:.2f} | {t['hf_fwd'] / t['fwd']:.2f} | {t['fb']:.2f} | {t['fb_on']:.2f} "
                         f"| {t['fb_on'] / t['fb']:.2f} | {t['hf_fb']:.2f} | {t['hf_fb'] / t['fb']:.2f} |\n")
+            f.write(f"\nEntering and leaving `enable()` (registering and removing its aten kernels): {enter:.3f} ms, "
+                    "included in every enable() step above.\n")
 
 
 if __name__ == "__main__":

@@ -62,13 +62,13 @@ TensorView desc(const py::object& o, const char* op, const char* arg) {
                         shape.data(), int(shape.size()), device == "cuda" ? Device::cuda : Device::cpu);
 }
 
-// The backend of an op's tensors (those of its first argument) and the caller's stream. fp64
-// tensors select the truth mode (the CPU's fp64 arithmetic, whose accumulators and per-row
+// The backend of an op's tensors (those of its first argument) and the caller's stream. An fp64
+// tensor selects the truth mode (the CPU's fp64 arithmetic, whose accumulators and per-row
 // statistics are fp64 too): what torch.autograd.gradcheck runs the ops in.
-Context raw_ctx(const TensorView& first, uintptr_t stream) {
+Context raw_ctx(const TensorView& first, bool any_fp64, uintptr_t stream) {
   Context ctx;
   ctx.backend = first.device == Device::cuda ? Backend::cuda : Backend::cpu;
-  if (first.dtype == DType::f64) ctx.precision = Precision::truth_fp64;
+  if (any_fp64) ctx.precision = Precision::truth_fp64;
   ctx.stream = reinterpret_cast<void*>(stream);
   return ctx;
 }
@@ -110,13 +110,17 @@ void bind_raw_op(py::module_& r, const char* name, RawOp<A> t) {
     };
     A a{};
     size_t i = 0;
-    for (auto& [n, member] : t.tensors) a.*member = desc(value(i++), t.op, n);
+    bool any_fp64 = false;
+    for (auto& [n, member] : t.tensors) {
+      a.*member = desc(value(i++), t.op, n);
+      any_fp64 = any_fp64 || (a.*member).dtype == DType::f64;
+    }
     for (auto& [n, set] : t.scalars) {
       const py::object v = value(i++);
       if (!v.is_none()) set(a, v);
     }
     const py::object s = value(i);
-    t.run(raw_ctx(a.*(t.tensors.front().second), s.is_none() ? 0 : s.cast<uintptr_t>()), a);
+    t.run(raw_ctx(a.*(t.tensors.front().second), any_fp64, s.is_none() ? 0 : s.cast<uintptr_t>()), a);
   }, doc.c_str());
 }
 

@@ -48,6 +48,9 @@ def _desc(t: Optional[Tensor], op: str, arg: str):
     if t.dtype not in _DTYPES:
         raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken "
                     f"(bfloat16, float16, float32; float64 on the CPU; int32 ids / targets; uint8 masks)")
+    if t.dtype == torch.float64 and t.device.type == "cuda":
+        raise Error(f"samebits.torch {op}: argument '{arg}': dtype torch.float64 is taken on the CPU only (the "
+                    "fp64 truth mode); CUDA ops take bfloat16, float16 and float32")
     if t.device.type not in ("cpu", "cuda"):
         raise Error(f"samebits.torch {op}: argument '{arg}': device {t.device} is not taken (cpu or cuda)")
     if not t.is_contiguous():
@@ -331,11 +334,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, lengths, scale: Optional[float] =
 # ---------------------------------------------------------------- SwiGLU
 @torch.library.custom_op("samebits::swiglu", mutates_args=())
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    y = torch.empty_like(gate)
+    g2, u2 = _rows(gate, "swiglu"), _rows(up, "swiglu")
+    y = torch.empty_like(g2)
     with _device(gate):
-        raw.swiglu_forward(_desc(gate, "swiglu", "gate"), _desc(up, "swiglu", "up"), _desc(y, "swiglu", "y"),
+        raw.swiglu_forward(_desc(g2, "swiglu", "gate"), _desc(u2, "swiglu", "up"), _desc(y, "swiglu", "y"),
                            _stream(gate))
-    return y
+    return y.reshape(gate.shape)
 
 
 @_swiglu.register_fake
@@ -345,12 +349,13 @@ def _(gate, up):
 
 @torch.library.custom_op("samebits::swiglu_backward", mutates_args=())
 def _swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
     name = "swiglu_backward"
+    g2, u2, dy2 = _rows(gate, name), _rows(up, name), _rows(dy.contiguous(), name)
+    dg, du = torch.empty_like(g2), torch.empty_like(u2)
     with _device(gate):
-        raw.swiglu_backward(_desc(dy.contiguous(), name, "dy"), _desc(gate, name, "gate"), _desc(up, name, "up"),
+        raw.swiglu_backward(_desc(dy2, name, "dy"), _desc(g2, name, "gate"), _desc(u2, name, "up"),
                             _desc(dg, name, "dgate"), _desc(du, name, "dup"), _stream(gate))
-    return dg, du
+    return dg.reshape(gate.shape), du.reshape(up.shape)
 
 
 @_swiglu_backward.register_fake
@@ -435,15 +440,14 @@ class _Uncovered(Exception):
 
 def _row_sum(x: Tensor) -> Tensor:
     """Σ over the last dimension (keepdim) in a fixed pairwise order set by its extent alone: the
-    row is zero-padded to a power of two and halved by elementwise adds, so no kernel's choice of
-    split (which depends on how many rows there are) can move a bit. fp32 for 16-bit inputs."""
+    row is halved by elementwise adds (first half + second half; an odd width gets one zero column
+    first), so no kernel's choice of split (which depends on how many rows there are) can move a
+    bit. fp32 for 16-bit inputs. Traffic ≈ twice the input; log2(width) launches."""
     if x.dtype in _SIXTEEN:
         x = x.float()
-    d = x.shape[-1]
-    width = 1 << max(d - 1, 0).bit_length()
-    if width != d:
-        x = torch.nn.functional.pad(x, (0, width - d))
     while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = torch.nn.functional.pad(x, (0, 1))
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x
@@ -471,13 +475,27 @@ def _reduce_last(kind: str):
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
-    if a.dtype not in _SIXTEEN:
+    """a [M, K] @ b [K, N] on samebits' GEMMs, picked by layout so that nothing is transposed in
+    memory: the three products of a linear layer's forward and backward each have their op."""
+    if a.dtype not in _SIXTEEN or b.dtype != a.dtype:
         if _STATE["strict"]:
-            raise Error(f"samebits.torch enable(): aten::mm of {a.dtype} CUDA tensors is not covered "
+            raise Error(f"samebits.torch enable(): aten::mm of {a.dtype} / {b.dtype} CUDA tensors is not covered "
                         "(samebits' GEMM takes bfloat16 / float16); enable(strict=False) runs it as stock torch")
         return torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0]  # bmm is not routed: stock cuBLAS
-    # b [K, N] is usually weight.T: its transpose [N, K] is then contiguous and no copy is made.
-    return _linear(a.contiguous(), b.t().contiguous(), None)
+    if b.t().is_contiguous() or not b.is_contiguous():  # x @ weight.T: the forward
+        return _linear(a.contiguous(), b.t().contiguous(), None)
+    if a.t().is_contiguous() and not a.is_contiguous():  # dy.T @ x: a weight gradient, Σ over rows
+        dy, x = a.t(), b
+        dw = torch.zeros(dy.shape[1], x.shape[1], dtype=torch.float32, device=a.device)
+        with _device(a):
+            raw.linear_backward_weight(_desc(dy, "mm", "dy"), _desc(x, "mm", "x"), _desc(dw, "mm", "dweight"), None,
+                                       _stream(a))
+        return dw.to(a.dtype)
+    dx = a.new_empty(a.shape[0], b.shape[1])  # dy @ weight: an input gradient, Σ over the weight's rows
+    with _device(a):
+        raw.linear_backward_input(_desc(a.contiguous(), "mm", "dy"), _desc(b, "mm", "weight"), _desc(dx, "mm", "dx"),
+                                  _stream(a))
+    return dx
 
 
 def _addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:

@@ -196,6 +196,17 @@ def test_enable_routes_attention_norms_and_reductions():
     assert torch.equal(bits(g_all[3:4]), bits(x.grad[3:4]))
     xd = x.detach().double()
     assert rel(m_all, xd.pow(2).mean(-1, keepdim=True)) < 1e-6 and rel(s_all, xd.sum(-1)) < 1e-5
+    # The three matmuls of a linear layer, each on its samebits GEMM (no transposed copies).
+    xs = torch.randn(300, 512, device=DEV, generator=g).bfloat16()
+    ws = (torch.randn(256, 512, device=DEV, generator=g) / 16).bfloat16()
+    dys = torch.randn(300, 256, device=DEV, generator=g).bfloat16()
+    with sbt.enable():
+        fwd, dx, dw = xs @ ws.T, dys @ ws, dys.T @ xs
+        fwd1, dx1 = xs[7:8] @ ws.T, dys[7:8] @ ws
+    for got, want in ((fwd, xs.double() @ ws.double().T), (dx, dys.double() @ ws.double()),
+                      (dw, dys.double().T @ xs.double())):
+        assert rel(got, want) < 1e-2
+    assert torch.equal(bits(fwd1), bits(fwd[7:8])) and torch.equal(bits(dx1), bits(dx[7:8]))
     # F.rms_norm → samebits.torch.rms_norm
     hx = torch.randn(10, 256, device=DEV, generator=g).bfloat16()
     hw = torch.randn(256, device=DEV, generator=g).bfloat16()
