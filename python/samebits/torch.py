@@ -520,7 +520,7 @@ def _log_softmax_backward(grad: Tensor, output: Tensor, dim: int, input_dtype) -
         raise Error("samebits.torch enable(): aten::_log_softmax_backward_data over a dimension other than the last "
                     "is not covered")
     g = grad.float()
-    gi = g - torch.exp(output.float()) * _row_sum(g)  # dx = dy − softmax · Σ dy, Σ in a fixed order
+    gi = torch.addcmul(g, torch.exp(output.float()), _row_sum(g), value=-1)  # dy − softmax · Σ dy, Σ in a fixed order
     return gi.to(input_dtype)
 
 
