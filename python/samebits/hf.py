@@ -15,7 +15,8 @@ into calls. backward() adds the chain's own weight gradients (fp32 accumulators,
 Where the weights are read: a model on the GPU with the cuda backend is read in place (no copy; an
 optimizer's in-place update is seen by the next call). A CPU model on the CPU backend is read in
 place too. Any other combination copies the weights once, when the Scorer is made: make a new one
-after an optimizer step. The chain runs on the device's default stream; a caller on another stream
+after an optimizer step (a call on a stale copy, or after a parameter was replaced rather than
+updated in place, raises samebits.Error). The chain runs on the device's default stream; a caller on another stream
 is synchronized with it around each call.
 """
 import json
@@ -85,7 +86,20 @@ class Scorer:
         # Whether the chain reads the module's own tensors (and so sees in-place updates).
         self.in_place = self.model.device == "cuda" or (backend == "cpu" and first.device.type == "cpu")
         self._params = [(n, p) for n, p in hf_model.named_parameters()]
+        self._stamps = [(p.data_ptr(), p._version) for _, p in self._params]
         self.last_grads = None
+
+    def _check_weights(self):
+        """The chain reads what it was given: the module's own memory (in place) or a copy. A
+        parameter replaced by another tensor (model.to(...), a new nn.Parameter) is no longer that
+        memory, and a copy does not see in-place updates: either is refused, never read stale."""
+        for (name, p), (ptr, version) in zip(self._params, self._stamps):
+            if p.data_ptr() != ptr:
+                raise _core.Error(f"samebits.hf: parameter '{name}' was replaced since the Scorer was made "
+                                  "(not updated in place): make a new Scorer")
+            if not self.in_place and p._version != version:
+                raise _core.Error(f"samebits.hf: parameter '{name}' changed since the Scorer copied the weights "
+                                  "(this backend reads a copy): make a new Scorer")
 
     # ------------------------------------------------------------ stream and device hygiene
     def _on_device(self):
@@ -95,6 +109,7 @@ class Scorer:
     def _call(self, fn, *args):
         """Runs a chain call on the default stream, ordered after and before the caller's stream."""
         torch = self._torch
+        self._check_weights()
         with self._on_device():
             side = self.device.type == "cuda" and torch.cuda.current_stream() != torch.cuda.default_stream()
             if side:
@@ -157,12 +172,17 @@ def _chain_logprobs_class():
         @staticmethod
         def forward(ctx, scorer, kept, *params):
             ctx.scorer, ctx.kept = scorer, kept  # the kept forward's activations live until backward
+            ctx.versions = [p._version for _, p in scorer._params]
             return torch.from_numpy(kept.logp).to(scorer.device, torch.float32)
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, dlogp):
             scorer = ctx.scorer
+            for (name, p), version in zip(scorer._params, ctx.versions):
+                if p._version != version:  # as torch refuses a saved tensor modified in place
+                    raise _core.Error(f"samebits.hf: parameter '{name}' was modified in place between the forward "
+                                      "and its backward: the gradient would mix two sets of weights")
             grads = scorer._backward(ctx.kept, dlogp)
             scorer.last_grads = grads
             out = [None, None]

@@ -286,6 +286,22 @@ def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path, tied
     after = scorer.token_logprobs([seqs[1]])[0]
     assert not torch.equal(bits(after), bits(alone))
     assert torch.equal(bits(after), bits(samebits.hf.Scorer(model).token_logprobs([seqs[1]])[0]))
+    pending = scorer.token_logprobs([seqs[0]])[0]
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    with pytest.raises(samebits.Error, match="between the forward"):
+        pending.sum().backward()
+    # A copy (the CPU backend on a GPU model) refuses to score after the weights moved on, and a
+    # replaced parameter is refused by the in-place scorer: never a stale answer.
+    copy = samebits.hf.Scorer(model, backend="cpu")
+    assert not copy.in_place
+    with torch.no_grad():
+        model.model.norm.weight.mul_(0.5)
+    with pytest.raises(samebits.Error, match="changed"):
+        copy.logprobs([seqs[0]])
+    model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())
+    with pytest.raises(samebits.Error, match="replaced"):
+        scorer.token_logprobs([seqs[0]])
 
 
 def test_hf_scorer_runs_the_chain_on_the_models_weights():
