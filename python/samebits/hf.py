@@ -85,6 +85,7 @@ class Scorer:
             self.chain = _core.Chain(self.model, backend)
         # Whether the chain reads the module's own tensors (and so sees in-place updates).
         self.in_place = self.model.device == "cuda" or (backend == "cpu" and first.device.type == "cpu")
+        self._module = hf_model
         self._params = [(n, p) for n, p in hf_model.named_parameters()]
         self._stamps = [(p.data_ptr(), p._version) for _, p in self._params]
         self.last_grads = None
@@ -93,8 +94,11 @@ class Scorer:
         """The chain reads what it was given: the module's own memory (in place) or a copy. A
         parameter replaced by another tensor (model.to(...), a new nn.Parameter) is no longer that
         memory, and a copy does not see in-place updates: either is refused, never read stale."""
-        for (name, p), (ptr, version) in zip(self._params, self._stamps):
-            if p.data_ptr() != ptr:
+        now = list(self._module.named_parameters())
+        if [n for n, _ in now] != [n for n, _ in self._params]:
+            raise _core.Error("samebits.hf: the model's parameters changed since the Scorer was made: make a new Scorer")
+        for (name, p), (_, current), (ptr, version) in zip(self._params, now, self._stamps):
+            if current is not p or p.data_ptr() != ptr:
                 raise _core.Error(f"samebits.hf: parameter '{name}' was replaced since the Scorer was made "
                                   "(not updated in place): make a new Scorer")
             if not self.in_place and p._version != version:
