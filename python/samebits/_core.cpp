@@ -128,6 +128,31 @@ template <class A>
 void set_eps(A& a, const py::handle& v) { a.eps = v.cast<double>(); }
 template <class A>
 void set_scale(A& a, const py::handle& v) { a.scale = v.cast<double>(); }
+template <class A>
+void set_ignore_index(A& a, const py::handle& v) { a.ignore_index = v.cast<int32_t>(); }
+
+// RoPE's configuration as a dict: theta, max_position, and Llama-3 scaling (llama3_scaling, factor,
+// low_freq_factor, high_freq_factor, original_max_position); keys left out keep their defaults.
+RopeConfig rope_from(const py::handle& v) {
+  RopeConfig c;
+  for (auto item : v.cast<py::dict>()) {
+    const std::string k = item.first.cast<std::string>();
+    const py::handle x = item.second;
+    if (k == "theta") c.theta = x.cast<double>();
+    else if (k == "max_position") c.max_position = x.cast<int64_t>();
+    else if (k == "llama3_scaling") c.llama3_scaling = x.cast<bool>();
+    else if (k == "factor") c.factor = x.cast<double>();
+    else if (k == "low_freq_factor") c.low_freq_factor = x.cast<double>();
+    else if (k == "high_freq_factor") c.high_freq_factor = x.cast<double>();
+    else if (k == "original_max_position") c.original_max_position = x.cast<int64_t>();
+    else throw Error("rope", k, "is not a RoPE setting (theta, max_position, llama3_scaling, factor, low_freq_factor, "
+                                "high_freq_factor, original_max_position)");
+  }
+  return c;
+}
+template <class A>
+void set_rope(A& a, const py::handle& v) { a.rope = rope_from(v); }
+void set_rope_config(RopeArgs& a, const py::handle& v) { a.config = rope_from(v); }
 
 void bind_raw(py::module_& m) {
   auto r = m.def_submodule("raw", "The ops on caller-described tensors (pointer, dtype, shape, device[, owner]), on "
@@ -159,6 +184,17 @@ void bind_raw(py::module_& m) {
   bind_raw_op<SF>(r, "swiglu_forward", {"swiglu", {{"gate", &SF::gate}, {"up", &SF::up}, {"y", &SF::y}}, {}, swiglu_forward});
   using SB = SwiGluBackwardArgs;
   bind_raw_op<SB>(r, "swiglu_backward", {"swiglu_backward", {{"dy", &SB::dy}, {"gate", &SB::gate}, {"up", &SB::up}, {"dgate", &SB::dgate}, {"dup", &SB::dup}}, {}, swiglu_backward});
+  using RA = RopeArgs;
+  bind_raw_op<RA>(r, "rope_forward", {"rope", {{"x", &RA::x}, {"positions", &RA::positions}, {"y", &RA::y}}, {{"rope", set_rope_config}}, rope_forward});
+  bind_raw_op<RA>(r, "rope_backward", {"rope_backward", {{"x", &RA::x}, {"positions", &RA::positions}, {"y", &RA::y}}, {{"rope", set_rope_config}}, rope_backward});
+  using QF = QkNormForwardArgs;
+  bind_raw_op<QF>(r, "qk_norm_forward", {"qk_norm", {{"x", &QF::x}, {"weight", &QF::weight}, {"y", &QF::y}, {"rstd", &QF::rstd}, {"positions", &QF::positions}}, {{"eps", set_eps<QF>}, {"rope", set_rope<QF>}}, qk_norm_forward});
+  using QB = QkNormBackwardArgs;
+  bind_raw_op<QB>(r, "qk_norm_backward", {"qk_norm_backward", {{"dy", &QB::dy}, {"x", &QB::x}, {"weight", &QB::weight}, {"rstd", &QB::rstd}, {"dx", &QB::dx}, {"dweight", &QB::dweight}, {"positions", &QB::positions}}, {{"eps", set_eps<QB>}, {"rope", set_rope<QB>}}, qk_norm_backward});
+  using HF = LmHeadLogprobForwardArgs;
+  bind_raw_op<HF>(r, "lm_head_logprob_forward", {"lm_head_logprobs", {{"hidden", &HF::hidden}, {"weight", &HF::weight}, {"targets", &HF::targets}, {"loss_mask", &HF::loss_mask}, {"logp", &HF::logp}, {"entropy", &HF::entropy}, {"lse", &HF::lse}}, {{"ignore_index", set_ignore_index<HF>}}, lm_head_logprob_forward});
+  using HB = LmHeadLogprobBackwardArgs;
+  bind_raw_op<HB>(r, "lm_head_logprob_backward", {"lm_head_logprobs_backward", {{"hidden", &HB::hidden}, {"weight", &HB::weight}, {"targets", &HB::targets}, {"loss_mask", &HB::loss_mask}, {"lse", &HB::lse}, {"dlogp", &HB::dlogp}, {"dentropy", &HB::dentropy}, {"dhidden", &HB::dhidden}, {"dweight", &HB::dweight}}, {{"ignore_index", set_ignore_index<HB>}}, lm_head_logprob_backward});
 }
 
 std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, int64_t vocab) {

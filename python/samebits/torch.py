@@ -12,13 +12,14 @@ torch's current stream, and the backward is samebits' own backward kernel (weigh
 fp32 accumulator, cast once to the weight's dtype). Inputs must be contiguous; dtypes and shapes
 are checked by the library, whose errors arrive as samebits.Error (a ValueError).
 
-Ops: linear, rms_norm, token_logprobs, attention (packed causal GQA), swiglu, embedding — each
-forward and backward. enable() routes a model's own torch code to them (aten mm / addmm /
+Ops: linear, rms_norm, token_logprobs, attention (packed causal GQA), swiglu, embedding, rope,
+qk_norm (+ fused RoPE), lm_head_logprobs (the fused LM head → selected logprob) — each forward and
+backward. enable() routes a model's own torch code to them (aten mm / addmm /
 _log_softmax at the dispatcher; scaled_dot_product_attention, rms_norm and per-row mean / sum at the
 Python level); its table of what is and is not covered is in docs/python.md.
 """
 import contextlib
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -428,6 +429,196 @@ def embedding(ids: Tensor, table: Tensor) -> Tensor:
     """table[ids] (int32 / int64 ids); the table's gradient sums each row's uses in ascending token order
     in an fp32 accumulator, without atomics."""
     return _embedding(ids, table)
+
+
+# ---------------------------------------------------------------- RoPE and QK-norm (+ RoPE)
+def _rope_dict(theta: float, llama3: List[float]) -> dict:
+    d = {"theta": theta}
+    if llama3:
+        d.update(llama3_scaling=True, factor=llama3[0], low_freq_factor=llama3[1], high_freq_factor=llama3[2],
+                 original_max_position=int(llama3[3]))
+    return d
+
+
+def _llama3(rope_scaling: Optional[dict]) -> List[float]:
+    """Hugging Face's rope_scaling dict ({"rope_type": "llama3", "factor": ...}) as an op argument:
+    [factor, low_freq_factor, high_freq_factor, original_max_position], or [] for none."""
+    if not rope_scaling:
+        return []
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind != "llama3":
+        raise Error(f"samebits.torch rope: argument 'rope_scaling': type {kind!r} is not taken (llama3 only)")
+    return [float(rope_scaling["factor"]), float(rope_scaling["low_freq_factor"]),
+            float(rope_scaling["high_freq_factor"]), float(rope_scaling["original_max_position_embeddings"])]
+
+
+@torch.library.custom_op("samebits::rope", mutates_args=())
+def _rope(x: Tensor, positions: Tensor, theta: float, llama3: List[float], inverse: bool) -> Tensor:
+    pos = _int32(positions, "rope", "positions")
+    y = torch.empty_like(x)
+    run = raw.rope_backward if inverse else raw.rope_forward
+    with _device(x):
+        run(_desc(x, "rope", "x"), _desc(pos, "rope", "positions"), _desc(y, "rope", "y"), _rope_dict(theta, llama3),
+            _stream(x))
+    return y
+
+
+@_rope.register_fake
+def _(x, positions, theta, llama3, inverse):
+    return torch.empty_like(x)
+
+
+def _rope_setup(ctx, inputs, output):
+    x, positions, theta, llama3, inverse = inputs
+    ctx.save_for_backward(positions)
+    ctx.args = (theta, llama3, not inverse)
+
+
+def _rope_grad(ctx, dy):
+    (positions,) = ctx.saved_tensors
+    return _rope(dy.contiguous(), positions, *ctx.args), None, None, None, None
+
+
+_rope.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
+def rope(x: Tensor, positions: Tensor, theta: float = 1e6, rope_scaling: Optional[dict] = None) -> Tensor:
+    """Rotary embedding of x [T, heads, head_dim] at positions [T] (rotate_half pairs i, i + D/2);
+    the angle in fp32 as Hugging Face computes it, cos / sin of it in fp64 rounded to fp32, so a
+    position gives the same bits on every path. rope_scaling: Hugging Face's Llama-3 dict."""
+    return _rope(x, positions, float(theta), _llama3(rope_scaling), False)
+
+
+@torch.library.custom_op("samebits::qk_norm", mutates_args=())
+def _qk_norm(x: Tensor, weight: Tensor, eps: float, positions: Optional[Tensor], theta: float,
+             llama3: List[float]) -> Tuple[Tensor, Tensor]:
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[:2], dtype=_acc(x), device=x.device)
+    pos = None if positions is None else _int32(positions, "qk_norm", "positions")
+    with _device(x):
+        raw.qk_norm_forward(_desc(x, "qk_norm", "x"), _desc(weight, "qk_norm", "weight"), _desc(y, "qk_norm", "y"),
+                            _desc(rstd, "qk_norm", "rstd"), _desc(pos, "qk_norm", "positions"), eps,
+                            _rope_dict(theta, llama3), _stream(x))
+    return y, rstd
+
+
+@_qk_norm.register_fake
+def _(x, weight, eps, positions, theta, llama3):
+    return torch.empty_like(x), x.new_empty(x.shape[:2], dtype=_acc(x))
+
+
+@torch.library.custom_op("samebits::qk_norm_backward", mutates_args=())
+def _qk_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps: float, positions: Optional[Tensor],
+                      theta: float, llama3: List[float]) -> Tuple[Tensor, Tensor]:
+    name = "qk_norm_backward"
+    dx = torch.empty_like(x)
+    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)
+    pos = None if positions is None else _int32(positions, name, "positions")
+    with _device(x):
+        raw.qk_norm_backward(_desc(dy.contiguous(), name, "dy"), _desc(x, name, "x"), _desc(weight, name, "weight"),
+                             _desc(rstd, name, "rstd"), _desc(dx, name, "dx"), _desc(dw, name, "dweight"),
+                             _desc(pos, name, "positions"), eps, _rope_dict(theta, llama3), _stream(x))
+    return dx, dw.to(weight.dtype)
+
+
+@_qk_norm_backward.register_fake
+def _(dy, x, weight, rstd, eps, positions, theta, llama3):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _qk_setup(ctx, inputs, output):
+    x, weight, eps, positions, theta, llama3 = inputs
+    ctx.save_for_backward(x, weight, output[1], positions)
+    ctx.args = (eps, theta, llama3)
+
+
+def _qk_grad(ctx, dy, _drstd):
+    x, weight, rstd, positions = ctx.saved_tensors
+    eps, theta, llama3 = ctx.args
+    dx, dw = _qk_norm_backward(dy, x, weight, rstd, eps, positions, theta, llama3)
+    return dx, dw, None, None, None, None
+
+
+_qk_norm.register_autograd(_qk_grad, setup_context=_qk_setup)
+
+
+def qk_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, positions: Optional[Tensor] = None, theta: float = 1e6,
+            rope_scaling: Optional[dict] = None) -> Tensor:
+    """Qwen3's QK-norm: RMSNorm over head_dim of every head of x [T, heads, head_dim]; with
+    positions, fused with RoPE (the same bits as qk_norm then rope, in one pass; its backward keeps
+    the rotated-back gradient in fp32)."""
+    return _qk_norm(x, weight, eps, positions, float(theta), _llama3(rope_scaling))[0]
+
+
+# ---------------------------------------------------------------- fused LM head → selected logprob
+@torch.library.custom_op("samebits::lm_head_logprobs", mutates_args=())
+def _lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    name = "lm_head_logprobs"
+    h2 = _rows(hidden, name)
+    t = _int32(targets, name, "targets")
+    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)
+    logp, entropy, lse = (torch.empty(t.shape[0], dtype=_acc(hidden), device=hidden.device) for _ in range(3))
+    with _device(hidden):
+        raw.lm_head_logprob_forward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
+                                    _desc(mask, name, "loss_mask"), _desc(logp, name, "logp"),
+                                    _desc(entropy, name, "entropy"), _desc(lse, name, "lse"), _stream(hidden))
+    shape = hidden.shape[:-1]
+    return logp.reshape(shape), entropy.reshape(shape), lse.reshape(shape)
+
+
+@_lm_head_logprobs.register_fake
+def _(hidden, weight, targets):
+    shape = hidden.shape[:-1]
+    return tuple(hidden.new_empty(shape, dtype=_acc(hidden)) for _ in range(3))
+
+
+@torch.library.custom_op("samebits::lm_head_logprobs_backward", mutates_args=())
+def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, lse: Tensor, dlogp: Tensor,
+                               dentropy: Tensor) -> Tuple[Tensor, Tensor]:
+    name = "lm_head_logprobs_backward"
+    h2 = _rows(hidden, name)
+    t = _int32(targets, name, "targets")
+    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)
+    dh = torch.empty_like(h2)
+    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
+    acc = _acc(hidden)
+    with _device(hidden):
+        raw.lm_head_logprob_backward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
+                                     _desc(mask, name, "loss_mask"), _desc(lse.reshape(-1).contiguous(), name, "lse"),
+                                     _desc(dlogp.reshape(-1).to(acc).contiguous(), name, "dlogp"),
+                                     _desc(dentropy.reshape(-1).to(acc).contiguous(), name, "dentropy"),
+                                     _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), _stream(hidden))
+    return dh.reshape(hidden.shape), dw.to(weight.dtype)
+
+
+@_lm_head_logprobs_backward.register_fake
+def _(hidden, weight, targets, lse, dlogp, dentropy):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _lm_setup(ctx, inputs, output):
+    hidden, weight, targets = inputs
+    ctx.save_for_backward(hidden, weight, targets, output[2])
+
+
+def _lm_grad(ctx, dlogp, dentropy, _dlse):
+    hidden, weight, targets, lse = ctx.saved_tensors
+    dlogp = torch.zeros_like(lse) if dlogp is None else dlogp
+    dentropy = torch.zeros_like(lse) if dentropy is None else dentropy
+    dh, dw = _lm_head_logprobs_backward(hidden, weight, targets, lse, dlogp, dentropy)
+    return dh, dw, None
+
+
+_lm_head_logprobs.register_autograd(_lm_grad, setup_context=_lm_setup)
+
+
+def lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+    """(logp, entropy) of targets under logits = hidden @ weight.T, computed in fp32 vocab block by
+    vocab block and never stored (bitwise an fp32-output linear followed by token_logprobs): the
+    [tokens, vocab] logits matrix an RL loss would otherwise materialize is never allocated, forward
+    or backward. Targets equal to -100 are not scored (logp = entropy = 0, no gradient)."""
+    logp, entropy, _ = _lm_head_logprobs(hidden, weight, targets)
+    return logp, entropy
 
 
 # ---------------------------------------------------------------- enable(): routing torch to samebits

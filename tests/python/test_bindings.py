@@ -335,6 +335,77 @@ def test_raw_attention_embedding_swiglu_against_fp64():
     assert np.abs(dg - dy * up * sig * (1 + gd * (1 - sig))).max() <= 1e-5
 
 
+def test_raw_rope_qk_norm_and_lm_head_against_fp64_and_their_definitions():
+    raw = samebits._core.raw
+    rng = np.random.default_rng(7)
+    t, h, d, theta = 6, 3, 16, 10000.0
+    x = rng.standard_normal((t, h, d)).astype(np.float32)
+    pos = np.array([0, 1, 2, 7, 300, 4095], np.int32)
+    y = np.empty_like(x)
+    raw.rope_forward(desc(x), desc(pos, "int32"), desc(y), rope={"theta": theta})
+    inv = (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)  # fp32(1 / θ^(2i/D))
+    ang = (pos[:, None].astype(np.float32) * inv[None, :]).astype(np.float64)  # fp32 angle, as HF computes it
+    cos, sin = np.concatenate([np.cos(ang)] * 2, 1)[:, None], np.concatenate([np.sin(ang)] * 2, 1)[:, None]
+    xd = x.astype(np.float64)
+    rot = np.concatenate([-xd[..., d // 2:], xd[..., :d // 2]], -1)
+    assert np.abs(y - (xd * cos + rot * sin)).max() <= 1e-5
+    back = np.empty_like(x)
+    raw.rope_backward(desc(y), desc(pos, "int32"), desc(back), rope={"theta": theta})  # the inverse rotation
+    assert np.abs(back - x).max() <= 1e-5
+    with pytest.raises(samebits.Error, match="not a RoPE setting"):
+        raw.rope_forward(desc(x), desc(pos, "int32"), desc(y), rope={"tehta": 1.0})
+
+    # QK-norm fused with RoPE = QK-norm, then RoPE, bit for bit (forward and backward).
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    fused, normed, rope_after = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    rstd = np.empty((t, h), np.float32)
+    raw.qk_norm_forward(desc(x), desc(w), desc(fused), desc(rstd), desc(pos, "int32"), eps=1e-6, rope={"theta": theta})
+    raw.qk_norm_forward(desc(x), desc(w), desc(normed), None, eps=1e-6)
+    raw.rope_forward(desc(normed), desc(pos, "int32"), desc(rope_after), rope={"theta": theta})
+    assert fused.tobytes() == rope_after.tobytes()
+    ref = xd / np.sqrt((xd ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    assert np.abs(normed - ref).max() <= 1e-5
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx_f, dw_f = np.empty_like(x), np.zeros(d, np.float32)
+    raw.qk_norm_backward(desc(dy), desc(x), desc(w), desc(rstd), desc(dx_f), desc(dw_f), desc(pos, "int32"),
+                         eps=1e-6, rope={"theta": theta})
+    dy_back = np.empty_like(x)
+    raw.rope_backward(desc(dy), desc(pos, "int32"), desc(dy_back), rope={"theta": theta})
+    dx_u, dw_u = np.empty_like(x), np.zeros(d, np.float32)
+    raw.qk_norm_backward(desc(dy_back), desc(x), desc(w), desc(rstd), desc(dx_u), desc(dw_u), None, eps=1e-6)
+    assert dx_f.tobytes() == dx_u.tobytes() and dw_f.tobytes() == dw_u.tobytes()
+
+    # The fused LM head → logprob = an fp32 linear, then the selected logprob, bit for bit.
+    hidden = rng.standard_normal((5, 32)).astype(np.float32)
+    head = (rng.standard_normal((3000, 32)) / 6).astype(np.float32)
+    targets = np.array([0, 2999, 17, -100, 1234], np.int32)
+    mask = np.ones(5, np.uint8)
+    logp, ent, lse = (np.empty(5, np.float32) for _ in range(3))
+    raw.lm_head_logprob_forward(desc(hidden), desc(head), desc(targets, "int32"), desc(mask, "uint8"), desc(logp),
+                                desc(ent), desc(lse))
+    logits = np.empty((5, 3000), np.float32)
+    raw.linear_forward(desc(hidden), desc(head), None, desc(logits))
+    logp2, ent2 = np.empty(5, np.float32), np.empty(5, np.float32)
+    raw.logprob_forward(desc(logits), desc(targets, "int32"), desc(mask, "uint8"), desc(logp2), desc(ent2), None)
+    assert logp.tobytes() == logp2.tobytes() and ent.tobytes() == ent2.tobytes()
+    assert logp[3] == 0 and ent[3] == 0  # -100: not scored
+    z = hidden.astype(np.float64) @ head.astype(np.float64).T
+    zl = z - z.max(1, keepdims=True)
+    lp = zl - np.log(np.exp(zl).sum(1, keepdims=True))
+    assert np.abs(logp[[0, 1, 2, 4]] - lp[[0, 1, 2, 4], targets[[0, 1, 2, 4]]]).max() <= 1e-4
+    dh, dw = np.empty_like(hidden), np.zeros_like(head)
+    dlogp = np.ones(5, np.float32)
+    raw.lm_head_logprob_backward(desc(hidden), desc(head), desc(targets, "int32"), desc(mask, "uint8"), desc(lse),
+                                 desc(dlogp), None, desc(dh), desc(dw))
+    p = np.exp(lp)
+    dz = -p
+    for i in (0, 1, 2, 4):
+        dz[i, targets[i]] += 1
+    dz[3] = 0
+    assert np.abs(dh - dz @ head.astype(np.float64)).max() <= 1e-4
+    assert np.abs(dw - dz.T @ hidden.astype(np.float64)).max() <= 1e-4
+
+
 def test_raw_op_argument_errors():
     raw = samebits._core.raw
     x = np.ones((2, 4), np.float32)

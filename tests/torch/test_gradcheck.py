@@ -41,3 +41,27 @@ def test_embedding():
     ids = torch.tensor([[2, 0, 2], [4, 2, 1]])
     f = lambda table: sbt.embedding(ids, table)  # noqa: E731
     assert torch.autograd.gradcheck(f, (leaf(5, 6, seed=12),))
+
+
+def test_rope():
+    pos = torch.tensor([0, 3, 9, 511, 2])
+    f = lambda x: sbt.rope(x, pos, theta=10000.0)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (leaf(5, 2, 8, seed=13),))
+    llama = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 64}
+    g = lambda x: sbt.rope(x, pos, theta=500000.0, rope_scaling=llama)  # noqa: E731
+    assert torch.autograd.gradcheck(g, (leaf(5, 2, 8, seed=14),))
+
+
+def test_qk_norm_alone_and_fused_with_rope():
+    pos = torch.tensor([4, 0, 77])
+    plain = lambda x, w: sbt.qk_norm(x, w, 1e-6)  # noqa: E731
+    fused = lambda x, w: sbt.qk_norm(x, w, 1e-6, pos, 10000.0)  # noqa: E731
+    for f, seed in ((plain, 15), (fused, 17)):
+        assert torch.autograd.gradcheck(f, (leaf(3, 2, 8, seed=seed), leaf(8, seed=seed + 1)))
+
+
+def test_lm_head_logprobs():
+    targets = torch.tensor([0, 12, -100, 5])  # -100: not scored
+    f = lambda h, w: sbt.lm_head_logprobs(h, w, targets)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (leaf(4, 6, seed=19), leaf(13, 6, seed=20)))

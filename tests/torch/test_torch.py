@@ -165,6 +165,41 @@ def test_swiglu_and_embedding_match_fp64():
         sbt.embedding(torch.tensor([2**33], device=DEV), table)
 
 
+def test_rope_qk_norm_and_lm_head_rows_alone_equal_the_batch_and_match_fp64():
+    g = torch.Generator(device=DEV).manual_seed(7)
+    t, h, d = 300, 8, 128
+    x = torch.randn(t, h, d, device=DEV, generator=g).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(d, device=DEV, generator=g)).bfloat16().requires_grad_()
+    pos = torch.randint(0, 40000, (t,), device=DEV, generator=g)
+    fused = sbt.qk_norm(x, w, 1e-6, pos)
+    assert torch.equal(bits(fused), bits(sbt.rope(sbt.qk_norm(x, w, 1e-6), pos)))  # one pass = the two ops
+    assert torch.equal(bits(sbt.qk_norm(x[5:9].contiguous(), w, 1e-6, pos[5:9])), bits(fused[5:9]))
+    dy = torch.randn(fused.shape, device=DEV, generator=g).bfloat16()
+    fused.backward(dy)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    n = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    inv = (1.0 / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device=DEV) / d)).float()
+    ang = (pos.float()[:, None] * inv[None]).double()
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    ref = n * cos + torch.cat([-n[..., d // 2:], n[..., :d // 2]], -1) * sin
+    ref.backward(dy.double())
+    assert rel(fused, ref) < 1e-2 and rel(x.grad, xd.grad) < 2e-2 and rel(w.grad, wd.grad) < 2e-2
+
+    hidden = torch.randn(257, 512, device=DEV, generator=g).bfloat16().requires_grad_()
+    head = (torch.randn(40000, 512, device=DEV, generator=g) / 24).bfloat16().requires_grad_()
+    tgt = torch.randint(0, 40000, (257,), device=DEV, generator=g)
+    logp, ent = sbt.lm_head_logprobs(hidden, head, tgt)
+    one, _ = sbt.lm_head_logprobs(hidden[100:101].contiguous(), head, tgt[100:101])
+    assert torch.equal(bits(one), bits(logp[100:101]))
+    (logp.sum() + 0.1 * ent.sum()).backward()
+    hd, wd = hidden.detach().double().requires_grad_(), head.detach().double().requires_grad_()
+    lp = torch.log_softmax(hd @ wd.T, -1)
+    want = lp.gather(1, tgt[:, None])[:, 0]
+    (want.sum() + 0.1 * (-(lp.exp() * lp).sum(-1)).sum()).backward()
+    assert (logp.double() - want).abs().max().item() < 2e-3
+    assert rel(hidden.grad, hd.grad) < 2e-2 and rel(head.grad, wd.grad) < 2e-2
+
+
 def test_enable_routes_attention_norms_and_reductions():
     g = torch.Generator(device=DEV).manual_seed(6)
     b, h, s, d = 4, 8, 96, 64
