@@ -26,6 +26,17 @@ def qwen3(transformers, vocab, hidden, mlp, heads, kv_heads, head_dim, tied):
         return transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+def llama3(transformers, vocab, hidden, mlp, heads, kv_heads, head_dim):
+    """A random 2-layer transformers Llama model with Llama-3 RoPE scaling, bf16, on the GPU."""
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                                   max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=False,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    with torch.device(DEV):
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -288,20 +299,27 @@ def test_hf_qwen3_logprobs_alone_and_in_a_batch_of_32():
     assert torch.equal(bits(ga), bits(gb))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path, tied):
+@pytest.mark.parametrize("arch, tied", [("qwen3", False), ("qwen3", True), ("llama", False)])
+def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path, arch, tied):
     """The acceptance's "gradients equal the C++ chain's bit for bit on the same weights": a loss over
     samebits.hf's differentiable logprobs puts the chain's gradients into the transformers model's
     .grad; the reference is the C++ chain on the same weights loaded from the model's checkpoint."""
     transformers = pytest.importorskip("transformers")
     import samebits.hf
     torch.manual_seed(2)
-    model = qwen3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64, tied=tied)
+    if arch == "qwen3":
+        model = qwen3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64, tied=tied)
+    else:
+        model = llama3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64)
     seqs = [torch.randint(0, 4096, (n,)).tolist() for n in (17, 64, 5, 130)]
     scorer = samebits.hf.Scorer(model)
     assert scorer.in_place and scorer.model.device == "cuda"
     logps = scorer.token_logprobs(seqs)
     assert [len(x) for x in logps] == [len(q) - 1 for q in seqs]
+    with torch.no_grad():  # close to transformers' own bf16 logprobs on the same weights
+        ids = torch.tensor([seqs[3]], device=DEV)
+        theirs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    assert (logps[3].detach() - theirs).abs().max().item() < 0.1
     adv = [torch.full((len(q) - 1,), a, device=DEV) for q, a in zip(seqs, (1.0, -0.5, 2.0, 0.25))]
     sum((a * lp).sum() for a, lp in zip(adv, logps)).backward()
     model.save_pretrained(tmp_path)
