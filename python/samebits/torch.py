@@ -561,7 +561,8 @@ def _lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[
     with _device(hidden):
         raw.lm_head_logprob_forward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
                                     _desc(mask, name, "loss_mask"), _desc(logp, name, "logp"),
-                                    _desc(entropy, name, "entropy"), _desc(lse, name, "lse"), _stream(hidden))
+                                    _desc(entropy, name, "entropy"), _desc(lse, name, "lse"), ignore_index=-100,
+                                    stream=_stream(hidden))
     shape = hidden.shape[:-1]
     return logp.reshape(shape), entropy.reshape(shape), lse.reshape(shape)
 
@@ -587,7 +588,8 @@ def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, 
                                      _desc(mask, name, "loss_mask"), _desc(lse.reshape(-1).contiguous(), name, "lse"),
                                      _desc(dlogp.reshape(-1).to(acc).contiguous(), name, "dlogp"),
                                      _desc(dentropy.reshape(-1).to(acc).contiguous(), name, "dentropy"),
-                                     _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), _stream(hidden))
+                                     _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), ignore_index=-100,
+                                     stream=_stream(hidden))
     return dh.reshape(hidden.shape), dw.to(weight.dtype)
 
 
