@@ -48,7 +48,7 @@ def rms_norm(x, weight, eps=1e-6):
     """y = x * rsqrt(mean(x^2) + eps) * weight over the last dimension (CPU backend)."""
     dx, dw = _desc(x, "rms_norm", "x"), _desc(weight, "rms_norm", "weight")
     y = np.empty_like(x)
-    raw.rmsnorm_forward(dx, dw, _desc(y, "rms_norm", "y"), None, eps)
+    raw.rmsnorm_forward(dx, dw, _desc(y, "rms_norm", "y"), None, eps=eps)
     return y
 
 

@@ -165,9 +165,9 @@ void bind_raw(py::module_& m) {
   using LW = LinearBackwardWeightArgs;
   bind_raw_op<LW>(r, "linear_backward_weight", {"linear_backward", {{"dy", &LW::dy}, {"x", &LW::x}, {"dweight", &LW::dweight}, {"dbias", &LW::dbias}}, {}, linear_backward_weight});
   using NF = RmsNormForwardArgs;
-  bind_raw_op<NF>(r, "rmsnorm_forward", {"rms_norm", {{"x", &NF::x}, {"weight", &NF::weight}, {"y", &NF::y}, {"rstd", &NF::rstd}}, {{"eps", set_eps<NF>}}, rmsnorm_forward});
+  bind_raw_op<NF>(r, "rmsnorm_forward", {"rms_norm", {{"x", &NF::x}, {"weight", &NF::weight}, {"y", &NF::y}, {"rstd", &NF::rstd}, {"residual", &NF::residual}, {"residual_out", &NF::residual_out}}, {{"eps", set_eps<NF>}}, rmsnorm_forward});
   using NB = RmsNormBackwardArgs;
-  bind_raw_op<NB>(r, "rmsnorm_backward", {"rms_norm_backward", {{"dy", &NB::dy}, {"x", &NB::x}, {"weight", &NB::weight}, {"rstd", &NB::rstd}, {"dx", &NB::dx}, {"dweight", &NB::dweight}}, {{"eps", set_eps<NB>}}, rmsnorm_backward});
+  bind_raw_op<NB>(r, "rmsnorm_backward", {"rms_norm_backward", {{"dy", &NB::dy}, {"x", &NB::x}, {"weight", &NB::weight}, {"rstd", &NB::rstd}, {"dx", &NB::dx}, {"dweight", &NB::dweight}, {"dresidual_out", &NB::dresidual_out}}, {{"eps", set_eps<NB>}}, rmsnorm_backward});
   using PF = LogprobForwardArgs;
   bind_raw_op<PF>(r, "logprob_forward", {"token_logprobs", {{"logits", &PF::logits}, {"targets", &PF::targets}, {"loss_mask", &PF::loss_mask}, {"logp", &PF::logp}, {"entropy", &PF::entropy}, {"lse", &PF::lse}}, {}, logprob_forward});
   using PB = LogprobBackwardArgs;

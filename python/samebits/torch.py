@@ -12,7 +12,7 @@ torch's current stream, and the backward is samebits' own backward kernel (weigh
 fp32 accumulator, cast once to the weight's dtype). Inputs must be contiguous; dtypes and shapes
 are checked by the library, whose errors arrive as samebits.Error (a ValueError).
 
-Ops: linear, rms_norm, token_logprobs, attention (packed causal GQA), swiglu, embedding, rope,
+Ops: linear, rms_norm, add_rms_norm (fused residual add), token_logprobs, attention (packed causal GQA), swiglu, embedding, rope,
 qk_norm (+ fused RoPE), lm_head_logprobs (the fused LM head → selected logprob) — each forward and
 backward. enable() routes a model's own torch code to them (aten mm / addmm /
 _log_softmax at the dispatcher; scaled_dot_product_attention, rms_norm and per-row mean / sum at the
@@ -150,7 +150,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     rstd = torch.empty(x2.shape[0], dtype=_acc(x), device=x.device)
     with _device(x):
         raw.rmsnorm_forward(_desc(x2, "rms_norm", "x"), _desc(weight, "rms_norm", "weight"), _desc(y, "rms_norm", "y"),
-                            _desc(rstd, "rms_norm", "rstd"), eps, _stream(x))
+                            _desc(rstd, "rms_norm", "rstd"), eps=eps, stream=_stream(x))
     return y.reshape(x.shape), rstd
 
 
@@ -168,8 +168,8 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps:
     with _device(x):
         raw.rmsnorm_backward(_desc(dy2, "rms_norm_backward", "dy"), _desc(x2, "rms_norm_backward", "x"),
                              _desc(weight, "rms_norm_backward", "weight"), _desc(rstd, "rms_norm_backward", "rstd"),
-                             _desc(dx, "rms_norm_backward", "dx"), _desc(dw, "rms_norm_backward", "dweight"), eps,
-                             _stream(x))
+                             _desc(dx, "rms_norm_backward", "dx"), _desc(dw, "rms_norm_backward", "dweight"),
+                             eps=eps, stream=_stream(x))
     return dx.reshape(x.shape), dw.to(weight.dtype)
 
 
@@ -196,6 +196,69 @@ _rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32, rounded once."""
     return _rms_norm(x, weight, eps)[0]
+
+
+@torch.library.custom_op("samebits::add_rms_norm", mutates_args=())
+def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    name = "add_rms_norm"
+    x2, r2 = _rows(x, name), _rows(residual, name)
+    y, s = torch.empty_like(x2), torch.empty_like(x2)
+    rstd = torch.empty(x2.shape[0], dtype=_acc(x), device=x.device)
+    with _device(x):
+        raw.rmsnorm_forward(_desc(x2, name, "x"), _desc(weight, name, "weight"), _desc(y, name, "y"),
+                            _desc(rstd, name, "rstd"), _desc(r2, name, "residual"), _desc(s, name, "residual_out"),
+                            eps=eps, stream=_stream(x))
+    return y.reshape(x.shape), s.reshape(x.shape), rstd
+
+
+@_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty(rows, dtype=_acc(x))
+
+
+@torch.library.custom_op("samebits::add_rms_norm_backward", mutates_args=())
+def _add_rms_norm_backward(dy: Tensor, ds: Optional[Tensor], s: Tensor, weight: Tensor, rstd: Tensor,
+                           eps: float) -> Tuple[Tensor, Tensor]:
+    name = "add_rms_norm_backward"
+    dy2, s2 = _rows(dy.contiguous(), name), _rows(s, name)
+    ds2 = None if ds is None else _rows(ds.contiguous(), name)
+    dx = torch.empty_like(s2)
+    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)
+    with _device(s):
+        raw.rmsnorm_backward(_desc(dy2, name, "dy"), _desc(s2, name, "x"), _desc(weight, name, "weight"),
+                             _desc(rstd, name, "rstd"), _desc(dx, name, "dx"), _desc(dw, name, "dweight"),
+                             _desc(ds2, name, "dresidual_out"), eps=eps, stream=_stream(s))
+    return dx.reshape(s.shape), dw.to(weight.dtype)
+
+
+@_add_rms_norm_backward.register_fake
+def _(dy, ds, s, weight, rstd, eps):
+    return torch.empty_like(s), torch.empty_like(weight)
+
+
+def _add_rms_setup(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.eps = eps
+
+
+def _add_rms_grad(ctx, dy, ds, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(s)
+    dx, dw = _add_rms_norm_backward(dy, ds, s, weight, rstd, ctx.eps)
+    return dx, dx, dw, None  # both summands of s get the same gradient
+
+
+_add_rms_norm.register_autograd(_add_rms_grad, setup_context=_add_rms_setup)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
+    """The decoder's residual step fused with the next norm: s = x + residual (fp32, rounded once to
+    x's dtype), y = rms_norm(s). Returns (y, s); the backward takes gradients on both."""
+    y, s, _ = _add_rms_norm(x, residual, weight, eps)
+    return y, s
 
 
 # ---------------------------------------------------------------- selected logprobs
@@ -674,7 +737,7 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
         if _STATE["strict"]:
             raise Error(f"samebits.torch enable(): aten::mm of {a.dtype} / {b.dtype} CUDA tensors is not covered "
                         "(samebits' GEMM takes bfloat16 / float16); enable(strict=False) runs it as stock torch")
-        return torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0]  # bmm is not routed: stock cuBLAS
+        return _stock_bmm(a.unsqueeze(0), b.unsqueeze(0))[0]
     if b.t().is_contiguous() or not b.is_contiguous():  # x @ weight.T: the forward
         return _linear(a.contiguous(), b.t().contiguous(), None)
     if a.t().is_contiguous() and not a.is_contiguous():  # dy.T @ x: a weight gradient, Σ over rows
@@ -706,6 +769,39 @@ def _log_softmax(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
     _, _, lse = _token_logprobs(xf, zeros)  # the row's log-sum-exp, vocab reduced in fixed blocks
     out = xf.float() - lse.unsqueeze(-1)
     return out if (half_to_float or x.dtype == torch.float32) else out.to(x.dtype)
+
+
+def _stock_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """Stock cuBLAS for what enable(strict=False) lets through (baddbmm is not routed)."""
+    return torch.baddbmm(a.new_zeros(a.shape[0], a.shape[1], b.shape[2]), a, b, beta=0)
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    if a.shape[-1] == 1:  # K = 1 (transformers' rotary angles): one product per element, no reduction
+        return (a * b).to(a.dtype)
+    if _STATE["strict"]:
+        raise Error(f"samebits.torch enable(): aten::bmm (a batched matmul, K = {a.shape[-1]}) is not covered: its "
+                    "reduction order may follow the batch. transformers' eager attention calls it — load the model "
+                    "with attn_implementation='sdpa' (routed) — or enable(strict=False) runs it as stock torch")
+    return _stock_bmm(a, b)
+
+
+def _softmax(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
+    if dim not in (-1, x.dim() - 1):
+        raise Error("samebits.torch enable(): aten::_softmax over a dimension other than the last is not covered")
+    xf = x.contiguous()
+    zeros = torch.zeros(xf.shape[:-1], dtype=torch.int32, device=x.device)
+    _, _, lse = _token_logprobs(xf, zeros)  # the row's log-sum-exp, vocab reduced in fixed blocks
+    out = torch.exp(xf.float() - lse.unsqueeze(-1))
+    return out if (half_to_float or x.dtype == torch.float32) else out.to(x.dtype)
+
+
+def _softmax_backward(grad: Tensor, output: Tensor, dim: int, input_dtype) -> Tensor:
+    if dim not in (-1, output.dim() - 1):
+        raise Error("samebits.torch enable(): aten::_softmax_backward_data over a dimension other than the last is "
+                    "not covered")
+    g, y = grad.float(), output.float()
+    return (y * (g - _row_sum(g * y))).to(input_dtype)  # y · (dy − Σ dy·y), Σ in a fixed order
 
 
 def _log_softmax_backward(grad: Tensor, output: Tensor, dim: int, input_dtype) -> Tensor:
@@ -786,17 +882,22 @@ class _Routes(torch.overrides.TorchFunctionMode):
 def enable(strict: bool = True):
     """Route torch to samebits for the block (CUDA tensors; see docs/python.md for the table):
     aten mm / addmm (so nn.Linear, F.linear, matmul on 2-D weights) → samebits' GEMM, forward and
-    backward; aten _log_softmax and its backward → samebits' vocab-blocked log-sum-exp and a
-    fixed-order row sum; F.scaled_dot_product_attention (causal, no mask) → samebits' attention and
-    its backward; F.rms_norm → samebits' RMSNorm; mean / sum over the last dimension → a fixed
-    pairwise order. With strict (the default) a call enable() cannot route where batch invariance
-    is at stake (an fp32 matmul, attention with a mask) raises samebits.Error; strict=False runs it
-    as stock torch."""
+    backward; aten _log_softmax / _softmax and their backward → samebits' vocab-blocked
+    log-sum-exp and a fixed-order row sum; F.scaled_dot_product_attention (causal, no mask) →
+    samebits' attention and its backward; F.rms_norm → samebits' RMSNorm; mean / sum over the last
+    dimension → a fixed pairwise order; bmm with K = 1 → the exact products. With strict (the
+    default) a call enable() cannot route where batch invariance is at stake (an fp32 matmul, a
+    batched matmul with K > 1, attention with a mask) raises samebits.Error; strict=False runs it as
+    stock torch. Eager execution only: under torch.compile, call this module's ops directly (they
+    are custom ops that compile traces)."""
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("mm", _mm, "CUDA")
     lib.impl("addmm", _addmm, "CUDA")
     lib.impl("_log_softmax", _log_softmax, "CUDA")
     lib.impl("_log_softmax_backward_data", _log_softmax_backward, "CUDA")
+    lib.impl("_softmax", _softmax, "CUDA")
+    lib.impl("_softmax_backward_data", _softmax_backward, "CUDA")
+    lib.impl("bmm", _bmm, "CUDA")
     previous = _STATE["strict"]
     _STATE["strict"] = strict
     try:

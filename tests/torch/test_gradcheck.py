@@ -65,3 +65,10 @@ def test_lm_head_logprobs():
     targets = torch.tensor([0, 12, -100, 5])  # -100: not scored
     f = lambda h, w: sbt.lm_head_logprobs(h, w, targets)  # noqa: E731
     assert torch.autograd.gradcheck(f, (leaf(4, 6, seed=19), leaf(13, 6, seed=20)))
+
+
+def test_add_rms_norm_with_gradients_on_both_outputs():
+    def f(x, r, w):
+        y, s = sbt.add_rms_norm(x, r, w, 1e-6)
+        return y, s * 0.5  # both outputs carry a gradient
+    assert torch.autograd.gradcheck(f, (leaf(4, 9, seed=21), leaf(4, 9, seed=22), leaf(9, seed=23)))

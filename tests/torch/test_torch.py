@@ -211,6 +211,22 @@ def test_rope_qk_norm_and_lm_head_rows_alone_equal_the_batch_and_match_fp64():
     assert rel(hidden.grad, hd.grad) < 2e-2 and rel(head.grad, wd.grad) < 2e-2
 
 
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit():
+    g = torch.Generator(device=DEV).manual_seed(8)
+    x, r = (torch.randn(70, 4096, device=DEV, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(4096, device=DEV, generator=g)).bfloat16().requires_grad_()
+    y, s = sbt.add_rms_norm(x, r, w)
+    assert torch.equal(bits(s), bits(x.detach() + r.detach()))  # fp32 add rounded once = torch's bf16 add
+    assert torch.equal(bits(y), bits(sbt.rms_norm(x.detach() + r.detach(), w.detach())))
+    dy, ds = (torch.randn(70, 4096, device=DEV, generator=g).bfloat16() for _ in range(2))
+    torch.autograd.backward((y, s), (dy, ds))
+    assert torch.equal(bits(x.grad), bits(r.grad))
+    sd, wd = (x.detach().double() + r.detach().double()).requires_grad_(), w.detach().double().requires_grad_()
+    yd = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    torch.autograd.backward((yd, sd), (dy.double(), ds.double()))
+    assert rel(x.grad, sd.grad) < 2e-2 and rel(w.grad, wd.grad) < 2e-2
+
+
 def test_enable_routes_attention_norms_and_reductions():
     g = torch.Generator(device=DEV).manual_seed(6)
     b, h, s, d = 4, 8, 96, 64
@@ -253,6 +269,25 @@ def test_enable_routes_attention_norms_and_reductions():
                       (dw, dys.double().T @ xs.double())):
         assert rel(got, want) < 1e-2
     assert torch.equal(bits(fwd1), bits(fwd[7:8])) and torch.equal(bits(dx1), bits(dx[7:8]))
+    # softmax and its backward (last dim): a row alone = the row in the batch; bmm: K = 1 is the
+    # exact product (= stock), K > 1 is refused under strict.
+    x.grad = None
+    with sbt.enable():
+        (torch.softmax(x, -1) * w).sum().backward()
+        sm_all, g_sm = torch.softmax(x.detach(), -1), x.grad.clone()
+        x.grad = None
+        (torch.softmax(x[3:4], -1) * w[3:4]).sum().backward()
+        sm_one = torch.softmax(x.detach()[3:4], -1)
+    assert torch.equal(bits(sm_all[3:4]), bits(sm_one)) and torch.equal(bits(g_sm[3:4]), bits(x.grad[3:4]))
+    assert rel(sm_all, torch.softmax(x.detach().double(), -1)) < 1e-6
+    ang_a, ang_b = torch.randn(2, 64, 1, device=DEV, generator=g), torch.randn(2, 1, 96, device=DEV, generator=g)
+    stock_angles = ang_a @ ang_b
+    with sbt.enable():
+        assert torch.equal(bits(ang_a @ ang_b), bits(stock_angles))
+        with pytest.raises(samebits.Error, match="bmm"):
+            torch.randn(2, 8, 16, device=DEV).bfloat16() @ torch.randn(2, 16, 4, device=DEV).bfloat16()
+    with sbt.enable(strict=False):
+        torch.randn(2, 8, 16, device=DEV).bfloat16() @ torch.randn(2, 16, 4, device=DEV).bfloat16()
     # F.rms_norm → samebits.torch.rms_norm
     hx = torch.randn(10, 256, device=DEV, generator=g).bfloat16()
     hw = torch.randn(256, device=DEV, generator=g).bfloat16()
