@@ -366,6 +366,27 @@ def test_hf_scorer_token_logprobs_backward_is_the_chains_gradient(tmp_path, arch
         ref = torch.from_numpy(want.host(name)).to(DEV)
         assert torch.equal(bits(scorer.last_grads[name]), bits(ref)), name
         assert torch.equal(bits(p.grad), bits(ref.to(p.dtype))), name
+    # transformers' own autograd on the same loss, stock and under enable(): its arithmetic is not
+    # the chain's (bf16 roundings in other places), so the same gradient up to bf16 rounding.
+    def transformers_grads():
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for q, a in zip(seqs, (1.0, -0.5, 2.0, 0.25)):
+            ids = torch.tensor([q], device=DEV)
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+            total = total + a * lp.sum()
+        total.backward()
+        return {n: p.grad.float() for n, p in model.named_parameters()}
+
+    stock = transformers_grads()
+    with sbt.enable():
+        routed = transformers_grads()
+    chain_g = {n: torch.from_numpy(want.host(n)).to(DEV) for n, _ in model.named_parameters()}
+    worst = {k: max(rel(g[n], chain_g[n]) for n in chain_g) for k, g in (("stock", stock), ("enable()", routed))}
+    print(f"{arch}{' tied' if tied else ''}: worst weight-gradient rel. L2 against the chain's: "
+          f"stock transformers {worst['stock']:.3g}, under enable() {worst['enable()']:.3g}")
+    assert worst["enable()"] < 0.05
+    model.zero_grad(set_to_none=True)
     # In place: an optimizer-style update of the module's tensors is what the next call reads.
     alone = scorer.token_logprobs([seqs[1]])[0]
     assert torch.equal(bits(alone), bits(logps[1]))
