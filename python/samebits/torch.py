@@ -761,13 +761,19 @@ def _addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
     return _linear(a.contiguous(), b.t().contiguous(), bias.contiguous())
 
 
-def _log_softmax(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
+def _shifted_by_lse(x: Tensor, dim: int, op: str) -> Tensor:
+    """x − logsumexp(x) over the last dimension in fp32, the log-sum-exp from samebits' logprob op
+    (the vocab reduced in fixed blocks): log_softmax, and softmax's exponent."""
     if dim not in (-1, x.dim() - 1):
-        raise Error("samebits.torch enable(): aten::_log_softmax over a dimension other than the last is not covered")
+        raise Error(f"samebits.torch enable(): aten::{op} over a dimension other than the last is not covered")
     xf = x.contiguous()
     zeros = torch.zeros(xf.shape[:-1], dtype=torch.int32, device=x.device)
-    _, _, lse = _token_logprobs(xf, zeros)  # the row's log-sum-exp, vocab reduced in fixed blocks
-    out = xf.float() - lse.unsqueeze(-1)
+    _, _, lse = _token_logprobs(xf, zeros)
+    return xf.float() - lse.unsqueeze(-1)
+
+
+def _log_softmax(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
+    out = _shifted_by_lse(x, dim, "_log_softmax")
     return out if (half_to_float or x.dtype == torch.float32) else out.to(x.dtype)
 
 
@@ -787,12 +793,7 @@ def _bmm(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _softmax(x: Tensor, dim: int, half_to_float: bool) -> Tensor:
-    if dim not in (-1, x.dim() - 1):
-        raise Error("samebits.torch enable(): aten::_softmax over a dimension other than the last is not covered")
-    xf = x.contiguous()
-    zeros = torch.zeros(xf.shape[:-1], dtype=torch.int32, device=x.device)
-    _, _, lse = _token_logprobs(xf, zeros)  # the row's log-sum-exp, vocab reduced in fixed blocks
-    out = torch.exp(xf.float() - lse.unsqueeze(-1))
+    out = torch.exp(_shifted_by_lse(x, dim, "_softmax"))
     return out if (half_to_float or x.dtype == torch.float32) else out.to(x.dtype)
 
 
