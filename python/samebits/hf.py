@@ -19,7 +19,10 @@ after an optimizer step (a call on a stale copy, or after a parameter was replac
 updated in place, raises samebits.Error). The chain runs on the device's default stream; a caller on another stream
 is synchronized with it around each call.
 """
+import contextlib
 import json
+
+import torch
 
 from . import _core
 
@@ -72,8 +75,6 @@ class Scorer:
     """The samebits chain on a transformers model's weights, on `backend` ("auto": the GPU if any)."""
 
     def __init__(self, hf_model, backend: str = "auto"):
-        import torch
-        self._torch = torch
         if backend == "auto":
             backend = "cuda" if _core.cuda_available() else "cpu"
         weights = _weights(hf_model)
@@ -107,12 +108,10 @@ class Scorer:
 
     # ------------------------------------------------------------ stream and device hygiene
     def _on_device(self):
-        import contextlib
-        return self._torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _call(self, fn, *args):
         """Runs a chain call on the default stream, ordered after and before the caller's stream."""
-        torch = self._torch
         self._check_weights()
         with self._on_device():
             side = self.device.type == "cuda" and torch.cuda.current_stream() != torch.cuda.default_stream()
@@ -146,12 +145,11 @@ class Scorer:
         logps = list(flat.split(lengths))
         if not entropy:
             return logps
-        ent = self._torch.from_numpy(f.entropy).to(self.device, self._torch.float32)
+        ent = torch.from_numpy(f.entropy).to(self.device, torch.float32)
         return logps, list(ent.split(lengths))
 
     def _backward(self, forward, dlogp):
         """fp32 torch gradients {parameter name: tensor} of Σ dlogp · logp over one kept forward."""
-        torch = self._torch
         grads = self._call(self.chain.backward, forward, dlogp.detach().double().cpu().numpy())
         out = {}
         for name in grads.names():
@@ -169,46 +167,30 @@ def _lists(sequences):
     return [list(map(int, s)) for s in sequences]
 
 
-def _chain_logprobs_class():
-    import torch
+class _ChainLogprobs(torch.autograd.Function):
+    """The chain's logprobs as a function of the module's parameters: backward is Chain::backward."""
 
-    class ChainLogprobs(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, scorer, kept, *params):
-            ctx.scorer, ctx.kept = scorer, kept  # the kept forward's activations live until backward
-            ctx.versions = [p._version for _, p in scorer._params]
-            return torch.from_numpy(kept.logp).to(scorer.device, torch.float32)
+    @staticmethod
+    def forward(ctx, scorer, kept, *params):
+        ctx.scorer, ctx.kept = scorer, kept  # the kept forward's activations live until backward
+        ctx.versions = [p._version for _, p in scorer._params]
+        return torch.from_numpy(kept.logp).to(scorer.device, torch.float32)
 
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, dlogp):
-            scorer = ctx.scorer
-            for (name, p), version in zip(scorer._params, ctx.versions):
-                if p._version != version:  # as torch refuses a saved tensor modified in place
-                    raise _core.Error(f"samebits.hf: parameter '{name}' was modified in place between the forward "
-                                      "and its backward: the gradient would mix two sets of weights")
-            grads = scorer._backward(ctx.kept, dlogp)
-            scorer.last_grads = grads
-            out = [None, None]
-            for name, p in scorer._params:
-                g = grads.get(name)
-                out.append(None if g is None or not p.requires_grad else g.to(p.device, p.dtype))
-            return tuple(out)
-
-    return ChainLogprobs
-
-
-class _LazyFunction:
-    """The autograd.Function, made on first use so that `import samebits.hf` needs no torch."""
-    _cls = None
-
-    def apply(self, *args):
-        if _LazyFunction._cls is None:
-            _LazyFunction._cls = _chain_logprobs_class()
-        return _LazyFunction._cls.apply(*args)
-
-
-_ChainLogprobs = _LazyFunction()
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dlogp):
+        scorer = ctx.scorer
+        for (name, p), version in zip(scorer._params, ctx.versions):
+            if p._version != version:  # as torch refuses a saved tensor modified in place
+                raise _core.Error(f"samebits.hf: parameter '{name}' was modified in place between the forward "
+                                  "and its backward: the gradient would mix two sets of weights")
+        grads = scorer._backward(ctx.kept, dlogp)
+        scorer.last_grads = grads
+        out = [None, None]
+        for name, p in scorer._params:
+            g = grads.get(name)
+            out.append(None if g is None or not p.requires_grad else g.to(p.device, p.dtype))
+        return tuple(out)
 
 
 def logprobs(hf_model, sequences, entropy: bool = False, backend: str = "auto"):
