@@ -292,14 +292,10 @@ class PyChain {
 
   // Per sequence an array of its length: entry i is log p(token i | tokens < i); entry 0 is NaN.
   py::object logprobs(const std::vector<std::vector<int64_t>>& seqs, bool entropy) const {
-    const ChainBatch b = ChainBatch::packed(token_lists(seqs, model_.config().vocab_size));
-    ChainForward f;
-    {
-      py::gil_scoped_release unlocked;
-      f = chain_.forward(b);
-    }
+    const std::shared_ptr<PyForward> kept = forward(seqs);
+    const ChainForward& f = kept->fwd;
     py::list lp, en;
-    for (const ChainSequence& s : b.seqs) {
+    for (const ChainSequence& s : kept->batch.seqs) {
       py::array_t<double> a(s.len), e(s.len);
       double *pa = a.mutable_data(), *pe = e.mutable_data();
       pa[0] = pe[0] = std::numeric_limits<double>::quiet_NaN();

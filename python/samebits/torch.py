@@ -266,11 +266,10 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6)
 def _token_logprobs(logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     l2 = _rows(logits, "token_logprobs")
     t = _int32(targets, "token_logprobs", "targets")
-    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=logits.device)
     logp, entropy, lse = (torch.empty(t.shape[0], dtype=_acc(logits), device=logits.device) for _ in range(3))
     with _device(logits):
         raw.logprob_forward(_desc(l2, "token_logprobs", "logits"), _desc(t, "token_logprobs", "targets"),
-                            _desc(mask, "token_logprobs", "loss_mask"), _desc(logp, "token_logprobs", "logp"),
+                            None, _desc(logp, "token_logprobs", "logp"),
                             _desc(entropy, "token_logprobs", "entropy"), _desc(lse, "token_logprobs", "lse"),
                             _stream(logits))
     shape = logits.shape[:-1]
@@ -287,11 +286,10 @@ def _(logits, targets):
 def _token_logprobs_backward(logits: Tensor, targets: Tensor, lse: Tensor, dlogp: Tensor, dentropy: Tensor) -> Tensor:
     l2 = _rows(logits, "token_logprobs_backward")
     t = _int32(targets, "token_logprobs_backward", "targets")
-    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=logits.device)
     dl = torch.empty_like(l2)
     with _device(logits):
         raw.logprob_backward(_desc(l2, "token_logprobs_backward", "logits"), _desc(t, "token_logprobs_backward", "targets"),
-                             _desc(mask, "token_logprobs_backward", "loss_mask"),
+                             None,
                              _desc(lse.reshape(-1).contiguous(), "token_logprobs_backward", "lse"),
                              _desc(dlogp.reshape(-1).to(_acc(logits)).contiguous(), "token_logprobs_backward", "dlogp"),
                              _desc(dentropy.reshape(-1).to(_acc(logits)).contiguous(), "token_logprobs_backward",
@@ -619,11 +617,10 @@ def _lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[
     name = "lm_head_logprobs"
     h2 = _rows(hidden, name)
     t = _int32(targets, name, "targets")
-    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)
     logp, entropy, lse = (torch.empty(t.shape[0], dtype=_acc(hidden), device=hidden.device) for _ in range(3))
     with _device(hidden):
         raw.lm_head_logprob_forward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
-                                    _desc(mask, name, "loss_mask"), _desc(logp, name, "logp"),
+                                    None, _desc(logp, name, "logp"),
                                     _desc(entropy, name, "entropy"), _desc(lse, name, "lse"), ignore_index=-100,
                                     stream=_stream(hidden))
     shape = hidden.shape[:-1]
@@ -642,13 +639,12 @@ def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, 
     name = "lm_head_logprobs_backward"
     h2 = _rows(hidden, name)
     t = _int32(targets, name, "targets")
-    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)
     dh = torch.empty_like(h2)
     dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
     acc = _acc(hidden)
     with _device(hidden):
         raw.lm_head_logprob_backward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
-                                     _desc(mask, name, "loss_mask"), _desc(lse.reshape(-1).contiguous(), name, "lse"),
+                                     None, _desc(lse.reshape(-1).contiguous(), name, "lse"),
                                      _desc(dlogp.reshape(-1).to(acc).contiguous(), name, "dlogp"),
                                      _desc(dentropy.reshape(-1).to(acc).contiguous(), name, "dentropy"),
                                      _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), ignore_index=-100,
@@ -861,9 +857,8 @@ class _Routes(torch.overrides.TorchFunctionMode):
     per-row reductions), routed above autograd so their backward is samebits' (or, for the
     reductions, the elementwise ops' exact backward)."""
 
-    def __init__(self, strict: bool):
+    def __init__(self):
         super().__init__()
-        self.strict = strict
         self.routes = _function_routes()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -873,7 +868,7 @@ class _Routes(torch.overrides.TorchFunctionMode):
             try:
                 return route(*args, **kwargs)
             except _Uncovered as e:
-                if self.strict and e.args:
+                if _STATE["strict"] and e.args:
                     raise Error(f"samebits.torch enable(): {e.args[0]} is not covered; enable(strict=False) runs it "
                                 "as stock torch") from None
         return func(*args, **kwargs)
@@ -902,7 +897,7 @@ def enable(strict: bool = True):
     previous = _STATE["strict"]
     _STATE["strict"] = strict
     try:
-        with _Routes(strict):
+        with _Routes():
             yield
     finally:
         _STATE["strict"] = previous
