@@ -617,10 +617,11 @@ def _lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[
     name = "lm_head_logprobs"
     h2 = _rows(hidden, name)
     t = _int32(targets, name, "targets")
+    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)  # given: the path the GPU tests of the LM-head op take
     logp, entropy, lse = (torch.empty(t.shape[0], dtype=_acc(hidden), device=hidden.device) for _ in range(3))
     with _device(hidden):
         raw.lm_head_logprob_forward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
-                                    None, _desc(logp, name, "logp"),
+                                    _desc(mask, name, "loss_mask"), _desc(logp, name, "logp"),
                                     _desc(entropy, name, "entropy"), _desc(lse, name, "lse"), ignore_index=-100,
                                     stream=_stream(hidden))
     shape = hidden.shape[:-1]
@@ -639,12 +640,13 @@ def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, 
     name = "lm_head_logprobs_backward"
     h2 = _rows(hidden, name)
     t = _int32(targets, name, "targets")
+    mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)
     dh = torch.empty_like(h2)
     dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
     acc = _acc(hidden)
     with _device(hidden):
         raw.lm_head_logprob_backward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
-                                     None, _desc(lse.reshape(-1).contiguous(), name, "lse"),
+                                     _desc(mask, name, "loss_mask"), _desc(lse.reshape(-1).contiguous(), name, "lse"),
                                      _desc(dlogp.reshape(-1).to(acc).contiguous(), name, "dlogp"),
                                      _desc(dentropy.reshape(-1).to(acc).contiguous(), name, "dentropy"),
                                      _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), ignore_index=-100,
