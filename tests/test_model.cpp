@@ -195,7 +195,7 @@ TEST(Model, BadConfigsAreRejected) {
                                        {"rms_norm_eps", 0, "must be in (0, 1)"},
                                        {"head_dim", 7, "even"},
                                        {"torch_dtype", "int8", "not supported"},
-                                       {"num_hidden_layers", "two", "wrong type"}}) {
+                                       {"num_hidden_layers", "two", "must be an integer"}}) {
     SCOPED_TRACE(b.key);
     auto text = with(b.key, b.value);
     if (b.key == "model_type") {  // the architecture is read from model_type or architectures

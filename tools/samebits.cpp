@@ -1,15 +1,22 @@
-// The `samebits` command: verify (the status matrix and the chain gate), logprobs, export-model,
-// version.
+// The `samebits` command: verify (the status matrix and the chain gate), logprobs, grads,
+// activations, export-model, inspect, version. The command line is parsed first (tools/cli.cpp);
+// each subcommand is one run_* function below; one handler turns every failure into a message
+// and an exit code (never a signal, never exit 0 with the output lost).
+#include <unistd.h>
+
+#include <omp.h>
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <new>
+#include <variant>
 
-#include <sys/resource.h>
-
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "samebits/chain.hpp"
@@ -17,31 +24,99 @@
 #include "samebits/context.hpp"
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
+#include "src/core/output_file.hpp"
+#include "tools/cli.hpp"
 #include "tools/logprobs_io.hpp"
 
 using namespace samebits;
+using namespace samebits::tools;
+namespace fs = std::filesystem;
 
 namespace {
 
+// What the command is doing now, for an "out of memory while …" message.
+std::string doing = "starting";
+
+// OpenMP reads OMP_WAIT_POLICY once, when its runtime loads (before main). Its default lets idle
+// threads spin, which on a shared machine takes the cores other processes need (`verify --op
+// chain`: 5.2 s alone, 14.7 s beside one busy process). Unless the user chose a policy, the
+// command restarts itself once with the passive one.
+void use_passive_openmp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY")) return;
+  ::setenv("OMP_WAIT_POLICY", "passive", 1);
+  ::execv("/proc/self/exe", argv);  // returns only if it failed: carry on with the default policy
+}
+
 // A command's --input: standard input for "-", else the file (opened into `file`).
-std::istream& open_input(const char* command, const std::string& path, std::ifstream& file) {
+std::istream& open_input(const std::string& command, const std::string& path, std::ifstream& file) {
   if (path == "-") return std::cin;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw Error(command, "--input", path + " is a directory, not a JSONL file");
+  errno = 0;
   file.open(path);
-  if (!file) throw Error(command, "--input", "cannot open " + path);
+  if (!file) throw Error(command, "--input", "cannot open " + path + (errno ? std::string(": ") + std::strerror(errno) : ""));
   return file;
 }
 
 Backend pick_backend(const std::string& arg) { return choose_backend(arg.c_str(), "command line", "--backend"); }
 
-struct VerifyArgs {
-  std::string backend = "auto", status_dir, model_dir;
-  uint64_t seed = 1234;
-  std::vector<std::string> ops;
-  bool json = false, quiet = false, no_chain = false;
-};
+Model load_model(const ModelChoice& m) {
+  doing = m.dir.empty() ? "building the built-in model" : "loading the model in " + m.dir;
+  return m.dir.empty() ? Model::builtin(m.builtin_tied) : Model::load(m.dir);
+}
 
-int run_verify(const VerifyArgs& args) {
+std::vector<InputSequence> read_input(const std::string& command, const std::string& path, const Model& model) {
+  doing = "reading " + (path == "-" ? std::string("standard input") : path);
+  std::ifstream file;
+  std::istream& in = open_input(command, path, file);
+  return read_sequences(in, model.config(), command);
+}
+
+std::string duration(double seconds) {
+  const auto s = int64_t(seconds + 0.5);
+  return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60)
+                   : s >= 60 ? fmt::format("{}m{:02}s", s / 60, s % 60) : fmt::format("{}s", s);
+}
+
+// Progress of a long logprobs / grads run on stderr: sequences and tokens done, tokens/s, ETA. On a
+// terminal one line rewritten in place (unless -q); elsewhere nothing unless --progress asks, then a
+// line every few seconds.
+ProgressFn progress_printer(const std::string& command, ProgressMode mode) {
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  if (mode == ProgressMode::off || (mode == ProgressMode::automatic && !tty)) return {};
+  using clock = std::chrono::steady_clock;
+  struct State {
+    clock::time_point start = clock::now(), last{};
+  };
+  auto st = std::make_shared<State>();
+  return [command, tty, st](const Progress& p) {
+    const auto now = clock::now();
+    const bool done = p.sequences_done == p.sequences;
+    if (!done && p.sequences_done > 0 && now - st->last < std::chrono::milliseconds(tty ? 500 : 5000)) return;
+    st->last = now;
+    const double elapsed = std::chrono::duration<double>(now - st->start).count();
+    const double rate = elapsed > 0 ? double(p.tokens_done) / elapsed : 0.0;
+    std::string line = fmt::format("{}: {}/{} sequences, {}/{} tokens", command, p.sequences_done, p.sequences,
+                                   p.tokens_done, p.tokens);
+    if (p.tokens_done > 0) line += fmt::format(", {:.0f} tokens/s", rate);
+    if (done) line += fmt::format(", done in {}", duration(elapsed));
+    else if (rate > 0) line += fmt::format(", ETA {}", duration(double(p.tokens - p.tokens_done) / rate));
+    std::cerr << (tty ? "\r\033[K" : "") << line << (tty && !done ? "" : "\n") << std::flush;
+  };
+}
+
+int run(const VersionRequest&) {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  std::cout << "samebits 0.1.0 (backends: cpu" << (cuda_backend_built() ? ", cuda" : "") << ")\n"
+            << "OpenMP: " << omp_get_max_threads() << " threads, OMP_WAIT_POLICY=" << (policy ? policy : "(unset)")
+            << "\n";
+  check_stream(std::cout, "version", "standard output");
+  return 0;
+}
+
+int run(const VerifyRequest& args) {
   const Backend backend = pick_backend(args.backend);
+  if (!args.status_dir.empty()) create_output_directory(args.status_dir, "verify");  // fail before the run
   auto wanted = [&](const std::string& op) {
     return args.ops.empty() || std::find(args.ops.begin(), args.ops.end(), op) != args.ops.end();
   };
@@ -51,16 +126,14 @@ int run_verify(const VerifyArgs& args) {
   const bool chain = !args.no_chain && wanted("chain");
   std::vector<std::pair<std::string, Model>> models;
   if (chain) {
+    doing = "loading the models of the chain gate";
     if (!args.model_dir.empty()) models.emplace_back(args.model_dir, Model::load(args.model_dir));
     else {
       models.emplace_back("builtin-untied", Model::builtin(false));
       models.emplace_back("builtin-tied", Model::builtin(true));
     }
   }
-  if (cases.empty() && models.empty()) {
-    std::cerr << "samebits verify: nothing matches the --op filter\n";
-    return 2;
-  }
+  if (cases.empty() && models.empty()) throw Error("verify", "--op", "nothing matches the --op filter");
   harness::SweepOptions opt;
   opt.seed = args.seed;
   opt.backend = backend;
@@ -74,7 +147,9 @@ int run_verify(const VerifyArgs& args) {
   harness::Matrix m;
   m.backend = backend_name(backend);
   m.seed = args.seed;
+  doing = "running the op cases";
   for (auto& c : cases) m.cases.push_back(harness::run_case(*c, contract, opt));
+  doing = "running the chain gate";
   for (auto& [label, model] : models) {
     ++done;
     harness::ChainGateOptions gate;
@@ -84,10 +159,12 @@ int run_verify(const VerifyArgs& args) {
   }
   std::cout << (args.json ? m.json() + "\n" : m.text());
   if (!args.status_dir.empty()) {
-    std::filesystem::create_directories(args.status_dir);
-    const std::string base = args.status_dir + "/" + m.backend;
-    std::ofstream(base + ".md") << m.markdown();
-    std::ofstream(base + ".json") << m.json() << "\n";
+    const std::string base = (fs::path(args.status_dir) / m.backend).string();
+    for (auto [ext, text] : {std::pair<const char*, std::string>{".md", m.markdown()}, {".json", m.json() + "\n"}}) {
+      OutputFile file(base + ext, "verify");
+      file.stream() << text;
+      file.commit();
+    }
     if (!args.quiet) std::cerr << "wrote " << base << ".md and " << base << ".json\n";
   }
   const bool ok = m.all_pass();
@@ -104,15 +181,44 @@ int run_verify(const VerifyArgs& args) {
       std::cout << fmt::format("\nverify: no failures, but {} of {} cells are NOT BUILT on the {} backend yet"
                                " (`--backend cpu` runs the CPU reference)\n", not_built, cells, m.backend);
   }
+  check_stream(std::cout, "verify", "standard output");
   return ok ? 0 : 1;
 }
 
-Model load_or_builtin(const std::string& dir, bool tied) { return dir.empty() ? Model::builtin(tied) : Model::load(dir); }
+int run(const LogprobsRequest& r) {
+  const Backend backend = pick_backend(r.backend);
+  const Model model = load_model(r.model);
+  const std::vector<InputSequence> seqs = read_input("logprobs", r.input, model);
+  std::unique_ptr<OutputFile> file;
+  if (!r.output.empty()) file = std::make_unique<OutputFile>(r.output, "logprobs");
+  doing = "scoring the sequences";
+  write_logprobs(model, backend, seqs, file ? file->stream() : std::cout, r.entropy, 16,
+                 progress_printer("logprobs", r.progress));
+  if (file) file->commit();
+  else check_stream(std::cout, "logprobs", "standard output");
+  return 0;
+}
 
-double peak_rss_mib() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return double(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
+int run(const GradsRequest& r) {
+  const Backend backend = pick_backend(r.backend);
+  check_writable(r.output, "grads");
+  const Model model = load_model(r.model);
+  const std::vector<InputSequence> seqs = read_input("grads", r.input, model);
+  doing = "computing the gradients";
+  const int64_t n = write_gradients(model, backend, seqs, r.output, r.micro_batch, progress_printer("grads", r.progress));
+  std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, r.output);
+  return 0;
+}
+
+int run(const ActivationsRequest& r) {
+  const Backend backend = pick_backend(r.backend);
+  check_writable(r.output, "activations");
+  const Model model = load_model(r.model);
+  const std::vector<InputSequence> seqs = read_input("activations", r.input, model);
+  doing = "running the forward";
+  const int64_t n = write_activations(model, backend, seqs, r.output);
+  std::cerr << fmt::format("wrote the activations of {} rows to {}\n", n, r.output);
+  return 0;
 }
 
 // Qwen3-8B's shape (36 layers in the real model; `layers` here), for export and load reports.
@@ -129,13 +235,59 @@ ModelConfig qwen3_8b_shape(int64_t layers) {
   return c;
 }
 
-int inspect(const std::string& dir, bool tied) {
+int64_t weight_bytes(const ModelConfig& c) {
+  int64_t bytes = 0;
+  for (auto& [name, shape] : c.expected_tensors()) {
+    int64_t n = dtype_size(c.dtype);
+    for (int64_t d : shape) n *= d;
+    bytes += n;
+  }
+  return bytes;
+}
+
+int run(const ExportRequest& r) {
+  create_output_directory(r.dir, "export-model");
+  if (r.shape == "builtin") {
+    doing = "building the built-in model";
+    const Model m = Model::builtin(r.tied, r.seed);
+    doing = "writing " + r.dir;
+    m.save(r.dir);
+  } else {
+    ModelConfig c = qwen3_8b_shape(r.layers.value_or(1));
+    c.tie_word_embeddings = r.tied;
+    doing = fmt::format("generating a qwen3-8b-shaped model ({} layer(s), {:.2f} GB of weights)", c.num_layers,
+                        double(weight_bytes(c)) * 1e-9);
+    const Model m = Model::random(c, r.seed);
+    doing = "writing " + r.dir;
+    m.save(r.dir);
+  }
+  std::cerr << "wrote " << r.dir << "/config.json and model.safetensors\n";
+  return 0;
+}
+
+double peak_rss_mib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+// 488000 -> "488000 (488.0 K)"; 8190735360 -> "8190735360 (8.19 G)".
+std::string count_with_unit(int64_t n) {
+  const double x = double(n);
+  if (x >= 1e9) return fmt::format("{} ({:.2f} G)", n, x * 1e-9);
+  if (x >= 1e6) return fmt::format("{} ({:.2f} M)", n, x * 1e-6);
+  if (x >= 1e3) return fmt::format("{} ({:.1f} K)", n, x * 1e-3);
+  return fmt::format("{}", n);
+}
+
+int run(const InspectRequest& r) {
   const auto t0 = std::chrono::steady_clock::now();
-  const Model m = load_or_builtin(dir, tied);
+  const Model m = load_model(r.model);
   const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double rss_loaded = peak_rss_mib();
   std::vector<int32_t> tokens(16);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * 7919) % size_t(m.config().vocab_size));
+  doing = "running a 16-token forward";
   const auto t1 = std::chrono::steady_clock::now();
   const ChainForward f = Chain(m, Context{}).forward(ChainBatch::packed({tokens}));
   const double fwd_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
@@ -147,137 +299,54 @@ int inspect(const std::string& dir, bool tied) {
   const ModelConfig& c = m.config();
   std::cout << fmt::format(
       "model      {}\nshape      {} layers, hidden {}, intermediate {}, heads {}/{} x {}, vocab {}, {}, {}\n"
-      "weights    {} tensors, {:.3f} G parameters, {:.1f} MiB\n"
+      "weights    {} tensors, {} parameters, {:.1f} MiB\n"
       "load       {:.1f} ms ({}), peak RSS after load {:.1f} MiB\n"
       "forward    16 tokens on the CPU in {:.1f} ms, peak RSS after it {:.1f} MiB (logp[1] = {:.6f})\n",
       m.source(), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
       c.vocab_size, dtype_name(c.dtype), c.tie_word_embeddings ? "tied" : "untied", m.weights().size(),
-      double(params) * 1e-9, double(bytes) / 1048576.0, load_ms,
-      dir.empty() ? "generated from its seed" : "memory-mapped", rss_loaded, fwd_ms, peak_rss_mib(), f.logp[1]);
+      count_with_unit(params), double(bytes) / 1048576.0, load_ms,
+      r.model.dir.empty() ? "generated from its seed" : "memory-mapped", rss_loaded, fwd_ms, peak_rss_mib(), f.logp[1]);
+  check_stream(std::cout, "inspect", "standard output");
   return 0;
+}
+
+// The one handler: every failure becomes a message on stderr naming the command and a non-zero
+// exit code (see the --help footer).
+int run_guarded(const Request& request) {
+  static const char* const names[] = {"version", "verify", "logprobs", "grads", "activations", "export-model", "inspect"};
+  const std::string command = names[request.index()];
+  try {
+    return std::visit([](const auto& r) { return run(r); }, request);
+  } catch (const Error& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "samebits " << command << ": out of memory while " << doing << "\n";
+    return 3;
+  } catch (const fs::filesystem_error& e) {
+    std::cerr << "samebits " << command << ": file system error while " << doing << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::ios_base::failure& e) {
+    std::cerr << "samebits " << command << ": I/O error while " << doing << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "samebits " << command << ": internal error while " << doing << ": " << e.what()
+              << " (please report it)\n";
+    return 70;
+  } catch (...) {
+    std::cerr << "samebits " << command << ": internal error while " << doing << " (please report it)\n";
+    return 70;
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"samebits: batch-invariant transformer forward and backward, with proof"};
-  app.require_subcommand(1);
-
-  VerifyArgs va;
-  auto* verify = app.add_subcommand("verify", "Run the ground-truth harness and the chain gate; print the status matrix");
-  verify->add_option("--backend", va.backend, "cpu | cuda | auto (the GPU when present, else the CPU)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
-      ->capture_default_str();
-  verify->add_option("--seed", va.seed, "Seed of every generated input")->capture_default_str();
-  verify->add_option("--op", va.ops, "Only these ops (repeatable), e.g. --op linear --op chain");
-  verify->add_option("--model", va.model_dir, "Run the chain gate on this Hugging Face model directory");
-  verify->add_flag("--no-chain", va.no_chain, "Skip the chain gate");
-  verify->add_flag("--json", va.json, "Print the matrix with every drift report as JSON");
-  verify->add_option("--status-dir", va.status_dir, "Also write <backend>.md and <backend>.json here");
-  verify->add_flag("-q,--quiet", va.quiet, "No progress lines on stderr");
-
-  std::string lp_model, lp_input, lp_output, lp_backend = "auto";
-  bool lp_entropy = false, lp_tied = false;
-  auto* logprobs = app.add_subcommand("logprobs", "Per-token logprobs of JSONL token sequences");
-  logprobs->add_option("--model", lp_model, "Hugging Face model directory (default: the built-in model)");
-  logprobs->add_flag("--builtin-tied", lp_tied, "Use the tied variant of the built-in model");
-  logprobs->add_option("--input", lp_input, "JSONL: {\"tokens\": [...], \"loss_mask\": [...] (optional)} per line; - = stdin")
-      ->required();
-  logprobs->add_option("--output", lp_output, "Where to write the JSONL (default: stdout)");
-  logprobs->add_flag("--entropy", lp_entropy, "Also write per-token entropies");
-  logprobs->add_option("--backend", lp_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-
-  std::string gr_model, gr_input, gr_output, gr_backend = "auto";
-  int gr_batch = 16;
-  auto* grads_cmd = app.add_subcommand("grads", "Gradients of the summed logprobs of JSONL sequences, as fp32 safetensors");
-  grads_cmd->add_option("--model", gr_model, "Hugging Face model directory")->required();
-  grads_cmd->add_option("--input", gr_input, "JSONL as for logprobs; - = stdin")->required();
-  grads_cmd->add_option("--output", gr_output, "The .safetensors file to write")->required();
-  grads_cmd->add_option("--backend", gr_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  grads_cmd->add_option("--micro-batch", gr_batch, "Sequences per micro-batch (the bits do not depend on it)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-
-  std::string ac_model, ac_input, ac_output, ac_backend = "auto";
-  auto* activations_cmd = app.add_subcommand(
-      "activations", "Every activation of one forward of JSONL sequences (packed), as safetensors, for drift hunting");
-  activations_cmd->add_option("--model", ac_model, "Hugging Face model directory")->required();
-  activations_cmd->add_option("--input", ac_input, "JSONL as for logprobs; - = stdin")->required();
-  activations_cmd->add_option("--output", ac_output, "The .safetensors file to write")->required();
-  activations_cmd->add_option("--backend", ac_backend, "cpu | cuda | auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-
-  std::string ex_dir, ex_shape = "builtin";
-  bool ex_tied = false;
-  uint64_t ex_seed = 1234;
-  int64_t ex_layers = 1;
-  auto* export_model = app.add_subcommand("export-model", "Write the built-in model (or a random model of a known shape) in the Hugging Face format");
-  export_model->add_option("dir", ex_dir, "Output directory")->required();
-  export_model->add_flag("--tied", ex_tied, "The tied-embedding variant");
-  export_model->add_option("--seed", ex_seed, "Weight seed")->capture_default_str();
-  export_model->add_option("--shape", ex_shape, "builtin | qwen3-8b (random weights)")
-      ->check(CLI::IsMember({"builtin", "qwen3-8b"}))
-      ->capture_default_str();
-  export_model->add_option("--layers", ex_layers, "Layers, for --shape qwen3-8b")->capture_default_str();
-
-  std::string in_model;
-  bool in_tied = false;
-  auto* inspect_cmd = app.add_subcommand("inspect", "Load a model; report its shape, load time and peak memory");
-  inspect_cmd->add_option("--model", in_model, "Hugging Face model directory (default: the built-in model)");
-  inspect_cmd->add_flag("--builtin-tied", in_tied, "Use the tied variant of the built-in model");
-
-  app.add_subcommand("version", "Print the version and the backends built")->callback([] {
-    std::cout << "samebits 0.1.0 (backends: cpu" << (cuda_backend_built() ? ", cuda" : "") << ")\n";
-  });
-
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  use_passive_openmp(argv);
+  const ParsedCommandLine parsed = parse_command_line(argc, argv);
+  if (!parsed.request) {
+    (parsed.text_is_error ? std::cerr : std::cout) << parsed.text;
+    return parsed.exit_code;
   }
-  try {
-    if (verify->parsed()) return run_verify(va);
-    if (inspect_cmd->parsed()) return inspect(in_model, in_tied);
-    if (export_model->parsed()) {
-      if (ex_shape == "builtin") {
-        Model::builtin(ex_tied, ex_seed).save(ex_dir);
-      } else {
-        ModelConfig c = qwen3_8b_shape(ex_layers);
-        c.tie_word_embeddings = ex_tied;
-        Model::random(c, ex_seed).save(ex_dir);
-      }
-      std::cerr << "wrote " << ex_dir << "/config.json and model.safetensors\n";
-      return 0;
-    }
-    if (grads_cmd->parsed()) {
-      const Model model = Model::load(gr_model);
-      std::ifstream file;
-      std::istream& in = open_input("grads", gr_input, file);
-      const int64_t n = tools::write_gradients(model, pick_backend(gr_backend), in, gr_output, gr_batch);
-      std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, gr_output);
-      return 0;
-    }
-    if (activations_cmd->parsed()) {
-      const Model model = Model::load(ac_model);
-      std::ifstream file;
-      std::istream& in = open_input("activations", ac_input, file);
-      const int64_t n = tools::write_activations(model, pick_backend(ac_backend), in, ac_output);
-      std::cerr << fmt::format("wrote the activations of {} rows to {}\n", n, ac_output);
-      return 0;
-    }
-    if (logprobs->parsed()) {
-      const Backend backend = pick_backend(lp_backend);
-      const Model model = load_or_builtin(lp_model, lp_tied);
-      std::ifstream file;
-      std::istream& in = open_input("logprobs", lp_input, file);
-      std::ofstream ofile;
-      if (!lp_output.empty()) ofile.open(lp_output);
-      std::ostream& out = lp_output.empty() ? std::cout : ofile;
-      tools::write_logprobs(model, backend, in, out, lp_entropy);
-      return 0;
-    }
-  } catch (const samebits::Error& e) {
-    std::cerr << e.what() << "\n";
-    return 2;
-  }
-  return 0;
+  return run_guarded(*parsed.request);
 }

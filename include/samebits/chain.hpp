@@ -81,6 +81,9 @@ class ModelGrads {
 
 struct ChainForward {
   std::vector<double> logp, entropy;  // [rows]; 0 where not scored
+  // The chain that made it: a backward refuses a forward of another model or backend.
+  const Model* model = nullptr;
+  Backend backend = Backend::cpu;
   // Every activation, in forward order, for the backward and for drift reports.
   std::deque<std::pair<std::string, DeviceTensor>> trace;
   const DeviceTensor& at(const std::string& name) const;
@@ -101,7 +104,7 @@ class Chain {
   // row of sequence i of a forward: the fused LM-head logprob a trainer's rescoring computes, so a
   // rollout's reported logprobs equal the trainer's bit for bit.
   std::vector<double> last_logprobs(const ChainBatch& batch, const ChainForward& f, const std::vector<int32_t>& tokens) const;
-  // Backward of L = Σ dlogp[row]·logp[row]: adds every weight's gradient into `grads` (on the
+  // Backward of L = Σ dlogp[row]·logp[row] (`fwd` from this chain's forward() of `batch`): adds every weight's gradient into `grads` (on the
   // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
   // activation dtype, on the chain's backend: to_host() it when wanted, a trainer seldom does).
   DeviceTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,

@@ -10,6 +10,9 @@
 
 namespace samebits {
 
+// The flat index of the first NaN / Inf in a floating CPU view (-1: none, or not floating).
+int64_t first_nonfinite_index(const TensorView& t);
+
 class Validator {
  public:
   Validator(const char* op, const Context& ctx) : op_(op), ctx_(ctx) {}
@@ -37,6 +40,8 @@ class Validator {
   void int_range(const char* name, const TensorView& t, int64_t lo, int64_t hi,
                  const TensorView& row_mask = {}, bool use_allowed = false,
                  int32_t allowed = 0) const;
+  // uint8 flags (a loss mask) each 0 or 1 (CPU views; a device mask is not scanned).
+  void flags(const char* name, const TensorView& t) const;
   // `out` does not share memory with `in` (for outputs that must not alias an input).
   void no_alias(const char* out_name, const TensorView& out, const char* in_name,
                 const TensorView& in) const;

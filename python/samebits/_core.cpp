@@ -15,10 +15,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "samebits/chain.hpp"
@@ -197,11 +201,17 @@ void bind_raw(py::module_& m) {
   bind_raw_op<HB>(r, "lm_head_logprob_backward", {"lm_head_logprobs_backward", {{"hidden", &HB::hidden}, {"weight", &HB::weight}, {"targets", &HB::targets}, {"loss_mask", &HB::loss_mask}, {"lse", &HB::lse}, {"dlogp", &HB::dlogp}, {"dentropy", &HB::dentropy}, {"dhidden", &HB::dhidden}, {"dweight", &HB::dweight}}, {{"ignore_index", set_ignore_index<HB>}}, lm_head_logprob_backward});
 }
 
-std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, int64_t vocab) {
+std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, const ModelConfig& config) {
+  const int64_t vocab = config.vocab_size;
   if (seqs.empty()) throw Error("Chain", "sequences", "empty batch: no sequences");
   std::vector<std::vector<int32_t>> out;
   for (size_t s = 0; s < seqs.size(); ++s) {
     if (seqs[s].empty()) throw Error("Chain", "sequences", "sequence " + std::to_string(s) + " is empty");
+    if (int64_t(seqs[s].size()) > config.rope.max_position)
+      throw Error("Chain", "sequences",
+                  "sequence " + std::to_string(s) + " has " + std::to_string(seqs[s].size()) +
+                      " tokens, more than the model's max_position_embeddings (" +
+                      std::to_string(config.rope.max_position) + ")");
     std::vector<int32_t> t;
     for (int64_t id : seqs[s]) {
       if (id < 0 || id >= vocab)
@@ -241,7 +251,7 @@ struct PyGrads {
   Backend backend = Backend::cpu;
 
   py::array_t<float> host(const std::string& name) const {
-    const harness::HostTensor g = grads->gradient(name);
+    const harness::HostTensor g = grads->gradient(name);  // an unknown name: samebits.Error
     std::vector<py::ssize_t> shape(g.shape().begin(), g.shape().end());
     py::array_t<float> a(shape);
     std::memcpy(a.mutable_data(), g.data(), g.bytes());
@@ -313,7 +323,7 @@ class PyChain {
   // A forward kept for backward (the sequences packed back to back).
   std::shared_ptr<PyForward> forward(const std::vector<std::vector<int64_t>>& seqs) const {
     auto f = std::make_shared<PyForward>();
-    f->batch = ChainBatch::packed(token_lists(seqs, model_.config().vocab_size));
+    f->batch = ChainBatch::packed(token_lists(seqs, model_.config()));
     py::gil_scoped_release unlocked;
     f->fwd = chain_.forward(f->batch);
     return f;
@@ -336,7 +346,7 @@ class PyChain {
   // `micro_batch` sequences (the bits do not depend on it). A tied embedding's is the sum of its uses.
   py::dict gradients(const std::vector<std::vector<int64_t>>& seqs, int micro_batch) const {
     if (micro_batch < 1) throw Error("Chain", "micro_batch", "must be at least 1");
-    const auto lists = token_lists(seqs, model_.config().vocab_size);
+    const auto lists = token_lists(seqs, model_.config());
     PyGrads grads = new_grads();
     {
       py::gil_scoped_release unlocked;
@@ -385,13 +395,38 @@ py::dict config_of(const Model& m) {
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "samebits: batch-invariant transformer forward and backward (the C++ library's Python door)";
+  // The one handler for everything the library throws: samebits::Error (bad input, refused
+  // requests, I/O failures, named by the library) -> samebits.Error; a file system failure the
+  // library did not name -> samebits.Error too; host memory exhausted -> MemoryError saying so;
+  // anything else is a bug -> RuntimeError asking for a report. Never a crash of the interpreter.
   static py::exception<Error> error(m, "Error", PyExc_ValueError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
       error(e.what());
+    } catch (const std::bad_alloc&) {
+      PyErr_SetString(PyExc_MemoryError, "samebits: out of host memory (std::bad_alloc)");
+    } catch (const std::filesystem::filesystem_error& e) {
+      error((std::string("samebits: file system error: ") + e.what()).c_str());
+    } catch (const py::builtin_exception&) {
+      throw;  // pybind11's own (cast errors, stop iteration, ...): its translator handles them
+    } catch (const py::error_already_set&) {
+      throw;
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, (std::string("samebits internal error: ") + e.what() +
+                                           " (please report it)").c_str());
     }
+  });
+  // Raises each class of C++ exception the handler above knows, for the tests of that handler.
+  m.def("_raise_for_test", [](const std::string& kind) {
+    if (kind == "error") throw Error("test", "kind", "a samebits::Error");
+    if (kind == "bad_alloc") throw std::bad_alloc();
+    if (kind == "filesystem")
+      throw std::filesystem::filesystem_error("test", std::make_error_code(std::errc::not_a_directory));
+    if (kind == "out_of_range") throw std::out_of_range("map::at");
+    if (kind == "runtime") throw std::runtime_error("a runtime_error");
+    throw Error("_raise_for_test", "kind", "unknown kind '" + kind + "'");
   });
   m.def("version", [] { return std::string("0.1.0"); });
   m.def("backends", [] {
@@ -436,7 +471,7 @@ PYBIND11_MODULE(_core, m) {
            "(logprobs, entropies) pair. A sequence's values never depend on the others in the call.")
       .def("gradients", &PyChain::gradients, py::arg("sequences"), py::arg("micro_batch") = 16,
            "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch.")
-      .def("forward", &PyChain::forward, py::arg("sequences"),
+      .def("forward", &PyChain::forward, py::arg("sequences"), py::keep_alive<0, 1>(),
            "A forward of the packed sequences kept for backward(); .logp / .entropy: the scored tokens, flat "
            "(sequence s gives len_s - 1 values: tokens 1 ... len_s - 1).")
       .def("backward", &PyChain::backward, py::arg("forward"), py::arg("dlogp"), py::arg("grads") = py::none(),

@@ -86,27 +86,30 @@ static int64_t first_nonfinite(const T* p, int64_t n) {
   return -1;
 }
 
-void Validator::finite(const char* name, const TensorView& t) const {
-  if (!ctx_.check_finite_inputs || t.is_none() || t.device != Device::cpu) return;
+int64_t first_nonfinite_index(const TensorView& t) {
   const int64_t n = t.numel();
-  int64_t bad = -1;
   switch (t.dtype) {
-    case DType::f32: bad = first_nonfinite(t.as<const float>(), n); break;
-    case DType::f64: bad = first_nonfinite(t.as<const double>(), n); break;
+    case DType::f32: return first_nonfinite(t.as<const float>(), n);
+    case DType::f64: return first_nonfinite(t.as<const double>(), n);
     case DType::bf16: {
       const auto* p = t.as<const bf16>();
-      for (int64_t i = 0; i < n && bad < 0; ++i)
-        if ((p[i].bits & 0x7f80) == 0x7f80) bad = i;
-      break;
+      for (int64_t i = 0; i < n; ++i)
+        if ((p[i].bits & 0x7f80) == 0x7f80) return i;
+      return -1;
     }
     case DType::f16: {
       const auto* p = t.as<const f16>();
-      for (int64_t i = 0; i < n && bad < 0; ++i)
-        if ((p[i].bits & 0x7c00) == 0x7c00) bad = i;
-      break;
+      for (int64_t i = 0; i < n; ++i)
+        if ((p[i].bits & 0x7c00) == 0x7c00) return i;
+      return -1;
     }
-    default: return;
+    default: return -1;
   }
+}
+
+void Validator::finite(const char* name, const TensorView& t) const {
+  if (!ctx_.check_finite_inputs || t.is_none() || t.device != Device::cpu) return;
+  const int64_t bad = first_nonfinite_index(t);
   if (bad >= 0)
     fail(name, "holds a non-finite value (NaN or Inf) at flat index " + std::to_string(bad));
 }
@@ -125,6 +128,13 @@ void Validator::int_range(const char* name, const TensorView& t, int64_t lo, int
       fail(name, "value " + std::to_string(v[i]) + " at index " + std::to_string(i) +
                      " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
   }
+}
+
+void Validator::flags(const char* name, const TensorView& t) const {
+  if (t.is_none() || t.device != Device::cpu || t.dtype != DType::u8) return;
+  const auto* v = t.as<const uint8_t>();
+  for (int64_t i = 0, n = t.numel(); i < n; ++i)
+    if (v[i] > 1) fail(name, "value " + std::to_string(int(v[i])) + " at index " + std::to_string(i) + " is not 0 or 1");
 }
 
 void Validator::no_alias(const char* out_name, const TensorView& out, const char* in_name,

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "samebits/error.hpp"
+#include "samebits/validate.hpp"
 
 namespace samebits {
 
@@ -32,7 +33,8 @@ struct Rows {
 };
 
 // The batch's row tables, checked on the host and placed in the backend's memory.
-Rows rows_of(const ChainBatch& b, int64_t vocab, Backend backend) {
+Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend) {
+  const int64_t vocab = config.vocab_size, max_position = config.rope.max_position;
   const int64_t T = b.rows();
   if (T == 0) throw Error("chain", "batch", "empty batch: no rows");
   if (b.seqs.empty()) throw Error("chain", "batch", "empty batch: no sequences");
@@ -54,6 +56,14 @@ Rows rows_of(const ChainBatch& b, int64_t vocab, Backend backend) {
   for (int64_t i = 0; i < T; ++i) {
     if (b.tokens[size_t(i)] < 0 || b.tokens[size_t(i)] >= vocab)
       throw Error("chain", "tokens", fmt::format("token id {} at row {} is outside [0, {})", b.tokens[size_t(i)], i, vocab));
+    // Checked here, before any work, with the model's limit named (the kernels would refuse it
+    // later, and only as "argument 'positions'").
+    if (r.row_mask.get(i) != 0 && (b.positions[size_t(i)] < 0 || b.positions[size_t(i)] >= max_position))
+      throw Error("chain", "positions",
+                  b.positions[size_t(i)] < 0
+                      ? fmt::format("position {} at row {} is negative", b.positions[size_t(i)], i)
+                      : fmt::format("position {} at row {} is past the model's max_position_embeddings ({}): a sequence "
+                                    "may hold at most {} tokens", b.positions[size_t(i)], i, max_position, max_position));
     r.ids.set(i, b.tokens[size_t(i)]);
     r.pos.set(i, b.positions[size_t(i)]);
     r.targets.set(i, b.targets[size_t(i)]);
@@ -182,6 +192,8 @@ std::vector<std::string> ModelGrads::names() const {
 }
 
 HostTensor ModelGrads::gradient(const std::string& name) const {
+  if (!acc_.count(name))
+    throw Error("ModelGrads::gradient", name, "no such weight gradient (names() lists them)");
   HostTensor g = acc_.at(name).to_host();
   if (tied_ && name == "model.embed_tokens.weight") {
     const HostTensor head = acc_.at("lm_head.weight").to_host();
@@ -209,6 +221,19 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
     throw Error("Chain", "context.stream", "the chain runs on the default stream: pass a null stream");
   if (model.device() == Device::cuda && ctx.backend != Backend::cuda)
     throw Error("Chain", "model", "its weights are in GPU memory: run it on the cuda backend");
+  // A NaN or Inf weight would poison every logprob: refused here, once, naming the tensor (an op
+  // deep in the chain could only say "argument 'weight'"). A GPU framework's tensors are not scanned.
+  if (ctx.check_finite_inputs && model.device() == Device::cpu) {
+    std::vector<std::pair<const std::string*, const TensorView*>> all;
+    for (auto& [name, w] : model.weights()) all.push_back({&name, &w});
+    std::vector<int64_t> bad(all.size(), -1);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < int64_t(all.size()); ++i) bad[size_t(i)] = first_nonfinite_index(*all[size_t(i)].second);
+    for (size_t i = 0; i < all.size(); ++i)
+      if (bad[i] >= 0)
+        throw Error("Chain", *all[i].first,
+                    fmt::format("this model weight holds a non-finite value (NaN or Inf) at flat index {}", bad[i]));
+  }
   // The weights, once, into the backend's memory (unless they are there already: read in place).
   if (ctx.backend != Backend::cpu && model.device() == Device::cpu)
     for (auto& [name, w] : model.weights()) device_weights_.emplace(name, DeviceTensor::from_host(ctx.backend, w));
@@ -237,9 +262,11 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
-  const Rows r = rows_of(batch, c.vocab_size, ctx_.backend);
+  const Rows r = rows_of(batch, c, ctx_.backend);
   const auto W = [&](const std::string& n) { return weight(n); };
   ChainForward f;
+  f.model = &model_;
+  f.backend = ctx_.backend;
   auto add = [&](const std::string& name, DType dt, std::vector<int64_t> shape) -> DeviceTensor& {
     f.trace.emplace_back(name, activation(dt, std::move(shape)));
     return f.trace.back().second;
@@ -426,6 +453,10 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
+  if (f.model != &model_ || f.backend != ctx_.backend)
+    throw Error("Chain::backward", "forward", "was made by a chain over another model or on another backend: run the "
+                                              "backward on the chain that ran the forward");
+  if (int64_t(f.logp.size()) != T) throw Error("Chain::backward", "forward", "was made for another batch (its rows differ)");
   if (int64_t(dlogp.size()) != T) throw Error("Chain::backward", "dlogp", "needs one entry per row");
   for (auto& s : batch.seqs)
     if (s.slot >= 0) throw Error("Chain::backward", "batch", "the backward runs on a forward() batch, not a cached step");
@@ -433,7 +464,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     if (t.backend() != ctx_.backend)
       throw Error("Chain::backward", "grads", fmt::format("accumulators live on the {} backend, the chain runs on {}",
                                                           backend_name(t.backend()), backend_name(ctx_.backend)));
-  const Rows r = rows_of(batch, c.vocab_size, ctx_.backend);
+  const Rows r = rows_of(batch, c, ctx_.backend);
   const auto W = [&](const std::string& n) { return weight(n); };
   const auto A = [&](const std::string& n) { return f.at(n).view(); };
   const auto G = [&](const std::string& n) { return grads.accumulator(n).view(); };

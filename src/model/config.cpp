@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_text.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
 
@@ -17,11 +18,25 @@ namespace {
 template <class T>
 T get(const nlohmann::json& j, const char* key) {
   if (!j.contains(key)) bad(key, "is missing");
-  try {
-    return j.at(key).get<T>();
-  } catch (const nlohmann::json::exception&) {
-    bad(key, "has the wrong type: " + j.at(key).dump());
+  const nlohmann::json& v = j.at(key);
+  // A size must be an integer in the file: nlohmann would truncate 64.9 to 64 without a word.
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    if (!v.is_number_integer()) bad(key, "must be an integer, got " + quote_json(v));
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) bad(key, "must be true or false, got " + quote_json(v));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.is_number()) bad(key, "must be a number, got " + quote_json(v));
+  } else {
+    if (!v.is_string()) bad(key, "must be a string, got " + quote_json(v));
   }
+  return v.get<T>();
+}
+
+// The architecture a model_type or an architectures entry names ("" when it names none we know).
+std::string architecture_of(const std::string& name) {
+  if (name == "qwen3" || name == "Qwen3ForCausalLM") return "qwen3";
+  if (name == "llama" || name == "LlamaForCausalLM") return "llama";
+  return "";
 }
 
 template <class T>
@@ -33,29 +48,28 @@ T get_or(const nlohmann::json& j, const char* key, T fallback) {
 }  // namespace
 
 ModelConfig ModelConfig::from_json(const std::string& text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    bad("config.json", std::string("is not valid JSON: ") + e.what());
-  }
+  const nlohmann::json j = parse_json(text, "model config", "config.json");
   if (!j.is_object()) bad("config.json", "is not a JSON object");
   ModelConfig c;
   const std::string type = get_or<std::string>(j, "model_type", "");
   std::string arch;
-  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
-      j["architectures"][0].is_string())
-    arch = j["architectures"][0].get<std::string>();
-  if (type == "qwen3" || arch == "Qwen3ForCausalLM") {
-    c.architecture = "qwen3";
-    c.qk_norm = true;
-  } else if (type == "llama" || arch == "LlamaForCausalLM") {
-    c.architecture = "llama";
-    c.qk_norm = false;
-  } else {
+  if (j.contains("architectures") && !j["architectures"].is_null()) {
+    const nlohmann::json& a = j["architectures"];
+    if (!a.is_array() || a.size() > 1 || (a.size() == 1 && !a[0].is_string()))
+      bad("architectures", "must be a list of one class name, got " + quote_json(a));
+    if (a.size() == 1) arch = a[0].get<std::string>();
+  }
+  // model_type and architectures, when both are given, must name the same model.
+  const std::string from_type = architecture_of(type), from_arch = architecture_of(arch);
+  if (type.empty() && arch.empty()) bad("model_type", "is missing (and no architectures entry names the model)");
+  if (!type.empty() && !arch.empty() && from_type != from_arch)
+    bad("model_type", "'" + type + "' disagrees with architectures ['" + arch + "']" +
+                          (from_type.empty() || from_arch.empty() ? " (supported: qwen3, llama; dense only)" : ""));
+  c.architecture = !from_type.empty() ? from_type : from_arch;
+  if (c.architecture.empty())
     bad("model_type", "unsupported architecture '" + (type.empty() ? arch : type) +
                           "' (supported: qwen3, llama; dense only)");
-  }
+  c.qk_norm = c.architecture == "qwen3";
   c.vocab_size = get<int64_t>(j, "vocab_size");
   c.hidden_size = get<int64_t>(j, "hidden_size");
   c.intermediate_size = get<int64_t>(j, "intermediate_size");

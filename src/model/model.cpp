@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_text.hpp"
+#include "core/output_file.hpp"
 #include "model/safetensors.hpp"
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
@@ -68,12 +70,7 @@ Model Model::load(const std::string& dir) {
   std::vector<std::string> files;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(read_text(index));
-    } catch (const nlohmann::json::exception& e) {
-      throw Error("Model::load", index.string(), std::string("is not valid JSON: ") + e.what());
-    }
+    const nlohmann::json j = parse_json(read_text(index), "Model::load", index.string());
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
       throw Error("Model::load", index.string(), "has no weight_map object");
     std::set<std::string> unique;
@@ -187,8 +184,10 @@ Device Model::device() const { return weights_.empty() ? Device::cpu : weights_.
 
 void Model::save(const std::string& dir) const {
   require_host("Model::save");
-  fs::create_directories(dir);
-  std::ofstream(fs::path(dir) / "config.json") << config_.to_json();
+  create_output_directory(dir, "Model::save");
+  OutputFile config((fs::path(dir) / "config.json").string(), "Model::save");
+  config.stream() << config_.to_json();
+  config.commit();
   std::vector<std::pair<std::string, TensorView>> tensors;
   for (auto& [name, shape] : config_.expected_tensors()) tensors.push_back({name, weight(name)});
   write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors);

@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_text.hpp"
+#include "core/output_file.hpp"
 #include "samebits/error.hpp"
 
 namespace samebits {
@@ -58,12 +60,8 @@ std::vector<SafetensorsEntry> parse_safetensors_header(const uint8_t* file, uint
   if (n > kMaxHeader) bad(where, fmt::format("header length {} is implausibly large", n));
   if (n > file_size - 8) bad(where, fmt::format("truncated: header of {} bytes but only {} follow", n, file_size - 8));
   const uint64_t data_size = file_size - 8 - n;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(file + 8, file + 8 + n);
-  } catch (const nlohmann::json::exception& e) {
-    bad(where, std::string("header is not valid JSON: ") + e.what());
-  }
+  const char* header = reinterpret_cast<const char*>(file + 8);
+  const nlohmann::json j = parse_json(header, header + n, "safetensors", where + ": header");
   if (!j.is_object()) bad(where, "header is not a JSON object");
   std::vector<SafetensorsEntry> entries;
   for (auto& [name, v] : j.items()) {
@@ -149,14 +147,13 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   header["__metadata__"] = {{"format", "pt"}, {"writer", "samebits"}};
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // keeps the data 8-byte aligned
-  std::ofstream out(path, std::ios::binary);
-  if (!out) throw Error("safetensors", path, "cannot open for writing");
+  OutputFile out(path, "safetensors", true);
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = uint8_t(uint64_t(text.size()) >> (8 * i));
-  out.write(reinterpret_cast<const char*>(len), 8);
-  out.write(text.data(), std::streamsize(text.size()));
-  for (auto& [name, t] : tensors) out.write(static_cast<const char*>(t.data), std::streamsize(t.bytes()));
-  if (!out) throw Error("safetensors", path, "write failed");
+  out.write(len, 8);
+  out.write(text.data(), text.size());
+  for (auto& [name, t] : tensors) out.write(t.data, size_t(t.bytes()));
+  out.commit();
 }
 
 }  // namespace samebits

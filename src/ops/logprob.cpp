@@ -19,6 +19,7 @@ static void check_targets(const Validator& v, const TensorView& targets, const T
   if (mask.present()) {
     v.dtype("loss_mask", mask, DType::u8);
     v.dim("loss_mask", mask, 0, rows, "one per token");
+    v.flags("loss_mask", mask);
   }
   v.int_range("targets", targets, 0, vocab, mask, true, ignore_index);
 }
