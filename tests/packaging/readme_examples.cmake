@@ -1,7 +1,7 @@
 # ctest docs.readme_examples: what the README says about its example input holds.
 #  - examples/seqs.jsonl scores with the built-in model (`samebits logprobs --input ...`, one output
 #    line per input line; its loss_mask line leaves the masked tokens null), and the vocab size the
-#    README gives ("ids < N") is the built-in model's (`samebits inspect`);
+#    README gives ("the built-in model (... vocab N") is the built-in model's (`samebits inspect`);
 #  - `samebits grads`: the same bits for any --micro-batch, other bits for the sequences reversed
 #    (a sum in sequence order).
 #   cmake -DSAMEBITS=build/samebits -DSOURCE=. -DWORK=DIR -P readme_examples.cmake
@@ -26,13 +26,13 @@ file(READ ${SOURCE}/README.md readme)
 if(NOT readme MATCHES "examples/seqs\\.jsonl")
   message(FATAL_ERROR "README.md does not name examples/seqs.jsonl")
 endif()
-if(NOT readme MATCHES "ids < ([0-9]+)")
-  message(FATAL_ERROR "README.md does not give the built-in model's vocab size as \"ids < N\"")
+if(NOT readme MATCHES "the built-in model \\([^)]*vocab ([0-9]+)")
+  message(FATAL_ERROR "README.md does not give the built-in model's vocab size: \"the built-in model (... vocab N\"")
 endif()
 set(readme_vocab ${CMAKE_MATCH_1})
 run("samebits inspect" ${SAMEBITS} inspect)
 if(NOT out MATCHES "vocab ([0-9]+)" OR NOT CMAKE_MATCH_1 STREQUAL readme_vocab)
-  message(FATAL_ERROR "README.md says ids < ${readme_vocab}; samebits inspect says:\n${out}")
+  message(FATAL_ERROR "README.md says vocab ${readme_vocab}; samebits inspect says:\n${out}")
 endif()
 
 file(STRINGS ${example} lines)
