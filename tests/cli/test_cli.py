@@ -110,7 +110,7 @@ def test_input_that_is_a_directory_fails(tmp_path):
 
 
 def test_verify_status_dir_is_written_or_fails(tmp_path):
-    p = run("verify", "--op", "rope", "--no-chain", "-q", "--status-dir", tmp_path / "s")
+    p = run("verify", "--backend", "cpu", "--op", "rope", "--no-chain", "-q", "--status-dir", tmp_path / "s")
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "s" / "cpu.md").stat().st_size > 0 and (tmp_path / "s" / "cpu.json").stat().st_size > 0
 
