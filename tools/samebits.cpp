@@ -199,24 +199,35 @@ int run(const LogprobsRequest& r) {
   return 0;
 }
 
+// grads and activations: the backend, the output checked before any work, the model, the input.
+struct SafetensorsJob {
+  Backend backend;
+  Model model;
+  std::vector<InputSequence> seqs;
+};
+
+SafetensorsJob prepare(const std::string& command, const std::string& backend, const std::string& output,
+                       const ModelChoice& model, const std::string& input) {
+  SafetensorsJob job{pick_backend(backend), Model{}, {}};
+  check_writable(output, command);
+  job.model = load_model(model);
+  job.seqs = read_input(command, input, job.model);
+  return job;
+}
+
 int run(const GradsRequest& r) {
-  const Backend backend = pick_backend(r.backend);
-  check_writable(r.output, "grads");
-  const Model model = load_model(r.model);
-  const std::vector<InputSequence> seqs = read_input("grads", r.input, model);
+  const SafetensorsJob job = prepare("grads", r.backend, r.output, r.model, r.input);
   doing = "computing the gradients";
-  const int64_t n = write_gradients(model, backend, seqs, r.output, r.micro_batch, progress_printer("grads", r.progress));
+  const int64_t n = write_gradients(job.model, job.backend, job.seqs, r.output, r.micro_batch,
+                                    progress_printer("grads", r.progress));
   std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, r.output);
   return 0;
 }
 
 int run(const ActivationsRequest& r) {
-  const Backend backend = pick_backend(r.backend);
-  check_writable(r.output, "activations");
-  const Model model = load_model(r.model);
-  const std::vector<InputSequence> seqs = read_input("activations", r.input, model);
+  const SafetensorsJob job = prepare("activations", r.backend, r.output, r.model, r.input);
   doing = "running the forward";
-  const int64_t n = write_activations(model, backend, seqs, r.output);
+  const int64_t n = write_activations(job.model, job.backend, job.seqs, r.output);
   std::cerr << fmt::format("wrote the activations of {} rows to {}\n", n, r.output);
   return 0;
 }

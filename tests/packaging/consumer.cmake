@@ -3,19 +3,8 @@
 # prefix (find_package(samebits CONFIG REQUIRED) + samebits::samebits). Last, without the installed
 # samebitsConfig.cmake the consumer must fail to configure: it found samebits in this prefix only.
 #   cmake -DBUILD=build -DSOURCE=. -DWORK=DIR -DGENERATOR=Ninja -DCXX=g++ -DLIBDIR=lib -P consumer.cmake
-foreach(var BUILD SOURCE WORK GENERATOR CXX LIBDIR)
-  if(NOT DEFINED ${var})
-    message(FATAL_ERROR "consumer.cmake: -D${var}=... is required")
-  endif()
-endforeach()
-
-function(run what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
-  endif()
-  set(out "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/script_util.cmake)
+require_vars(consumer.cmake BUILD SOURCE WORK GENERATOR CXX LIBDIR)
 
 set(prefix ${WORK}/prefix)
 file(REMOVE_RECURSE ${WORK})

@@ -5,19 +5,8 @@
 #  - `samebits grads`: the same bits for any --micro-batch, other bits for the sequences reversed
 #    (a sum in sequence order).
 #   cmake -DSAMEBITS=build/samebits -DSOURCE=. -DWORK=DIR -P readme_examples.cmake
-foreach(var SAMEBITS SOURCE WORK)
-  if(NOT DEFINED ${var})
-    message(FATAL_ERROR "readme_examples.cmake: -D${var}=... is required")
-  endif()
-endforeach()
-
-function(run what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
-  endif()
-  set(out "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/script_util.cmake)
+require_vars(readme_examples.cmake SAMEBITS SOURCE WORK)
 
 set(example ${SOURCE}/examples/seqs.jsonl)
 file(REMOVE_RECURSE ${WORK})
