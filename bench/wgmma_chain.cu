@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cuda/gemm/sm90_primitives.cuh"
+#include "cuda/common/sm90/primitives.cuh"
 
 namespace {
 

@@ -133,7 +133,7 @@ int64_t write_activations(const Model& model, Backend backend, const std::vector
   const Chain chain = chain_on(model, backend);
   const ChainBatch b = batch_of(seqs.data(), seqs.size());
   const ChainForward f = chain.forward(b);
-  std::vector<harness::HostTensor> host;
+  std::vector<HostTensor> host;
   std::vector<std::pair<std::string, TensorView>> tensors;
   for (const auto& [name, t] : f.trace) host.push_back(t.to_host());
   for (size_t i = 0; i < host.size(); ++i) tensors.push_back({f.trace[i].first, host[i].view()});
@@ -159,7 +159,7 @@ int64_t write_gradients(const Model& model, Backend backend, const std::vector<I
       }
     chain.backward(b, chain.forward(b), dlogp, grads);
   });
-  std::vector<harness::HostTensor> host;
+  std::vector<HostTensor> host;
   const std::vector<std::string> names = grads.names();
   for (const std::string& name : names) host.push_back(grads.gradient(name));
   std::vector<std::pair<std::string, TensorView>> tensors;

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "samebits/device_tensor.hpp"
-#include "samebits/harness.hpp"
+#include "samebits/host_tensor.hpp"
 #include "samebits/model.hpp"
 
 namespace samebits {
@@ -69,7 +69,7 @@ class KvCache {
 class ModelGrads {
  public:
   ModelGrads(const Model& model, DType acc, Backend backend = Backend::cpu);
-  harness::HostTensor gradient(const std::string& weight) const;  // on the host
+  HostTensor gradient(const std::string& weight) const;  // on the host
   std::vector<std::string> names() const;
   DeviceTensor& accumulator(const std::string& name) { return acc_.at(name); }
   const std::map<std::string, DeviceTensor>& accumulators() const { return acc_; }

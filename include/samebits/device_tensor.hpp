@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "samebits/context.hpp"
-#include "samebits/harness.hpp"
+#include "samebits/host_tensor.hpp"
 #include "samebits/tensor.hpp"
 
 namespace samebits {
@@ -19,7 +19,7 @@ class DeviceTensor {
   static DeviceTensor poisoned(Backend backend, DType dtype, std::vector<int64_t> shape);  // 0xFF bytes (NaN)
   // Contents undefined: for outputs whose every element an op writes before anything reads it.
   static DeviceTensor uninitialized(Backend backend, DType dtype, std::vector<int64_t> shape);
-  static DeviceTensor from_host(Backend backend, const harness::HostTensor& host);
+  static DeviceTensor from_host(Backend backend, const HostTensor& host);
   static DeviceTensor from_host(Backend backend, const TensorView& host);  // a contiguous CPU view
   DeviceTensor(const DeviceTensor& other);  // a deep copy on the same backend
   DeviceTensor& operator=(const DeviceTensor& other);
@@ -34,9 +34,9 @@ class DeviceTensor {
   size_t bytes() const { return size_t(numel()) * size_t(dtype_size(dtype_)); }
   TensorView view() const;  // contiguous, on the backend's device
 
-  harness::HostTensor to_host() const;
-  harness::HostTensor rows_to_host(int64_t begin, int64_t end) const;
-  void upload(const harness::HostTensor& host);  // same dtype and element count
+  HostTensor to_host() const;
+  HostTensor rows_to_host(int64_t begin, int64_t end) const;
+  void upload(const HostTensor& host);  // same dtype and element count
   // Rows [src_row, src_row + n) of `src` into rows [dst_row, …) of this tensor (same row size).
   void copy_rows_from(const DeviceTensor& src, int64_t src_row, int64_t dst_row, int64_t n);
   // `blocks` runs of n rows in one copy: run i from rows src_row + i·src_stride … of `src` to rows

@@ -16,63 +16,18 @@
 
 #include "samebits/context.hpp"
 #include "samebits/dtype.hpp"
+#include "samebits/host_tensor.hpp"
+#include "samebits/rng.hpp"
 #include "samebits/tensor.hpp"
 
 namespace samebits::harness {
 
 // ---------------------------------------------------------------- data
-// An owning host tensor. Its bytes sit between two guard regions whose pattern is checked after
-// every run, so a kernel writing past either end of an output is caught.
-class HostTensor {
- public:
-  HostTensor() = default;
-  HostTensor(DType dtype, std::vector<int64_t> shape);  // zero-filled
-  static HostTensor poisoned(DType dtype, std::vector<int64_t> shape);  // 0xFF bytes (NaN)
-
-  DType dtype() const { return dtype_; }
-  const std::vector<int64_t>& shape() const { return shape_; }
-  int64_t numel() const;
-  int64_t rows() const { return shape_.empty() ? 0 : shape_[0]; }
-  int64_t row_numel() const;  // elements per leading-dim row
-  size_t bytes() const { return size_t(numel()) * size_t(dtype_size(dtype_)); }
-  bool empty() const { return storage_.empty(); }
-  void* data();
-  const void* data() const;
-  TensorView view() const;  // a contiguous CPU view
-  bool guards_intact() const;
-  // The whole guarded allocation (guard, data, guard), for mirroring to a device.
-  void* storage() { return storage_.data(); }
-  size_t storage_bytes() const { return storage_.size(); }
-  static constexpr size_t kGuardBytes = 64;
-
-  double get(int64_t i) const { return load_as_double(data(), dtype_, i); }
-  void set(int64_t i, double v) { store_from_double(data(), dtype_, i, v); }
-  HostTensor converted(DType to) const;  // element-wise conversion (RNE when narrowing)
-  HostTensor slice_rows(int64_t begin, int64_t end) const;
-  void copy_rows_from(const HostTensor& src, int64_t src_row, int64_t dst_row, int64_t n);
-
- private:
-  DType dtype_ = DType::f32;
-  std::vector<int64_t> shape_;
-  std::vector<uint8_t> storage_;  // [guard][data][guard]
-};
-
+// HostTensor (samebits/host_tensor.hpp) and Rng (samebits/rng.hpp) are core types; the harness
+// names them as it always has.
+using samebits::HostTensor;
+using samebits::Rng;
 using TensorMap = std::map<std::string, HostTensor>;
-
-// A deterministic generator (splitmix64): the same seed gives the same data on every platform.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull) {}
-  uint64_t next();
-  double uniform(double lo, double hi);
-  double normal();
-  int64_t integer(int64_t lo, int64_t hi);  // [lo, hi]
-  HostTensor tensor(DType dtype, std::vector<int64_t> shape, double lo, double hi);
-  HostTensor integers(std::vector<int64_t> shape, int64_t lo, int64_t hi);  // int32, [lo, hi]
-
- private:
-  uint64_t state_;
-};
 
 // One sequence: every tensor in `tokens` has `length` rows (token-major).
 struct Sequence {

@@ -251,7 +251,7 @@ struct PyGrads {
   Backend backend = Backend::cpu;
 
   py::array_t<float> host(const std::string& name) const {
-    const harness::HostTensor g = grads->gradient(name);  // an unknown name: samebits.Error
+    const HostTensor g = grads->gradient(name);  // an unknown name: samebits.Error
     std::vector<py::ssize_t> shape(g.shape().begin(), g.shape().end());
     py::array_t<float> a(shape);
     std::memcpy(a.mutable_data(), g.data(), g.bytes());

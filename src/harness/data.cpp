@@ -1,4 +1,4 @@
-// Harness data: guarded host tensors and the deterministic generator.
+// Harness data: layouts and what a case's run() sees (CaseIO).
 #include <cmath>
 #include <cstring>
 
@@ -9,108 +9,6 @@
 #include "samebits/harness.hpp"
 
 namespace samebits::harness {
-
-namespace {
-constexpr size_t kGuard = HostTensor::kGuardBytes;  // bytes on each side; keeps the data 64-byte offset
-constexpr uint8_t kGuardByte = 0xA5;
-}  // namespace
-
-HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
-    : dtype_(dtype), shape_(std::move(shape)) {
-  storage_.assign(bytes() + 2 * kGuard, 0);
-  std::memset(storage_.data(), kGuardByte, kGuard);
-  std::memset(storage_.data() + kGuard + bytes(), kGuardByte, kGuard);
-}
-
-HostTensor HostTensor::poisoned(DType dtype, std::vector<int64_t> shape) {
-  HostTensor t(dtype, std::move(shape));
-  std::memset(t.data(), 0xFF, t.bytes());
-  return t;
-}
-
-int64_t HostTensor::numel() const {
-  int64_t n = 1;
-  for (auto d : shape_) n *= d;
-  return shape_.empty() && storage_.empty() ? 0 : n;
-}
-
-int64_t HostTensor::row_numel() const {
-  int64_t n = 1;
-  for (size_t d = 1; d < shape_.size(); ++d) n *= shape_[d];
-  return n;
-}
-
-void* HostTensor::data() { return storage_.data() + kGuard; }
-const void* HostTensor::data() const { return storage_.data() + kGuard; }
-
-TensorView HostTensor::view() const {
-  return TensorView::of(const_cast<void*>(data()), dtype_, shape_.data(), int(shape_.size()));
-}
-
-bool HostTensor::guards_intact() const {
-  for (size_t i = 0; i < kGuard; ++i)
-    if (storage_[i] != kGuardByte || storage_[kGuard + bytes() + i] != kGuardByte) return false;
-  return true;
-}
-
-HostTensor HostTensor::converted(DType to) const {
-  HostTensor out(to, shape_);
-  const int64_t n = numel();
-  for (int64_t i = 0; i < n; ++i) out.set(i, get(i));
-  return out;
-}
-
-HostTensor HostTensor::slice_rows(int64_t begin, int64_t end) const {
-  auto shape = shape_;
-  shape[0] = end - begin;
-  HostTensor out(dtype_, shape);
-  out.copy_rows_from(*this, begin, 0, end - begin);
-  return out;
-}
-
-void HostTensor::copy_rows_from(const HostTensor& src, int64_t src_row, int64_t dst_row, int64_t n) {
-  if (src.dtype_ != dtype_ || src.row_numel() != row_numel() || src_row + n > src.rows() ||
-      dst_row + n > rows())
-    throw Error("HostTensor::copy_rows_from", "src",
-                fmt::format("rows do not fit: {} [{}] rows {}+{} into {} [{}] at row {}",
-                            dtype_name(src.dtype_), fmt::join(src.shape_, ","), src_row, n,
-                            dtype_name(dtype_), fmt::join(shape_, ","), dst_row));
-  const size_t row_bytes = size_t(row_numel()) * size_t(dtype_size(dtype_));
-  std::memcpy(static_cast<char*>(data()) + size_t(dst_row) * row_bytes,
-              static_cast<const char*>(src.data()) + size_t(src_row) * row_bytes, size_t(n) * row_bytes);
-}
-
-uint64_t Rng::next() {
-  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-double Rng::uniform(double lo, double hi) {
-  return lo + (hi - lo) * (double(next() >> 11) * 0x1.0p-53);
-}
-
-double Rng::normal() {  // Box–Muller
-  const double u1 = (double(next() >> 11) + 1.0) * 0x1.0p-53, u2 = double(next() >> 11) * 0x1.0p-53;
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-}
-
-int64_t Rng::integer(int64_t lo, int64_t hi) {
-  return lo + int64_t(next() % uint64_t(hi - lo + 1));
-}
-
-HostTensor Rng::tensor(DType dtype, std::vector<int64_t> shape, double lo, double hi) {
-  HostTensor t(dtype, std::move(shape));
-  for (int64_t i = 0; i < t.numel(); ++i) t.set(i, uniform(lo, hi));
-  return t;
-}
-
-HostTensor Rng::integers(std::vector<int64_t> shape, int64_t lo, int64_t hi) {
-  HostTensor t(DType::i32, std::move(shape));
-  for (int64_t i = 0; i < t.numel(); ++i) t.set(i, double(integer(lo, hi)));
-  return t;
-}
 
 const char* layout_name(Layout l) {
   switch (l) {
@@ -138,7 +36,7 @@ TensorView CaseIO::view(const HostTensor& t) {
   for (auto& m : mirrors_)
     if (m.host == &t) {
       TensorView v = t.view();
-      v.data = static_cast<char*>(m.device) + kGuard;
+      v.data = static_cast<char*>(m.device) + HostTensor::kGuardBytes;
       v.device = Device::cuda;
       return v;
     }

@@ -14,7 +14,6 @@
 
 namespace samebits {
 
-using harness::HostTensor;
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include "core/output_file.hpp"
 #include "model/safetensors.hpp"
 #include "samebits/error.hpp"
-#include "samebits/harness.hpp"
+#include "samebits/rng.hpp"
 #include "samebits/model.hpp"
 
 namespace fs = std::filesystem;
@@ -140,12 +140,12 @@ Model Model::random(const ModelConfig& config, uint64_t seed) {
   Model m;
   m.config_ = config;
   m.source_ = fmt::format("random(seed={})", seed);
-  harness::Rng rng(seed);
+  Rng rng(seed);
   for (auto& [name, shape] : config.expected_tensors()) {
     const bool norm = name.find("norm") != std::string::npos;
     const double bound = norm ? 0.0 : name.find("embed") != std::string::npos ? 1.0
                                                                             : std::sqrt(3.0 / double(shape.back()));
-    auto t = std::make_shared<harness::HostTensor>(config.dtype, shape);
+    auto t = std::make_shared<HostTensor>(config.dtype, shape);
     for (int64_t i = 0; i < t->numel(); ++i) t->set(i, norm ? rng.uniform(0.8, 1.2) : rng.uniform(-bound, bound));
     m.weights_[name] = t->view();
     m.storage_.push_back(t);
@@ -200,7 +200,7 @@ Model Model::converted(DType dtype) const {
   if (dtype != DType::f64) m.config_.dtype = dtype;  // fp64 is the truth mode's, not a model dtype
   m.source_ = fmt::format("{} ({})", source_, dtype_name(dtype));
   for (auto& [name, v] : weights_) {
-    auto t = std::make_shared<harness::HostTensor>(dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
+    auto t = std::make_shared<HostTensor>(dtype, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim));
     for (int64_t i = 0; i < t->numel(); ++i) t->set(i, load_as_double(v.data, v.dtype, i));
     m.weights_[name] = t->view();
     m.storage_.push_back(t);

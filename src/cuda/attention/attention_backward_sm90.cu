@@ -21,8 +21,8 @@
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/attention/attention_host.hpp"
 #include "cuda/common/runtime.cuh"
-#include "cuda/gemm/sm90_primitives.cuh"
-#include "cuda/gemm/sm90_tma.cuh"
+#include "cuda/common/sm90/primitives.cuh"
+#include "cuda/common/sm90/tma.cuh"
 #include "samebits/error.hpp"
 
 namespace samebits::cuda::attention {

@@ -42,8 +42,8 @@
 #include "cuda/attention/attention_sm90.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
-#include "cuda/gemm/sm90_primitives.cuh"
-#include "cuda/gemm/sm90_tma.cuh"
+#include "cuda/common/sm90/primitives.cuh"
+#include "cuda/common/sm90/tma.cuh"
 #include "samebits/error.hpp"
 
 namespace samebits::cuda::attention {

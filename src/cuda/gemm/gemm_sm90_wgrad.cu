@@ -41,8 +41,8 @@
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/gemm/gemm.cuh"
-#include "cuda/gemm/sm90_primitives.cuh"
-#include "cuda/gemm/sm90_tma.cuh"
+#include "cuda/common/sm90/primitives.cuh"
+#include "cuda/common/sm90/tma.cuh"
 
 namespace samebits::cuda {
 namespace {

@@ -26,8 +26,8 @@
 #include <type_traits>
 
 #include "cuda/common/runtime.cuh"
-#include "cuda/gemm/sm90_primitives.cuh"
-#include "cuda/gemm/sm90_tma.cuh"
+#include "cuda/common/sm90/primitives.cuh"
+#include "cuda/common/sm90/tma.cuh"
 
 namespace samebits::cuda::sm90gemm {
 
@@ -177,7 +177,7 @@ void launch(const T* a, const T* b, const typename Epi::Params& ep, int64_t M, i
   // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
   const int a_rows = M >= Ring::A_ROWS ? Ring::A_ROWS : int((M + 7) / 8 * 8);
   // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
-  // cache hint; see sm90_tma.cuh).
+  // cache hint; see cuda/common/sm90/tma.cuh).
   const bool streaming = M <= 128;
   const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)

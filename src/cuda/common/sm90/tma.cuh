@@ -1,4 +1,4 @@
-// 2-D TMA tensor maps for the Hopper GEMM kernels.
+// 2-D TMA tensor maps for the Hopper kernels (GEMM and attention).
 #pragma once
 #include <cuda.h>
 

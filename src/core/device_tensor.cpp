@@ -8,7 +8,6 @@
 
 namespace samebits {
 
-using harness::HostTensor;
 
 void DeviceTensor::Free::operator()(void* p) const {
   if (p) device_free(backend, p);

@@ -8,7 +8,7 @@
 #include <type_traits>
 
 #include "cuda/common/runtime.cuh"
-#include "cuda/gemm/sm90_tma.cuh"
+#include "cuda/common/sm90/tma.cuh"
 
 namespace samebits::cuda::sm90 {
 

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks shared by the GEMM kernels: shared-memory addresses, mbarriers,
+// Hopper (sm_90a) building blocks shared by the GEMM and attention kernels: shared-memory addresses, mbarriers,
 // TMA tile loads, wgmma matrix descriptors and the m64n256k16 instruction.
 #pragma once
 #include <cuda.h>
