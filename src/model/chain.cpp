@@ -9,13 +9,15 @@
 
 #include <fmt/format.h>
 
+#include "model/chain_tables.hpp"
 #include "samebits/error.hpp"
 #include "samebits/validate.hpp"
 
 namespace samebits {
 
-
 namespace {
+
+using namespace chain_tables;
 
 TensorView v3(const DeviceTensor& t, int64_t a, int64_t b) {
   const TensorView v = t.view();
@@ -24,188 +26,7 @@ TensorView v3(const DeviceTensor& t, int64_t a, int64_t b) {
 
 std::string layer_name(int64_t l, const char* what) { return fmt::format("layer{}.{}", l, what); }
 
-// The batch's row tables in one buffer (one upload): ids, positions, targets (i32), then the loss
-// and row masks (u8), each [rows].
-struct Rows {
-  DeviceTensor storage;
-  TensorView ids, pos, targets, loss_mask, row_mask;
-};
-
-// The batch's row tables, checked on the host and placed in the backend's memory.
-Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend) {
-  const int64_t vocab = config.vocab_size, max_position = config.rope.max_position;
-  const int64_t T = b.rows();
-  if (T == 0) throw Error("chain", "batch", "empty batch: no rows");
-  if (b.seqs.empty()) throw Error("chain", "batch", "empty batch: no sequences");
-  if (int64_t(b.positions.size()) != T || int64_t(b.targets.size()) != T ||
-      (!b.loss_mask.empty() && int64_t(b.loss_mask.size()) != T))
-    throw Error("chain", "batch", "tokens, positions, targets and loss_mask must have one entry per row");
-  struct {
-    HostTensor ids, pos, targets, loss_mask, row_mask;
-  } r{HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}), HostTensor(DType::i32, {T}),
-      HostTensor(DType::u8, {T}), HostTensor(DType::u8, {T})};
-  for (auto& s : b.seqs) {
-    if (s.len <= 0) throw Error("chain", "batch", "zero-length sequence");
-    if (s.row < 0 || s.row + s.len > T) throw Error("chain", "batch", "a sequence's rows fall outside the batch");
-    for (int64_t i = s.row; i < s.row + s.len; ++i) {
-      if (r.row_mask.get(i) != 0) throw Error("chain", "batch", fmt::format("row {} belongs to two sequences", i));
-      r.row_mask.set(i, 1);
-    }
-  }
-  for (int64_t i = 0; i < T; ++i) {
-    if (b.tokens[size_t(i)] < 0 || b.tokens[size_t(i)] >= vocab)
-      throw Error("chain", "tokens", fmt::format("token id {} at row {} is outside [0, {})", b.tokens[size_t(i)], i, vocab));
-    // Checked here, before any work, with the model's limit named (the kernels would refuse it
-    // later, and only as "argument 'positions'").
-    if (r.row_mask.get(i) != 0 && (b.positions[size_t(i)] < 0 || b.positions[size_t(i)] >= max_position))
-      throw Error("chain", "positions",
-                  b.positions[size_t(i)] < 0
-                      ? fmt::format("position {} at row {} is negative", b.positions[size_t(i)], i)
-                      : fmt::format("position {} at row {} is past the model's max_position_embeddings ({}): a sequence "
-                                    "may hold at most {} tokens", b.positions[size_t(i)], i, max_position, max_position));
-    r.ids.set(i, b.tokens[size_t(i)]);
-    r.pos.set(i, b.positions[size_t(i)]);
-    r.targets.set(i, b.targets[size_t(i)]);
-    const bool scored = r.row_mask.get(i) != 0 && (b.loss_mask.empty() || b.loss_mask[size_t(i)] != 0);
-    r.loss_mask.set(i, scored ? 1 : 0);
-  }
-  HostTensor packed(DType::u8, {14 * T});
-  auto* bytes = static_cast<uint8_t*>(packed.data());
-  size_t at = 0;
-  for (const HostTensor* t : {&r.ids, &r.pos, &r.targets, &r.loss_mask, &r.row_mask}) {
-    std::memcpy(bytes + at, t->data(), t->bytes());
-    at += t->bytes();
-  }
-  Rows out{DeviceTensor::from_host(backend, packed), {}, {}, {}, {}, {}};
-  auto* base = static_cast<uint8_t*>(out.storage.view().data);
-  const Device device = out.storage.view().device;
-  out.ids = TensorView::of(base, DType::i32, {T}, device);
-  out.pos = TensorView::of(base + 4 * T, DType::i32, {T}, device);
-  out.targets = TensorView::of(base + 8 * T, DType::i32, {T}, device);
-  out.loss_mask = TensorView::of(base + 12 * T, DType::u8, {T}, device);
-  out.row_mask = TensorView::of(base + 13 * T, DType::u8, {T}, device);
-  return out;
-}
-
-// The attention sequence table {q_row, q_len, k_row, k_len}: keys are the batch's own rows, or,
-// with a cache, the sequence's slot holding its `cached` earlier tokens and this step's.
-HostTensor attention_table(const ChainBatch& batch, const KvCache* cache, int64_t capacity,
-                           const std::vector<int64_t>* slot_lengths) {
-  HostTensor seqs(DType::i32, {int64_t(batch.seqs.size()), 4});
-  for (size_t i = 0; i < batch.seqs.size(); ++i) {
-    const ChainSequence& s = batch.seqs[i];
-    int64_t row[4] = {s.row, s.len, s.row, s.len};
-    if (cache) {
-      if (s.slot < 0 || s.slot >= int64_t(slot_lengths->size()))
-        throw Error("chain", "batch", fmt::format("sequence {} has no valid cache slot", i));
-      if ((*slot_lengths)[size_t(s.slot)] != s.cached)
-        throw Error("chain", "batch", fmt::format("sequence {}: cached = {} but its slot holds {} tokens", i, s.cached,
-                                                  (*slot_lengths)[size_t(s.slot)]));
-      if (s.cached + s.len > capacity)
-        throw Error("chain", "batch", fmt::format("sequence {} overflows its cache slot ({} tokens)", i, capacity));
-      row[2] = s.slot * capacity;
-      row[3] = s.cached + s.len;
-    }
-    for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
-  }
-  return seqs;
-}
-
-// The weight-gradient segments {row, len} (int32 [S, 2], host): one per sequence, in row order. The
-// GPU's weight gradients group tokens from each segment's first row, so a sequence's rows meet the
-// same partners in any batch, micro-batch split or layout.
-HostTensor segments_of(const ChainBatch& batch) {
-  std::vector<const ChainSequence*> order;
-  for (auto& s : batch.seqs) order.push_back(&s);
-  std::sort(order.begin(), order.end(), [](const ChainSequence* a, const ChainSequence* b) { return a->row < b->row; });
-  HostTensor segs(DType::i32, {int64_t(order.size()), 2});
-  for (size_t i = 0; i < order.size(); ++i) {
-    segs.set(int64_t(i) * 2, double(order[i]->row));
-    segs.set(int64_t(i) * 2 + 1, double(order[i]->len));
-  }
-  return segs;
-}
-
 }  // namespace
-
-// ---------------------------------------------------------------- batches
-ChainBatch ChainBatch::packed(const std::vector<std::vector<int32_t>>& sequences) {
-  ChainBatch b;
-  for (auto& s : sequences) {
-    const int64_t row = b.rows();
-    for (size_t i = 0; i < s.size(); ++i) {
-      b.tokens.push_back(s[i]);
-      b.positions.push_back(int32_t(i));
-      b.targets.push_back(i + 1 < s.size() ? s[i + 1] : -100);
-      b.loss_mask.push_back(i + 1 < s.size() ? 1 : 0);
-    }
-    b.seqs.push_back({row, int64_t(s.size())});
-  }
-  return b;
-}
-
-ChainBatch ChainBatch::padded(const std::vector<std::vector<int32_t>>& sequences, int64_t slot_len, bool left,
-                              int empty_slots, int32_t pad_token) {
-  ChainBatch b;
-  const int64_t slots = int64_t(sequences.size()) + empty_slots;
-  b.tokens.assign(size_t(slots * slot_len), pad_token);
-  b.positions.assign(b.tokens.size(), 0);
-  b.targets.assign(b.tokens.size(), -100);
-  b.loss_mask.assign(b.tokens.size(), 0);
-  for (size_t k = 0; k < sequences.size(); ++k) {
-    const auto& s = sequences[k];
-    if (int64_t(s.size()) > slot_len) throw Error("ChainBatch::padded", "slot_len", "shorter than a sequence");
-    const int64_t slot = int64_t(k) + (k > 0 ? empty_slots : 0);
-    const int64_t row = slot * slot_len + (left ? slot_len - int64_t(s.size()) : 0);
-    for (size_t i = 0; i < s.size(); ++i) {
-      b.tokens[size_t(row) + i] = s[i];
-      b.positions[size_t(row) + i] = int32_t(i);
-      b.targets[size_t(row) + i] = i + 1 < s.size() ? s[i + 1] : -100;
-      b.loss_mask[size_t(row) + i] = i + 1 < s.size() ? 1 : 0;
-    }
-    b.seqs.push_back({row, int64_t(s.size())});
-  }
-  return b;
-}
-
-// ---------------------------------------------------------------- cache and gradients
-KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Backend backend)
-    : capacity_(capacity), lengths_(size_t(slots), 0) {
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    k_.emplace_back(backend, dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
-    v_.emplace_back(backend, dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
-  }
-}
-
-ModelGrads::ModelGrads(const Model& model, DType acc, Backend backend) : tied_(model.config().tie_word_embeddings) {
-  for (auto& [name, w] : model.weights())
-    acc_[name] = DeviceTensor(backend, acc, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));
-  if (tied_) acc_["lm_head.weight"] = DeviceTensor(backend, acc, acc_.at("model.embed_tokens.weight").shape());
-}
-
-std::vector<std::string> ModelGrads::names() const {
-  std::vector<std::string> n;
-  for (auto& [name, t] : acc_)
-    if (!(tied_ && name == "lm_head.weight")) n.push_back(name);
-  return n;
-}
-
-HostTensor ModelGrads::gradient(const std::string& name) const {
-  if (!acc_.count(name))
-    throw Error("ModelGrads::gradient", name, "no such weight gradient (names() lists them)");
-  HostTensor g = acc_.at(name).to_host();
-  if (tied_ && name == "model.embed_tokens.weight") {
-    const HostTensor head = acc_.at("lm_head.weight").to_host();
-    for (int64_t i = 0; i < g.numel(); ++i) g.set(i, g.get(i) + head.get(i));  // one add: order-free
-  }
-  return g;
-}
-
-const DeviceTensor& ChainForward::at(const std::string& name) const {
-  for (auto& [n, t] : trace)
-    if (n == name) return t;
-  throw Error("ChainForward::at", name, "no such activation");
-}
 
 // ---------------------------------------------------------------- forward
 Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {

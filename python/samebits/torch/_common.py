@@ -1,0 +1,67 @@
+"""What every samebits.torch op shares: torch tensors as samebits._core.raw descriptors, the stream,
+the accumulator dtype, and the argument checks that must happen before a pointer is taken."""
+import contextlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _core
+from .._core import Error
+
+raw = _core.raw
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+           torch.int32: "int32", torch.uint8: "uint8"}
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """The dtype of accumulators and per-row statistics: fp32, or fp64 for fp64 tensors (the CPU's
+    truth mode, which torch.autograd.gradcheck runs the ops in)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _desc(t: Optional[Tensor], op: str, arg: str):
+    """(pointer, dtype, shape, device, tensor) of a contiguous tensor, for samebits._core.raw. The
+    tensor rides along so that a temporary (a .contiguous() copy made in the call's argument list)
+    stays alive until the op has run: the pointer alone would let torch's allocator hand its memory
+    to the next temporary."""
+    if t is None:
+        return None
+    if t.dtype not in _DTYPES:
+        raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken "
+                    f"(bfloat16, float16, float32; float64 on the CPU; int32 ids / targets; uint8 masks)")
+    if t.dtype == torch.float64 and t.device.type == "cuda":
+        raise Error(f"samebits.torch {op}: argument '{arg}': dtype torch.float64 is taken on the CPU only (the "
+                    "fp64 truth mode); CUDA ops take bfloat16, float16 and float32")
+    if t.device.type not in ("cpu", "cuda"):
+        raise Error(f"samebits.torch {op}: argument '{arg}': device {t.device} is not taken (cpu or cuda)")
+    if not t.is_contiguous():
+        raise Error(f"samebits.torch {op}: argument '{arg}': must be contiguous (.contiguous())")
+    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t.device.type, t)
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _device(t: Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _int32(t: Tensor, op: str, arg: str) -> Tensor:
+    """Token ids / targets as int32, refusing an int64 value int32 cannot hold (a cast would wrap it
+    into a valid-looking id)."""
+    if t.dtype == torch.int64 and t.numel() and bool((t.max() >= 2**31) | (t.min() < -2**31)):
+        raise Error(f"samebits.torch {op}: argument '{arg}': a value does not fit in int32")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken (int32 or int64)")
+    return t.reshape(-1).to(torch.int32).contiguous()
+
+
+def _rows(x: Tensor, op: str) -> Tensor:
+    if x.dim() < 1:
+        raise Error(f"samebits.torch {op}: argument 'x': needs at least one dimension")
+    if not x.is_contiguous():
+        raise Error(f"samebits.torch {op}: argument 'x': must be contiguous (.contiguous())")
+    return x.reshape(-1, x.shape[-1])
