@@ -1,6 +1,6 @@
 // The backend boundary. Each public op validates its arguments (src/ops/<family>.cpp), then calls
 // the kernel a backend registered for it. A backend family registers its kernels from its own
-// folder with SAMEBITS_REGISTER_KERNEL, so adding one (say src/cuda/gemm/) touches nothing else.
+// folder with SAMEBITS_REGISTER_KERNEL, so adding one (say src/cuda/linear/) touches nothing else.
 // An op with no kernel on the requested backend throws samebits::NotBuilt.
 #pragma once
 #include "samebits/context.hpp"

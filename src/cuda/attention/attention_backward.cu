@@ -31,7 +31,7 @@
 #include "cuda/attention/attention_host.hpp"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
-#include "cuda/gemm/gemm.cuh"
+#include "cuda/linear/gemm.cuh"
 #include "ops/registry.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"

@@ -6,7 +6,7 @@
 
 #include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
-#include "cuda/gemm/gemm.cuh"
+#include "cuda/linear/gemm.cuh"
 #include "ops/registry.hpp"
 #include "samebits/ops.hpp"
 #include "samebits/validate.hpp"

@@ -34,9 +34,9 @@
 #include <type_traits>
 
 #include "cuda/common/runtime.cuh"
-#include "cuda/gemm/gemm.cuh"
-#include "cuda/gemm/sm90_gemm_kernel.cuh"
-#include "cuda/gemm/sm90_store_epilogue.cuh"
+#include "cuda/linear/gemm.cuh"
+#include "cuda/linear/sm90_gemm_kernel.cuh"
+#include "cuda/linear/sm90_store_epilogue.cuh"
 #include "ops/tuning.hpp"
 
 namespace samebits::cuda {

@@ -13,13 +13,7 @@
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
-#include "tests/cuda_test_util.hpp"
-
-using namespace samebits;
-using harness::HostTensor;
-using harness::Rng;
-using testing_cuda::DeviceBuffer;
-using testing_cuda::cuda_ctx;
+#include "tests/cuda/cuda_test_util.hpp"
 
 namespace {
 
@@ -88,16 +82,16 @@ double dw_error_against_fp64(const HostTensor& got, const HostTensor& init, cons
 
 }  // namespace
 
-class CudaGemm : public testing_cuda::CudaTest {};
+class CudaLinear : public testing_cuda::CudaTest {};
 
-TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
-TEST_F(CudaGemm, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
+TEST_F(CudaLinear, ForwardAndInputGradientAreInvariantAcrossTheMSweepBf16) { sweep_forward_and_dx(DType::bf16); }
+TEST_F(CudaLinear, ForwardAndInputGradientAreInvariantAcrossTheMSweepFp16) { sweep_forward_and_dx(DType::f16); }
 // N = 200, K = 136: the M sweep crosses the tile switches: 32-wide compact (forward; dX: its 136
 // output columns) to 64-wide compact at M = 64, to 64-wide full at 128, 128 at 256, 192 / 256 at 512
 // (192 while one round of two 192-wide column tiles beats one of a 256-wide tile), and the switch
 // from the threads' own stores to TMA stores of the output at M = 128 (the M = 8192 reference is
 // stored by TMA); wide outputs (>= 16384 columns) run 256- or 192-wide tiles.
-TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
+TEST_F(CudaLinear, TileWidthsGiveIdenticalBits) {
   // The proof behind the one M-dependent choice: 32-, 48- (forward only), 64-, 128-, 192- and
   // 256-wide tiles (a 32-wide dX tile reads w in 64-byte-swizzled boxes), forced on the same
   // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles; N = 1001:
@@ -131,13 +125,13 @@ TEST_F(CudaGemm, TileWidthsGiveIdenticalBits) {
     }
 }
 
-TEST_F(CudaGemm, WideTilesAreInvariantAcrossM) {
+TEST_F(CudaLinear, WideTilesAreInvariantAcrossM) {
   const std::vector<int64_t> ms = {1, 2, 7, 64, 127, 128, 129, 300, 1000, 2049};
   sweep_forward_and_dx(DType::bf16, 16400, 136, ms);  // forward: 256-wide tiles, an edge tile in N
   sweep_forward_and_dx(DType::bf16, 72, 16392, ms);   // dX: its output has 16392 columns
 }
 
-TEST_F(CudaGemm, WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath) {
+TEST_F(CudaLinear, WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath) {
   // N = 33: not a multiple of 8, so every architecture sums one token at a time.
   for (DType dt : {DType::bf16, DType::f16}) {
     const int64_t M = 1000, N = 33, K = 136;
@@ -165,7 +159,7 @@ TEST_F(CudaGemm, WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath)
   }
 }
 
-TEST_F(CudaGemm, WeightGradientOnTensorCoresKeepsItsBitsAcrossMicroBatchesAndPadding) {
+TEST_F(CudaLinear, WeightGradientOnTensorCoresKeepsItsBitsAcrossMicroBatchesAndPadding) {
   // Sequences as segments: one call over all of them == micro-batches split at sequence
   // boundaries == a padded layout with garbage in the padding; masked tokens inside sequences.
   const std::vector<int64_t> lens = {37, 100, 5, 64, 250, 17, 129, 398};
@@ -222,7 +216,7 @@ TEST_F(CudaGemm, WeightGradientOnTensorCoresKeepsItsBitsAcrossMicroBatchesAndPad
   }
 }
 
-TEST_F(CudaGemm, WeightGradientSplitsLongChunkListsAndIgnoresNaNPadding) {
+TEST_F(CudaLinear, WeightGradientSplitsLongChunkListsAndIgnoresNaNPadding) {
   // 1500 sequences of 1-3 tokens: more chunks than one launch carries (640), so the call chains
   // launches through the accumulator; it must equal micro-batches cut elsewhere, be accurate (no
   // chunk dropped or repeated at a launch boundary), and a padded layout whose padding rows hold NaN
@@ -275,7 +269,7 @@ TEST_F(CudaGemm, WeightGradientSplitsLongChunkListsAndIgnoresNaNPadding) {
   }
 }
 
-TEST_F(CudaGemm, HundredRepeatsAreIdentical) {
+TEST_F(CudaLinear, HundredRepeatsAreIdentical) {
   const int64_t M = 333, N = 520, K = 264;
   Rng r(3);
   const DeviceBuffer x(r.tensor(DType::bf16, {M, K}, -1, 1)), w(r.tensor(DType::bf16, {N, K}, -1, 1));
@@ -291,7 +285,7 @@ TEST_F(CudaGemm, HundredRepeatsAreIdentical) {
 
 // Prints an FNV-1a hash of forward, dX and dW outputs for fixed inputs, so runs on different cards
 // of one architecture (H100, H200) can be compared bit for bit (bench/gpu_check.sh greps "HASH").
-TEST_F(CudaGemm, PrintsOutputHashesForCrossCardComparison) {
+TEST_F(CudaLinear, PrintsOutputHashesForCrossCardComparison) {
   auto fnv = [](const HostTensor& t) {
     uint64_t h = 1469598103934665603ull;
     const auto* p = static_cast<const uint8_t*>(t.data());
@@ -310,7 +304,7 @@ TEST_F(CudaGemm, PrintsOutputHashesForCrossCardComparison) {
               (unsigned long long)fnv(dx.host()), (unsigned long long)fnv(dw.host()));
 }
 
-TEST_F(CudaGemm, BadInputIsAClearErrorOrACorrectSlowerPath) {
+TEST_F(CudaLinear, BadInputIsAClearErrorOrACorrectSlowerPath) {
   // K = 67 (not a multiple of 8): the generic path, still accurate against the CPU reference.
   const int64_t M = 9, N = 40, K = 67;
   Rng r(12);

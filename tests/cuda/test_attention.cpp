@@ -13,16 +13,10 @@
 
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
-#include "tests/cuda_test_util.hpp"
+#include "tests/cuda/cuda_test_util.hpp"
 
-using namespace samebits;
 using harness::Contract;
-using harness::HostTensor;
 using harness::Tolerance;
-using harness::Rng;
-using testing_cuda::cuda_ctx;
-using testing_cuda::DeviceBuffer;
-using testing_cuda::expect_same_bits;
 
 namespace {
 

@@ -6,10 +6,8 @@
 
 #include "samebits/device_tensor.hpp"
 #include "samebits/error.hpp"
-#include "tests/cuda_test_util.hpp"
+#include "tests/cuda/cuda_test_util.hpp"
 
-using namespace samebits;
-using harness::HostTensor;
 
 namespace {
 

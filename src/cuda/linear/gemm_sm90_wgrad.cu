@@ -40,7 +40,7 @@
 
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
-#include "cuda/gemm/gemm.cuh"
+#include "cuda/linear/gemm.cuh"
 #include "cuda/common/sm90/primitives.cuh"
 #include "cuda/common/sm90/tma.cuh"
 

@@ -8,11 +8,8 @@
 #include "samebits/chain_gate.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
-#include "tests/cuda_test_util.hpp"
+#include "tests/cuda/cuda_test_util.hpp"
 #include "tests/model_test_util.hpp"
-
-using namespace samebits;
-using samebits::testing_cuda::CudaTest;
 
 namespace {
 

@@ -17,14 +17,7 @@
 #include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
-#include "tests/cuda_test_util.hpp"
-
-using namespace samebits;
-using harness::HostTensor;
-using harness::Rng;
-using testing_cuda::cuda_ctx;
-using testing_cuda::DeviceBuffer;
-using testing_cuda::expect_same_bits;
+#include "tests/cuda/cuda_test_util.hpp"
 
 namespace {
 

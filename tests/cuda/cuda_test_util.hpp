@@ -11,11 +11,11 @@
 #include "samebits/context.hpp"
 #include "samebits/device.hpp"
 #include "samebits/device_tensor.hpp"
-#include "samebits/harness.hpp"
+#include "samebits/host_tensor.hpp"
+#include "samebits/rng.hpp"
 
 namespace samebits::testing_cuda {
 
-using harness::HostTensor;
 
 // A device copy of a host tensor (or zeros of a shape), for the tests' kernel arguments.
 class DeviceBuffer {
@@ -53,3 +53,12 @@ inline void expect_same_bits(const HostTensor& got, const HostTensor& want, cons
 }
 
 }  // namespace samebits::testing_cuda
+
+// The names every CUDA test file uses (this header is included by test sources only).
+using namespace samebits;  // NOLINT(google-build-using-namespace)
+using samebits::HostTensor;
+using samebits::Rng;
+using samebits::testing_cuda::cuda_ctx;
+using samebits::testing_cuda::CudaTest;
+using samebits::testing_cuda::DeviceBuffer;
+using samebits::testing_cuda::expect_same_bits;

@@ -4,7 +4,7 @@
 // else through a padded staging area and the threads' own 16-byte stores. The fused LM head's
 // backward reuses it to write dlogits.
 #pragma once
-#include "cuda/gemm/sm90_gemm_kernel.cuh"
+#include "cuda/linear/sm90_gemm_kernel.cuh"
 
 namespace samebits::cuda::sm90gemm {
 

@@ -13,7 +13,7 @@
 
 #include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
-#include "cuda/gemm/gemm.cuh"
+#include "cuda/linear/gemm.cuh"
 
 namespace samebits::cuda {
 namespace {
