@@ -8,16 +8,17 @@ Qwen3-8B's heads (32 query, 8 key/value, head_dim 128), bf16.
    the score and value products (4·S²·D·Hq/2 a sequence).
  * Decode: B sequences, one new token each, against a KV cache of C keys each; the KV read
    bandwidth counts every key and value byte once (B·C·Hkv·D·2·2 bytes).
-Timing: bench_logprob.alternate (CUDA events, L2 flush, medians).
+Timing: bench/timing.py: alternate (CUDA events, L2 flush, medians). samebits is called through
+samebits._core.raw (attention_forward, attention_forward_paged, attention_backward) on preallocated
+tensors; the sequence and block tables are host int32 tensors made outside the timed calls.
 """
 import argparse
-import ctypes
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from bench_logprob import alternate, emit, load_shim
+from timing import alternate, emit, samebits_from
 
 
 def main():
@@ -27,14 +28,12 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", choices=["prefill", "backward", "decode", "paged"], help="one table alone")
     args = ap.parse_args()
-    lib = load_shim(args.build)
-    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.sb_attention_forward.argtypes = [P, P, P, I, L, L, L, L, L, P, L, P, L, L, P, P, P, ctypes.c_char_p, I]
-    lib.sb_attention_forward.restype = I
-    lib.sb_attention_backward.argtypes = [P] * 9 + [I, L, L, L, L, L, P, L, P, ctypes.c_char_p, I]
-    lib.sb_attention_backward.restype = I
-    bf16 = lib.sb_dtype_code(b"bf16")
-    err = ctypes.create_string_buffer(2048)
+    samebits = samebits_from(args.build)
+    raw = samebits._core.raw
+
+    def desc(t):
+        return samebits.torch._desc(t, "bench_attention", "tensor")
+
     name = torch.cuda.get_device_name()
     hq, hkv, d, tokens = 32, 8, 128, 16384
     out = [f"# Attention forward: samebits vs torch SDPA on {name}", "",
@@ -43,16 +42,18 @@ def main():
            f"D = {d}, {tokens} tokens a batch; medians of CUDA-event times, alternating, after an L2 flush.", "",
            "| S × B | samebits | SDPA (flash) | samebits / SDPA throughput | max abs diff of out |",
            "| --- | --- | --- | --- | --- |"]
-    def c_ints(values):  # made once, outside the timed calls (large block tables take milliseconds)
-        return (ctypes.c_int32 * len(values))(*values)
+    def host_ints(values, cols):  # made once, outside the timed calls (large block tables take milliseconds)
+        return torch.tensor(values, dtype=torch.int32).view(-1, cols)
 
     def run(q, k, v, table, o, lse, pages=None, page_size=0):
-        seqs = table if isinstance(table, ctypes.Array) else c_ints(table)
-        cols = len(pages) // (len(seqs) // 4) if pages is not None else 0
-        if lib.sb_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, q.shape[0], k.shape[0], hq, hkv, d,
-                                    seqs, len(seqs) // 4, pages, cols, page_size, o.data_ptr(), lse.data_ptr(),
-                                    torch.cuda.current_stream().cuda_stream, err, len(err)) != 0:
-            raise RuntimeError(err.value.decode())
+        """Attention forward; table: host int32 [B, 4] {q_row, q_len, k_row, k_len}; with pages (host int32
+        [B, pages]) k / v are a pool of pages of page_size rows."""
+        stream = torch.cuda.current_stream().cuda_stream
+        if pages is None:
+            raw.attention_forward(desc(q), desc(k), desc(v), desc(table), desc(o), desc(lse), stream=stream)
+        else:
+            raw.attention_forward_paged(desc(q), desc(k), desc(v), desc(table), desc(o), desc(lse), desc(pages),
+                                        page_size=page_size, stream=stream)
 
     def wanted(name):
         return args.only in (None, name)
@@ -65,7 +66,7 @@ def main():
         o = torch.empty_like(q)
         lse = torch.empty(B * S, hq, device="cuda")
         qt, kt, vt = (t.view(B, S, -1, d).transpose(1, 2) for t in (q, k, v))
-        table = [x for b in range(B) for x in (b * S, S, b * S, S)]
+        table = host_ints([x for b in range(B) for x in (b * S, S, b * S, S)], 4)
 
         def theirs(i):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -92,16 +93,12 @@ def main():
         o = torch.empty_like(q)
         lse = torch.empty(B * S, hq, device="cuda")
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        table = [x for b in range(B) for x in (b * S, S, b * S, S)]
-        run(q, k, v, table, o, lse)
-        seqs = (ctypes.c_int32 * len(table))(*table)
+        seqs = host_ints([x for b in range(B) for x in (b * S, S, b * S, S)], 4)
+        run(q, k, v, seqs, o, lse)
 
         def ours_bwd(i):
-            if lib.sb_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                                         g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf16, q.shape[0],
-                                         k.shape[0], hq, hkv, d, seqs, B, torch.cuda.current_stream().cuda_stream,
-                                         err, len(err)) != 0:
-                raise RuntimeError(err.value.decode())
+            raw.attention_backward(desc(q), desc(k), desc(v), desc(seqs), desc(o), desc(lse), desc(g), desc(dq),
+                                   desc(dk), desc(dv), stream=torch.cuda.current_stream().cuda_stream)
 
         qt, kt, vt = (t.view(B, S, -1, d).transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
         gt = g.view(B, S, hq, d).transpose(1, 2)
@@ -135,7 +132,7 @@ def main():
             lse = torch.empty(B, hq, device="cuda")
             qt = q.view(B, 1, hq, d).transpose(1, 2)
             kt, vt = (t.view(B, C, hkv, d).transpose(1, 2) for t in (k, v))
-            table = [x for b in range(B) for x in (b, 1, b * C, C)]
+            table = host_ints([x for b in range(B) for x in (b, 1, b * C, C)], 4)
 
             def theirs(i):
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -169,9 +166,9 @@ def main():
                 inv[perm] = torch.arange(perm.numel())
                 pool_k = k.view(-1, P, hkv, d)[inv.cuda()].reshape(B * C, hkv, d)  # page j of the cache at perm[j]
                 pool_v = v.view(-1, P, hkv, d)[inv.cuda()].reshape(B * C, hkv, d)
-                pages = c_ints(perm.tolist())
-                paged_table = c_ints([x for b in range(B) for x in (b, 1, 0, C)])
-                contiguous_table = c_ints(table)
+                pages = host_ints(perm.tolist(), C // P)  # [B, C / P]: row b lists sequence b's pages
+                paged_table = host_ints([x for b in range(B) for x in (b, 1, 0, C)], 4)
+                contiguous_table = host_ints(table, 4)
 
                 def theirs(i):
                     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):

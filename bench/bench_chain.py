@@ -20,79 +20,74 @@ loaded by both sides from that directory.
    excluded (torch 2.11's default rebuilt a cuDNN graph at every new key length, ~40 ms a step);
    the faster is reported. --profile adds a kernel-time breakdown of one forward + backward.
 Peak memory beyond the weights: torch.cuda.max_memory_allocated for transformers, samebits' pool
-high-water mark (sb_memory_peak) for samebits; both minus what was allocated before the phase.
-The two allocators share the card: before each phase the other side's cached, unused memory goes
-back to the device (torch.cuda.empty_cache, sb_memory_release), so neither runs squeezed.
+high-water mark (samebits._core.device_memory_peak) for samebits; both minus what was allocated
+before the phase. The two allocators share the card: before each phase the other side's cached,
+unused memory goes back to the device (torch.cuda.empty_cache, samebits._core.device_memory_release),
+so neither runs squeezed. samebits runs through its Python package: samebits.Model / samebits.Chain
+(logprobs, forward + backward, kv_cache + step).
 """
 import argparse
 import contextlib
-import ctypes
 import os
 import statistics
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 import transformers
 
-from bench_logprob import emit
-
-P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-
-
-def load_lib(build):
-    lib = ctypes.CDLL(os.path.join(build, "libsamebits_torch_shim.so"))
-    lib.sb_chain_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, I]
-    lib.sb_chain_load.restype = P
-    lib.sb_chain_free.argtypes = [P]
-    lib.sb_chain_drop_grads.argtypes = [P]
-    lib.sb_chain_forward.argtypes = [P, P, P, L, P, ctypes.c_char_p, I]
-    lib.sb_chain_forward_backward.argtypes = [P, P, P, L, I, ctypes.c_char_p, I]
-    lib.sb_chain_cache.argtypes = [P, L, L, ctypes.c_char_p, I]
-    lib.sb_chain_step.argtypes = [P, P, P, P, L, ctypes.c_char_p, I]
-    lib.sb_memory_peak.argtypes = [I]
-    lib.sb_memory_peak.restype = L
-    lib.sb_memory_in_use.argtypes = []
-    lib.sb_memory_in_use.restype = L
-    lib.sb_memory_release.argtypes = [ctypes.c_char_p, I]
-    lib.sb_memory_release.restype = I
-    for f in ("sb_chain_forward", "sb_chain_forward_backward", "sb_chain_cache", "sb_chain_step"):
-        getattr(lib, f).restype = I
-    return lib
+from timing import emit, samebits_from
+from timing import wall_median as timed
 
 
 class Samebits:
-    def __init__(self, lib, model_dir):
-        self.lib, self.err = lib, ctypes.create_string_buffer(4096)
-        self.h = lib.sb_chain_load(model_dir.encode(), self.err, len(self.err))
-        if not self.h:
-            raise RuntimeError(self.err.value.decode())
+    """The model chain on the CUDA backend (samebits.Chain over samebits.Model.load(model_dir)), with
+    the gradient accumulators and the KV cache the benchmark's phases keep between calls."""
 
-    def check(self, rc):
-        if rc != 0:
-            raise RuntimeError(self.err.value.decode())
+    def __init__(self, samebits, model_dir):
+        self.core = samebits._core
+        self.model = samebits.Model.load(model_dir)
+        self.chain = samebits.Chain(self.model, "cuda")
+        self.grads = self.kv = None
+        self.logp = None
 
-    @staticmethod
-    def arrays(tokens, lens):
-        flat = [t for row in tokens for t in row]
-        return (ctypes.c_int32 * len(flat))(*flat), (ctypes.c_int64 * len(lens))(*lens)
+    def forward(self, seqs):
+        """Scores every token of the packed sequences (kept: the last call's logprobs, per sequence)."""
+        self.logp = self.chain.logprobs(seqs)
 
-    def forward(self, tok, lens, n_seqs, logp):
-        self.check(self.lib.sb_chain_forward(self.h, tok, lens, n_seqs, logp, self.err, len(self.err)))
+    def forward_backward(self, seqs, dlogp):
+        """Forward + backward of L = sum of logp over the scored tokens (dlogp: ones, one per scored
+        token); the weight gradients add into the kept fp32 accumulators (made by the first call)."""
+        self.grads = self.chain.backward(self.chain.forward(seqs), dlogp, self.grads)
 
-    def forward_backward(self, tok, lens, n_seqs):
-        self.check(self.lib.sb_chain_forward_backward(self.h, tok, lens, n_seqs, 0, self.err, len(self.err)))
+    def drop_grads(self):
+        self.grads = None
 
     def release(self):
         """samebits' unused pooled memory back to the device, so torch's allocator is not squeezed."""
-        self.check(self.lib.sb_memory_release(self.err, len(self.err)))
+        self.core.device_memory_release("cuda")
+
+    def in_use(self):
+        return self.core.device_memory_in_use("cuda")
+
+    def peak(self, reset):
+        return self.core.device_memory_peak("cuda", reset)
 
     def cache(self, slots, capacity):
-        self.check(self.lib.sb_chain_cache(self.h, slots, capacity, self.err, len(self.err)))
+        """A KV cache of `slots` sequences of up to `capacity` tokens (the previous one freed first)."""
+        self.kv = None
+        self.kv = self.chain.kv_cache(slots, capacity)
 
-    def step(self, tok, lens, cached, n_seqs):
-        self.check(self.lib.sb_chain_step(self.h, tok, lens, cached, n_seqs, self.err, len(self.err)))
+    def step(self, seqs):
+        """One step against the cache: sequence i (slot i) appends its tokens after those its slot holds."""
+        self.chain.step(self.kv, seqs)
+
+    def close(self):
+        self.kv = self.grads = self.logp = None
+        del self.chain
+        del self.model
 
 
 class TorchDecoder:
@@ -238,19 +233,6 @@ def used_bytes():
     return total - free
 
 
-def timed(fn, reps, warm=1):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("build")
@@ -268,9 +250,9 @@ def main():
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
         subprocess.run([os.path.join(args.build, "samebits"), "export-model", args.model_dir, "--shape", "qwen3-8b",
                         "--layers", str(args.layers)], check=True)
-    lib = load_lib(args.build)
+    samebits = samebits_from(args.build)
     base = used_bytes()
-    sb = Samebits(lib, args.model_dir)
+    sb = Samebits(samebits, args.model_dir)
     sb_weights = used_bytes() - base
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16,
                                                            attn_implementation="sdpa").cuda()
@@ -308,14 +290,14 @@ def main():
         mask = (torch.arange(S, device="cuda")[None, :] < torch.tensor(seq_lens, device="cuda")[:, None]).long() \
             if padded else None
         host = ids.tolist()
-        tok, lens = Samebits.arrays([host[i][:n] for i, n in enumerate(seq_lens)], seq_lens)
-        logp = (ctypes.c_double * T)()
+        seqs = [host[i][:n] for i, n in enumerate(seq_lens)]
+        ones = np.ones(T - B)  # d(sum of logp)/d(logp): one per scored token (all but each sequence's last)
         # prefill (scoring)
         torch.cuda.empty_cache()
-        u0 = lib.sb_memory_in_use()
-        lib.sb_memory_peak(1)
-        t_sb = timed(lambda: sb.forward(tok, lens, B, logp), args.reps)
-        m_sb = lib.sb_memory_peak(0) - u0
+        u0 = sb.in_use()
+        sb.peak(True)
+        t_sb = timed(lambda: sb.forward(seqs), args.reps)
+        m_sb = sb.peak(False) - u0
         sb.release()
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
@@ -324,18 +306,18 @@ def main():
         m_hf = torch.cuda.max_memory_allocated() - m0
         with torch.no_grad():
             ref = hf_logp(ids[:1, :seq_lens[0]], None, False)[0].double().cpu()
-        ours = torch.tensor(list(logp)[:seq_lens[0] - 1], dtype=torch.float64)
+        ours = torch.tensor(sb.logp[0][1:], dtype=torch.float64)  # entry i: log p(token i | tokens < i)
         diff = (ours - ref).abs().max().item()
         rows_p.append(f"| {label} | {T / t_sb:,.0f} tok/s ({t_sb * 1e3:.1f} ms) | {T / t_hf:,.0f} tok/s ({t_hf * 1e3:.1f} ms) | "
                       f"**{t_sb / t_hf:.2f}×** | {m_sb / 2**30:.1f} / {m_hf / 2**30:.1f} GiB | {diff:.3g} |")
         # forward + backward
-        lib.sb_chain_drop_grads(sb.h)  # the accumulators are made in the phase, as transformers' .grad are
+        sb.drop_grads()  # the accumulators are made in the phase, as transformers' .grad are
         torch.cuda.empty_cache()
-        u0 = lib.sb_memory_in_use()
-        lib.sb_memory_peak(1)
-        t_sb_fb = timed(lambda: sb.forward_backward(tok, lens, B), max(3, args.reps - 2))
-        m_sb = lib.sb_memory_peak(0) - u0
-        lib.sb_chain_drop_grads(sb.h)
+        u0 = sb.in_use()
+        sb.peak(True)
+        t_sb_fb = timed(lambda: sb.forward_backward(seqs, ones), max(3, args.reps - 2))
+        m_sb = sb.peak(False) - u0
+        sb.drop_grads()
         sb.release()
         torch.cuda.reset_peak_memory_stats()
         m0 = torch.cuda.memory_allocated()
@@ -349,8 +331,8 @@ def main():
             p_hf = kernel_profile(hf_fb)
             hf.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            p_sb = kernel_profile(lambda: sb.forward_backward(tok, lens, B))
-            lib.sb_chain_drop_grads(sb.h)
+            p_sb = kernel_profile(lambda: sb.forward_backward(seqs, ones))
+            sb.drop_grads()
             sb.release()
             rows_prof = profile_rows("samebits", p_sb, "transformers", p_hf)
             print("\n".join(rows_prof), flush=True)
@@ -369,21 +351,18 @@ def main():
         ids = torch.randint(0, V, (B, prompt + steps), device="cuda")
         host = ids.tolist()
         sb.cache(B, prompt + steps + 1)
-        tok, lens = Samebits.arrays([r[:prompt] for r in host], [prompt] * B)
-        sb.step(tok, lens, (ctypes.c_int64 * B)(*([0] * B)), B)
+        sb.step([r[:prompt] for r in host])  # the prompts (slot i: sequence i)
         sb_times = []
         for t in range(steps):
-            tok, lens = Samebits.arrays([[r[prompt + t]] for r in host], [1] * B)
-            cached = (ctypes.c_int64 * B)(*([prompt + t] * B))
+            tok = [[r[prompt + t]] for r in host]  # one token a sequence, after the prompt + t its slot holds
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            sb.step(tok, lens, cached, B)
+            sb.step(tok)
             torch.cuda.synchronize()
             sb_times.append(time.perf_counter() - t0)
         if args.profile and B == 1:  # one more step (the cache has room for it)
-            tok, lens = Samebits.arrays([[r[-1]] for r in host], [1] * B)
-            cached = (ctypes.c_int64 * B)(*([prompt + steps] * B))
-            print_step_profile("samebits decode step", lambda: sb.step(tok, lens, cached, B), warm=False)
+            tok = [[r[-1]] for r in host]
+            print_step_profile("samebits decode step", lambda: sb.step(tok), warm=False)
         sb.release()
 
         def hf_decode(backends):
@@ -457,7 +436,7 @@ def main():
                 "| B | samebits | transformers | plain PyTorch (cuBLAS + SDPA) | samebits / transformers / plain |",
                 "| --- | --- | --- | --- | --- |"] + rows_d
     emit(out, args.md)
-    lib.sb_chain_free(sb.h)
+    sb.close()
 
 
 if __name__ == "__main__":

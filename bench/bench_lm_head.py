@@ -7,8 +7,9 @@ Forward: the fused op (logp, entropy, lse; logits never stored) against samebits
 writing bf16 logits and torch's F.linear (cuBLAS). Forward + backward: the fused forward and
 backward (dhidden in bf16, dweight accumulated in fp32) against torch's three GEMMs + cross-entropy
 (F.linear, F.cross_entropy(reduction="none"), autograd for hidden and weight). Each sample times
-every contender alternately with CUDA events after warm-up; medians. Inputs rotate over two hidden
-buffers (the 1.2 GB weight is far past L2 anyway) and are random, never zeros.
+every contender alternately with CUDA events after warm-up (bench/timing.py: alternate); medians.
+Inputs rotate over two hidden buffers (the 1.2 GB weight is far past L2 anyway) and are random,
+never zeros. samebits is called through samebits._core.raw on preallocated tensors (bench/raw_ops.py).
 """
 import argparse
 import sys
@@ -16,7 +17,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_logprob import IGNORE, Samebits, alternate
+from raw_ops import IGNORE, RawOps
+from timing import alternate, emit, samebits_from
 
 
 def free_bytes():
@@ -133,7 +135,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print per-kernel times of the forward + backward")
     args = ap.parse_args()
-    sb = Samebits(args.build)
+    sb = RawOps(samebits_from(args.build))
     reps = 5 if args.quick else 15
     rows, notes = [], []
     for V in (151936, 128256):
@@ -148,10 +150,7 @@ def main():
            "| workload (bf16, 8192 tokens) | samebits ms | TFLOP/s | against |", "| --- | --- | --- | --- |"]
     out += [f"| {w} | {ms:.3f} | {tf} | {cmp} |" for w, ms, tf, cmp in rows]
     out += ["", "Memory and numerics:", ""] + [f"- {n}" for n in notes]
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.md:
-        open(args.md, "w").write(text)
+    emit(out, args.md)
 
 
 if __name__ == "__main__":

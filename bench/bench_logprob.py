@@ -3,149 +3,19 @@
 
     python3 bench/bench_logprob.py BUILD_DIR [--md OUT.md] [--quick]
 
-Calls samebits through bench/torch_shim.cpp (ctypes, torch's device pointers and current stream).
-Each sample times samebits and then torch with CUDA events, alternately, after warm-up; the table
-gives medians. Inputs are random (never zeros) and rotate over several buffers past the L2 size.
+Calls samebits through samebits._core.raw on torch's tensors and current stream (bench/raw_ops.py).
+Each sample times samebits and then torch with CUDA events, alternately, after warm-up
+(bench/timing.py: alternate); the table gives medians. Inputs are random (never zeros) and rotate
+over several buffers past the L2 size.
 """
 import argparse
-import ctypes
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
-
-
-def load_shim(build):
-    lib = ctypes.CDLL(f"{build}/libsamebits_torch_shim.so")
-    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    sig = {
-        "sb_logprob_forward": [P, I, L, L, P, P, ctypes.c_int32, P, P, P, P, ctypes.c_char_p, I],
-        "sb_logprob_backward": [P, I, L, L, P, P, ctypes.c_int32, P, P, P, P, I, P, ctypes.c_char_p, I],
-        "sb_embedding_forward": [P, L, P, I, L, L, P, P, ctypes.c_char_p, I],
-        "sb_embedding_backward": [P, L, P, I, P, P, L, L, P, ctypes.c_char_p, I],
-        "sb_linear_forward": [P, I, L, L, P, L, P, I, P, ctypes.c_char_p, I],
-        "sb_lm_head_forward": [P, I, L, L, P, L, P, P, ctypes.c_int32, P, P, P, P, ctypes.c_char_p, I],
-        "sb_lm_head_backward": [P, I, L, L, P, L, P, P, ctypes.c_int32, P, P, P, P, P, P, ctypes.c_char_p, I],
-    }
-    for name, args in sig.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = I
-    lib.sb_dtype_code.argtypes = [ctypes.c_char_p]
-    return lib
-
-
-class Samebits:
-    def __init__(self, build):
-        self.lib = load_shim(build)
-        self.err = ctypes.create_string_buffer(2048)
-        self.code = {torch.bfloat16: self.lib.sb_dtype_code(b"bf16"), torch.float16: self.lib.sb_dtype_code(b"fp16"),
-                     torch.float32: self.lib.sb_dtype_code(b"fp32")}
-
-    def _call(self, fn, *args):
-        if fn(*args, self.err, len(self.err)) != 0:
-            raise RuntimeError(self.err.value.decode())
-
-    @staticmethod
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-
-    @staticmethod
-    def stream():
-        return torch.cuda.current_stream().cuda_stream
-
-    def logprob_forward(self, logits, targets, mask, logp, entropy=None, lse=None):
-        T, V = logits.shape
-        self._call(self.lib.sb_logprob_forward, self.ptr(logits), self.code[logits.dtype], T, V, self.ptr(targets),
-                   self.ptr(mask), IGNORE, self.ptr(logp), self.ptr(entropy), self.ptr(lse), self.stream())
-
-    def logprob_backward(self, logits, targets, mask, lse, dlogp, dentropy, dlogits):
-        T, V = logits.shape
-        self._call(self.lib.sb_logprob_backward, self.ptr(logits), self.code[logits.dtype], T, V, self.ptr(targets),
-                   self.ptr(mask), IGNORE, self.ptr(lse), self.ptr(dlogp), self.ptr(dentropy), self.ptr(dlogits),
-                   self.code[dlogits.dtype], self.stream())
-
-    def embedding_forward(self, ids, table, y):
-        V, H = table.shape
-        self._call(self.lib.sb_embedding_forward, self.ptr(ids), ids.numel(), self.ptr(table), self.code[table.dtype],
-                   V, H, self.ptr(y), self.stream())
-
-    def embedding_backward(self, ids, dy, mask, dtable):
-        V, H = dtable.shape
-        self._call(self.lib.sb_embedding_backward, self.ptr(ids), ids.numel(), self.ptr(dy), self.code[dy.dtype],
-                   self.ptr(mask), self.ptr(dtable), V, H, self.stream())
-
-    def linear_forward(self, x, w, y):
-        (M, K), N = x.shape, w.shape[0]
-        self._call(self.lib.sb_linear_forward, self.ptr(x), self.code[x.dtype], M, K, self.ptr(w), N, self.ptr(y),
-                   self.code[y.dtype], self.stream())
-
-    def lm_head_forward(self, hidden, weight, targets, mask, logp, entropy=None, lse=None):
-        (T, K), V = hidden.shape, weight.shape[0]
-        self._call(self.lib.sb_lm_head_forward, self.ptr(hidden), self.code[hidden.dtype], T, K, self.ptr(weight), V,
-                   self.ptr(targets), self.ptr(mask), IGNORE, self.ptr(logp), self.ptr(entropy), self.ptr(lse),
-                   self.stream())
-
-    def lm_head_backward(self, hidden, weight, targets, mask, lse, dlogp, dentropy, dhidden, dweight):
-        (T, K), V = hidden.shape, weight.shape[0]
-        self._call(self.lib.sb_lm_head_backward, self.ptr(hidden), self.code[hidden.dtype], T, K, self.ptr(weight), V,
-                   self.ptr(targets), self.ptr(mask), IGNORE, self.ptr(lse), self.ptr(dlogp), self.ptr(dentropy),
-                   self.ptr(dhidden), self.ptr(dweight), self.stream())
-
-
-LEAD_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each sample
-_FLUSH = []
-
-
-def _l2_flush_buffer():
-    """256 MB written before every sample (as triton.testing.do_bench does): L2 (50 MiB) then holds
-    only dirty lines of it, so every sample starts from the same state, as a kernel does behind
-    another that wrote its output: inputs not cached, and write-backs to pay. Without it a kernel's
-    time depended on which callable ran before it (up to 9% at 100 µs); a read-only flush instead
-    leaves L2 clean and hides up to 50 MiB of the kernel's own write-back (add: 3.2 TB/s, above a
-    copy's 3.1)."""
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(64 << 20, device="cuda", dtype=torch.int32))
-    return _FLUSH[0]
-
-
-def alternate(fns, reps, warm=3):
-    """Median milliseconds of each callable fn(i), timed alternately sample by sample (in an order
-    rotated every sample), each sample after an L2 flush.
-
-    Each sample starts behind a ~1 ms spin kernel (torch.cuda._sleep), so the host has queued the
-    callable's launches before the GPU reaches the start event: the events then time the GPU's work,
-    not the host's launch latency (tens of µs through Python, which would dominate kernels of ~100 µs)."""
-    for i in range(warm):
-        for f in fns:
-            f(i)
-    flush = _l2_flush_buffer()
-    times = [[] for _ in fns]
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-    for i in range(reps):
-        for j in range(len(fns)):  # each sample in a rotated order, so no callable always goes first
-            k = (i + j) % len(fns)
-            f = fns[k]
-            s, e = ev[k]
-            flush.zero_()  # the same L2 state for every sample, whatever ran before it
-            torch.cuda._sleep(LEAD_CYCLES)
-            s.record()
-            f(i)
-            e.record()
-            e.synchronize()
-            times[k].append(s.elapsed_time(e))
-    return [statistics.median(t) for t in times]
-
-
-def emit(lines, md=None):
-    """Prints a generated table and writes it to `md` when given."""
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if md:
-        with open(md, "w") as f:
-            f.write(text)
+from raw_ops import IGNORE, RawOps
+from timing import alternate, emit, samebits_from
 
 
 def bench_logprob(sb, T, V, reps, rows):
@@ -262,7 +132,7 @@ def main():
     ap.add_argument("--md")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    sb = Samebits(args.build)
+    sb = RawOps(samebits_from(args.build))
     reps = 5 if args.quick else 20
     rows, notes = [], []
     for V in (151936, 128256):
@@ -279,10 +149,7 @@ def main():
            "| --- | --- | --- | --- |"]
     out += [f"| {w} | {ms:.3f} | {tb} | {cmp} |" for w, ms, tb, cmp in rows]
     out += ["", "Numerics (logprob forward, same inputs):", ""] + [f"- {n}" for n in notes]
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.md:
-        open(args.md, "w").write(text)
+    emit(out, args.md)
 
 
 if __name__ == "__main__":

@@ -5,60 +5,22 @@
 
 Effective bandwidth counts each tensor the op must read or write once (bf16 activations, a bf16
 weight, fp32 rstd and dweight). Every sample times samebits and torch alternately with CUDA events
-after warm-up (bench_logprob.alternate); medians. Inputs are random and rotate over three buffers
+after warm-up (bench/timing.py: alternate); medians. samebits is called through samebits._core.raw
+on preallocated tensors (bench/raw_ops.py). Inputs are random and rotate over three buffers
 of 64 MiB or more, past the 50 MiB L2. The dweight chain's share of the backward comes from the
 kernel times of one call (torch.profiler / CUPTI).
 """
 import argparse
-import ctypes
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench_logprob import alternate, emit, load_shim
+from raw_ops import RawOps
+from timing import alternate, emit, samebits_from
 
-EPS = 1e-6
-
-
-class Shim:
-    def __init__(self, build):
-        self.lib = load_shim(build)
-        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        sig = {"sb_rmsnorm_forward": [P, P, I, L, L, P, I, P, P, P, P, ctypes.c_char_p, I],
-               "sb_rmsnorm_backward": [P, P, I, L, L, P, I, P, P, P, P, ctypes.c_char_p, I],
-               "sb_swiglu": [P, P, I, L, P, P, P, P, P, ctypes.c_char_p, I],
-               "sb_residual_add": [P, P, I, L, P, P, ctypes.c_char_p, I],
-               "sb_rope": [P, I, L, L, L, P, P, I, P, ctypes.c_char_p, I],
-               "sb_rope_to": [P, I, L, L, L, P, P, I, I, P, ctypes.c_char_p, I],
-               "sb_qk_norm_forward": [P, I, L, L, L, P, P, P, P, P, ctypes.c_char_p, I],
-               "sb_qk_norm_backward": [P, I, P, I, L, L, L, P, P, P, P, P, P, ctypes.c_char_p, I]}
-        for name, args in sig.items():
-            getattr(self.lib, name).argtypes = args
-            getattr(self.lib, name).restype = I
-        self.lib.sb_set_tuning.argtypes = [ctypes.c_char_p, I]
-        self.err = ctypes.create_string_buffer(2048)
-        self.bf16 = self.lib.sb_dtype_code(b"bf16")
-        self.f32 = self.lib.sb_dtype_code(b"fp32")
-
-    def tuned(self, settings, f):
-        """f with kernel-shape test hooks set around the call (shapes that change no bit)."""
-        def g(i):
-            for k, v in settings.items():
-                self.lib.sb_set_tuning(k.encode(), v)
-            f(i)
-            for k in settings:
-                self.lib.sb_set_tuning(k.encode(), 0)
-        return g
-
-    def call(self, name, *args):
-        if getattr(self.lib, name)(*args, torch.cuda.current_stream().cuda_stream, self.err, len(self.err)) != 0:
-            raise RuntimeError(self.err.value.decode())
-
-
-def p(t):
-    return None if t is None else t.data_ptr()
+EPS = 1e-6  # torch's side; samebits' calls keep the library's default, the same 1e-6
 
 
 def row(name, ours, theirs, nbytes, target=None):
@@ -78,7 +40,7 @@ def bench_rmsnorm(sb, T, H, reps, out):
     rstd, dw = torch.empty(T, device=dev), torch.zeros(H, device=dev)
 
     def ours_fwd(i):
-        sb.call("sb_rmsnorm_forward", p(xs[i % 3]), None, sb.bf16, T, H, p(w), sb.bf16, p(y), None, p(rstd))
+        sb.rmsnorm_forward(xs[i % 3], w, y, rstd)
 
     def torch_fwd(i):
         F.rms_norm(xs[i % 3], (H,), w, EPS)
@@ -87,12 +49,12 @@ def bench_rmsnorm(sb, T, H, reps, out):
     out.append(row(f"RMSNorm forward {T} × {H}", f_ours, f_torch, 2 * T * H * 2 + H * 2 + T * 4, 2.6) +
                f" (the bf16 instance) run-time-dtype instance: {f_any * 1e3:.1f} µs")
 
-    sb.call("sb_rmsnorm_forward", p(xs[0]), None, sb.bf16, T, H, p(w), sb.bf16, p(y), None, p(rstd))
+    sb.rmsnorm_forward(xs[0], w, y, rstd)
     leaves = [x.detach().requires_grad_() for x in xs]
     wl = w.detach().requires_grad_()
 
     def ours_bwd(i):
-        sb.call("sb_rmsnorm_backward", p(dys[i % 3]), p(xs[i % 3]), sb.bf16, T, H, p(w), sb.bf16, p(rstd), p(dx), p(dw))
+        sb.rmsnorm_backward(dys[i % 3], xs[i % 3], w, rstd, dx, dw)
 
     def torch_bwd(i):
         yy = F.rms_norm(leaves[i % 3], (H,), wl, EPS)
@@ -129,7 +91,7 @@ def bench_elementwise(sb, reps, out):
     n = T * I
 
     def ours(i):
-        sb.call("sb_swiglu", p(gs[i % 3]), p(us[i % 3]), sb.bf16, n, p(y), None, None, None)
+        sb.swiglu_forward(gs[i % 3], us[i % 3], y)
 
     def theirs(i):
         F.silu(gs[i % 3]) * us[i % 3]
@@ -140,7 +102,7 @@ def bench_elementwise(sb, reps, out):
     dys = [torch.randn(T, I, device=dev, dtype=bf) for _ in range(3)]
 
     def ours_b(i):
-        sb.call("sb_swiglu", p(gs[i % 3]), p(us[i % 3]), sb.bf16, n, None, p(dys[i % 3]), p(dg), p(du))
+        sb.swiglu_backward(dys[i % 3], gs[i % 3], us[i % 3], dg, du)
 
     def theirs_b(i):
         g, u = gs[i % 3], us[i % 3]
@@ -154,7 +116,7 @@ def bench_elementwise(sb, reps, out):
     ya = torch.empty(T, H, device=dev, dtype=bf)
 
     def ours_add(i):
-        sb.call("sb_residual_add", p(xa[i % 3]), p(xb[i % 3]), sb.bf16, T * H, p(ya))
+        sb.residual_add(xa[i % 3], xb[i % 3], ya)
 
     def theirs_add(i):
         torch.add(xa[i % 3], xb[i % 3], out=ya)
@@ -182,7 +144,7 @@ def bench_rope(sb, reps, out):
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(bf)[:, None, :]
 
     def ours(i):
-        sb.call("sb_rope", p(qs[i % 3]), sb.bf16, T, heads, D, p(pos), p(y), 0)
+        sb.rope(qs[i % 3], pos, y)
 
     def theirs(i):  # Hugging Face's apply_rotary_pos_emb with cos / sin made beforehand
         q = qs[i % 3]
@@ -216,13 +178,13 @@ def bench_qk_norm_rope(sb, reps, out):
     def fused(i):
         for n, h in heads.items():
             a = t[n]
-            sb.call("sb_qk_norm_forward", p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]), p(a["rstd"]), p(a["y"]), p(pos))
+            sb.qk_norm_forward(a["x"][i % 3], a["w"], a["rstd"], a["y"], pos)
 
     def unfused(i):
         for n, h in heads.items():
             a = t[n]
-            sb.call("sb_qk_norm_forward", p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]), p(a["rstd"]), p(a["tmp"]), None)
-            sb.call("sb_rope", p(a["tmp"]), sb.bf16, T, h, D, p(pos), p(a["y"]), 0)
+            sb.qk_norm_forward(a["x"][i % 3], a["w"], a["rstd"], a["tmp"])
+            sb.rope(a["tmp"], pos, a["y"])
 
     def torch_fwd(x, w):
         n = F.rms_norm(x, (D,), w, EPS)
@@ -240,15 +202,13 @@ def bench_qk_norm_rope(sb, reps, out):
     def fused_bwd(i):
         for n, h in heads.items():
             a = t[n]
-            sb.call("sb_qk_norm_backward", p(a["dy"][i % 3]), sb.bf16, p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]),
-                    p(a["rstd"]), p(a["dx"]), p(a["dw"]), p(pos))
+            sb.qk_norm_backward(a["dy"][i % 3], a["x"][i % 3], a["w"], a["rstd"], a["dx"], a["dw"], pos)
 
     def unfused_bwd(i):
         for n, h in heads.items():
             a = t[n]
-            sb.call("sb_rope_to", p(a["dy"][i % 3]), sb.bf16, T, h, D, p(pos), p(a["tmp32"]), sb.f32, 1)
-            sb.call("sb_qk_norm_backward", p(a["tmp32"]), sb.f32, p(a["x"][i % 3]), sb.bf16, T, h, D, p(a["w"]),
-                    p(a["rstd"]), p(a["dx"]), p(a["dw"]), None)
+            sb.rope(a["dy"][i % 3], pos, a["tmp32"], inverse=True)
+            sb.qk_norm_backward(a["tmp32"], a["x"][i % 3], a["w"], a["rstd"], a["dx"], a["dw"])
 
     leaves = {n: [x.detach().requires_grad_() for x in t[n]["x"]] for n in heads}
     wl = {n: t[n]["w"].detach().requires_grad_() for n in heads}
@@ -271,7 +231,7 @@ def main():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--only", choices=["qk"], help="only the QK-norm + RoPE rows (a quick A/B)")
     args = ap.parse_args()
-    sb = Shim(args.build)
+    sb = RawOps(samebits_from(args.build))
     name = torch.cuda.get_device_name()
     out = [f"# Norm, RoPE and elementwise kernels: samebits vs torch on {name}", "",
            "Generated by `python3 bench/bench_norm.py BUILD_DIR --md ...` "

@@ -14,30 +14,16 @@ Shape: Qwen3-8B's width (hidden 4096, 32 / 8 heads of 128, MLP 12288, vocab 1519
 --layers layers, random weights. Batches of uniform length (the shape enable() covers; the chain
 packs, so ragged batches would favour it further). Each step is timed with CUDA events around the
 whole call (host work included), 2 warm-up steps, the median of --reps, rotating over 3 different
-token batches; a row alone of any result is never timed.
+token batches (bench/timing.py: event_median); a row alone of any result is never timed.
 """
 import argparse
-import statistics
 
 import torch
 import transformers
 
 import samebits.hf
 import samebits.torch as sbt
-
-
-def timed(fn, batches, reps):
-    for i in range(2):
-        fn(batches[i % len(batches)])
-    times = []
-    for r in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(batches[r % len(batches)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from timing import event_median as timed
 
 
 def main():

@@ -27,9 +27,13 @@
 
 #include "samebits/chain.hpp"
 #include "samebits/context.hpp"
+#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
 #include "samebits/ops.hpp"
+// The library's kernel-shape test hooks (src/ops/tuning.hpp: not installed, not public), for
+// _set_tuning below: benchmarks' A/B timing and tests only.
+#include "ops/tuning.hpp"
 
 namespace py = pybind11;
 using namespace samebits;
@@ -157,6 +161,7 @@ RopeConfig rope_from(const py::handle& v) {
 template <class A>
 void set_rope(A& a, const py::handle& v) { a.rope = rope_from(v); }
 void set_rope_config(RopeArgs& a, const py::handle& v) { a.config = rope_from(v); }
+void set_page_size(AttentionForwardArgs& a, const py::handle& v) { a.page_size = v.cast<int64_t>(); }
 
 void bind_raw(py::module_& m) {
   auto r = m.def_submodule("raw", "The ops on caller-described tensors (pointer, dtype, shape, device[, owner]), on "
@@ -178,6 +183,10 @@ void bind_raw(py::module_& m) {
   bind_raw_op<PB>(r, "logprob_backward", {"token_logprobs_backward", {{"logits", &PB::logits}, {"targets", &PB::targets}, {"loss_mask", &PB::loss_mask}, {"lse", &PB::lse}, {"dlogp", &PB::dlogp}, {"dentropy", &PB::dentropy}, {"dlogits", &PB::dlogits}}, {}, logprob_backward});
   using AF = AttentionForwardArgs;
   bind_raw_op<AF>(r, "attention_forward", {"attention", {{"q", &AF::q}, {"k", &AF::k}, {"v", &AF::v}, {"seqs", &AF::seqs}, {"out", &AF::out}, {"lse", &AF::lse}}, {{"scale", set_scale<AF>}}, attention_forward});
+  // attention_forward with a paged KV cache: block_table (host int32 [B, pages]) and page_size; k / v
+  // are then a pool of pages (ops.hpp). A separate name, so that attention_forward's positional
+  // arguments (which samebits.torch passes) stay as they are.
+  bind_raw_op<AF>(r, "attention_forward_paged", {"attention", {{"q", &AF::q}, {"k", &AF::k}, {"v", &AF::v}, {"seqs", &AF::seqs}, {"out", &AF::out}, {"lse", &AF::lse}, {"block_table", &AF::block_table}}, {{"scale", set_scale<AF>}, {"page_size", set_page_size}}, attention_forward});
   using AB = AttentionBackwardArgs;
   bind_raw_op<AB>(r, "attention_backward", {"attention_backward", {{"q", &AB::q}, {"k", &AB::k}, {"v", &AB::v}, {"seqs", &AB::seqs}, {"out", &AB::out}, {"lse", &AB::lse}, {"dout", &AB::dout}, {"dq", &AB::dq}, {"dk", &AB::dk}, {"dv", &AB::dv}}, {{"scale", set_scale<AB>}}, attention_backward});
   using EF = EmbeddingForwardArgs;
@@ -188,6 +197,8 @@ void bind_raw(py::module_& m) {
   bind_raw_op<SF>(r, "swiglu_forward", {"swiglu", {{"gate", &SF::gate}, {"up", &SF::up}, {"y", &SF::y}}, {}, swiglu_forward});
   using SB = SwiGluBackwardArgs;
   bind_raw_op<SB>(r, "swiglu_backward", {"swiglu_backward", {{"dy", &SB::dy}, {"gate", &SB::gate}, {"up", &SB::up}, {"dgate", &SB::dgate}, {"dup", &SB::dup}}, {}, swiglu_backward});
+  using RD = ResidualAddArgs;
+  bind_raw_op<RD>(r, "residual_add_forward", {"residual_add", {{"a", &RD::a}, {"b", &RD::b}, {"y", &RD::y}}, {}, residual_add_forward});
   using RA = RopeArgs;
   bind_raw_op<RA>(r, "rope_forward", {"rope", {{"x", &RA::x}, {"positions", &RA::positions}, {"y", &RA::y}}, {{"rope", set_rope_config}}, rope_forward});
   bind_raw_op<RA>(r, "rope_backward", {"rope_backward", {{"x", &RA::x}, {"positions", &RA::positions}, {"y", &RA::y}}, {{"rope", set_rope_config}}, rope_backward});
@@ -295,6 +306,28 @@ std::vector<double> flat_to_rows(const ChainBatch& b, const py::array_t<double, 
   return rows;
 }
 
+// A KV cache made by Chain.kv_cache: `slots` sequences of up to `capacity` tokens each, in the
+// memory of the chain's backend (a GPU chain's cache lives on the GPU). Remembers its model, so that
+// a step never runs it with another model's chain.
+struct PyKvCache {
+  std::shared_ptr<KvCache> cache;
+  const Model* model = nullptr;
+  int64_t slots = 0;
+
+  int64_t length(int64_t slot) const {
+    check_slot(slot, "KvCache.length");
+    return cache->length(slot);
+  }
+  void reset(int64_t slot) {
+    check_slot(slot, "KvCache.reset");
+    cache->reset(slot);
+  }
+  void check_slot(int64_t slot, const char* who) const {
+    if (slot < 0 || slot >= slots)
+      throw Error(who, "slot", std::to_string(slot) + " is outside [0, " + std::to_string(slots) + ")");
+  }
+};
+
 // The model chain of one model on one backend. Keeps its Model alive (keep_alive below).
 class PyChain {
  public:
@@ -364,6 +397,78 @@ class PyChain {
   }
 
   std::string backend() const { return backend_name(chain_.backend()); }
+
+  // A KV cache for step(): `slots` sequences of up to `capacity` tokens each.
+  PyKvCache kv_cache(int64_t slots, int64_t capacity) const {
+    if (slots < 1) throw Error("Chain.kv_cache", "slots", "must be at least 1");
+    if (capacity < 1) throw Error("Chain.kv_cache", "capacity", "must be at least 1");
+    if (capacity > model_.config().rope.max_position)
+      throw Error("Chain.kv_cache", "capacity",
+                  std::to_string(capacity) + " is more than the model's max_position_embeddings (" +
+                      std::to_string(model_.config().rope.max_position) + ")");
+    return PyKvCache{std::make_shared<KvCache>(model_.config(), slots, capacity, chain_.act_dtype(), chain_.backend()),
+                     &model_, slots};
+  }
+
+  // One step against the cache (prefill, chunked prefill and decode alike): sequence i's tokens are
+  // appended to slot slots[i] (default: slot i) after the tokens that slot holds, attending to them.
+  // Returns, flat in sequence order (one value per appended token), the logprob of the token that
+  // follows each appended token: the next one in the sequence, and after its last token
+  // next_tokens[i] when given (NaN when not).
+  py::array_t<double> step(PyKvCache& cache, const std::vector<std::vector<int64_t>>& seqs,
+                           const std::optional<std::vector<int64_t>>& next_tokens,
+                           const std::optional<std::vector<int64_t>>& slots) const {
+    if (cache.model != &model_) throw Error("Chain.step", "cache", "was made for another model (Chain.kv_cache)");
+    const ModelConfig& c = model_.config();
+    const auto lists = token_lists(seqs, c);
+    const int64_t S = int64_t(lists.size());
+    if (next_tokens) {
+      if (int64_t(next_tokens->size()) != S)
+        throw Error("Chain.step", "next_tokens", "needs one token per sequence (" + std::to_string(S) + "), got " +
+                                                     std::to_string(next_tokens->size()));
+      for (int64_t id : *next_tokens)
+        if (id < 0 || id >= c.vocab_size)
+          throw Error("Chain.step", "next_tokens",
+                      "token id " + std::to_string(id) + " is outside [0, " + std::to_string(c.vocab_size) + ")");
+    }
+    std::vector<int64_t> slot_of(static_cast<size_t>(S));
+    for (int64_t i = 0; i < S; ++i) slot_of[size_t(i)] = i;
+    if (slots) {
+      if (int64_t(slots->size()) != S)
+        throw Error("Chain.step", "slots", "needs one slot per sequence (" + std::to_string(S) + "), got " +
+                                               std::to_string(slots->size()));
+      slot_of = *slots;
+    }
+    std::vector<bool> taken(size_t(cache.slots), false);
+    for (int64_t s : slot_of) {
+      cache.check_slot(s, "Chain.step");
+      if (taken[size_t(s)]) throw Error("Chain.step", "slots", "slot " + std::to_string(s) + " is given twice");
+      taken[size_t(s)] = true;
+    }
+    ChainBatch b;
+    for (int64_t i = 0; i < S; ++i) {
+      const std::vector<int32_t>& t = lists[size_t(i)];
+      const int64_t len = int64_t(t.size()), cached = cache.cache->length(slot_of[size_t(i)]);
+      b.seqs.push_back({b.rows(), len, slot_of[size_t(i)], cached});
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t target = k + 1 < len ? t[size_t(k + 1)] : (next_tokens ? (*next_tokens)[size_t(i)] : -100);
+        b.tokens.push_back(t[size_t(k)]);
+        b.positions.push_back(int32_t(std::min<int64_t>(cached + k, std::numeric_limits<int32_t>::max())));
+        b.targets.push_back(int32_t(target));
+        b.loss_mask.push_back(target >= 0 ? 1 : 0);
+      }
+    }
+    ChainForward f;
+    {
+      py::gil_scoped_release unlocked;
+      f = chain_.forward_cached(b, *cache.cache);
+    }
+    py::array_t<double> out(py::ssize_t(b.rows()));
+    double* o = out.mutable_data();
+    for (int64_t r = 0; r < b.rows(); ++r)
+      o[r] = b.loss_mask[size_t(r)] ? f.logp[size_t(r)] : std::numeric_limits<double>::quiet_NaN();
+    return out;
+  }
 
  private:
   static Context ctx_for(const std::string& backend) {
@@ -477,7 +582,23 @@ PYBIND11_MODULE(_core, m) {
       .def("backward", &PyChain::backward, py::arg("forward"), py::arg("dlogp"), py::arg("grads") = py::none(),
            "Adds d(sum dlogp * logp)/d(every weight) into grads (new Grads when None) and returns them; dlogp: one "
            "value per scored token, as forward's logp.")
-      .def_property_readonly("backend", &PyChain::backend);
+      .def_property_readonly("backend", &PyChain::backend)
+      .def("kv_cache", &PyChain::kv_cache, py::arg("slots"), py::arg("capacity"), py::keep_alive<0, 1>(),
+           "A KV cache of `slots` sequences of up to `capacity` tokens each, in the chain's backend memory, for "
+           "step().")
+      .def("step", &PyChain::step, py::arg("cache"), py::arg("sequences"), py::arg("next_tokens") = py::none(),
+           py::arg("slots") = py::none(),
+           "One step against a KV cache (prefill, chunked prefill, decode): sequence i's tokens are appended to "
+           "slot slots[i] (default i) after the tokens the slot holds. Returns one float64 array, flat in sequence "
+           "order, one value per appended token: the logprob of the token that follows it (the next one of the "
+           "sequence; after its last token next_tokens[i], NaN when not given). The same bits as a full forward "
+           "of the whole sequence.");
+
+  py::class_<PyKvCache>(m, "KvCache", "A KV cache made by Chain.kv_cache (its memory is freed with the object).")
+      .def_readonly("slots", &PyKvCache::slots)
+      .def_property_readonly("capacity", [](const PyKvCache& c) { return c.cache->capacity(); })
+      .def("length", &PyKvCache::length, py::arg("slot"), "How many tokens the slot holds.")
+      .def("reset", &PyKvCache::reset, py::arg("slot"), "Empties the slot (its next step starts a new sequence).");
 
   py::class_<PyForward, std::shared_ptr<PyForward>>(m, "Forward", "One kept forward (its activations live until it is dropped).")
       .def_property_readonly("logp", [](const PyForward& f) { return f.flat(f.fwd.logp); })
@@ -494,6 +615,53 @@ PYBIND11_MODULE(_core, m) {
       .def("cuda_array_interface", &PyGrads::cuda_array_interface, py::arg("name"),
            "An accumulator in GPU memory as a __cuda_array_interface__ dict (no copy).")
       .def_readonly("tied", &PyGrads::tied);
+
+  // samebits' own device memory (its pool), for a process that shares the GPU with another allocator
+  // (torch's): what samebits holds now, its high-water mark, and giving back what it keeps unused.
+  auto backend_of = [](const std::string& b, const char* who) { return choose_backend(b.c_str(), who, "backend"); };
+  m.def("device_memory_in_use", [backend_of](const std::string& backend) {
+    return int64_t(device_memory_in_use(backend_of(backend, "device_memory_in_use")));
+  }, py::arg("backend") = "auto", "Bytes of device memory samebits holds now (tensors and temporaries; 0 on the CPU).");
+  m.def("device_memory_peak", [backend_of](const std::string& backend, bool reset) {
+    return int64_t(device_memory_peak(backend_of(backend, "device_memory_peak"), reset));
+  }, py::arg("backend") = "auto", py::arg("reset") = false,
+     "The most bytes samebits held at once since the last reset (0 on the CPU); reset=True starts a new mark.");
+  m.def("device_memory_release", [backend_of](const std::string& backend) {
+    const Backend b = backend_of(backend, "device_memory_release");
+    py::gil_scoped_release unlocked;
+    device_memory_release(b);
+  }, py::arg("backend") = "auto",
+     "Gives the memory samebits keeps for reuse but does not use back to the device (synchronises it first).");
+
+  // A test / benchmark hook, not an API: forces one of the library's kernel-shape choices (choices
+  // that change no bit: the tests prove it) for A/B timing; returns the previous value. 0 restores
+  // the library's own choice. norm_any_dtype: 1 runs the RMSNorm kernels' run-time-dtype instance;
+  // gemm_tile_width: 32, 48, 64, 128, 192 or 256; lm_head_vocab_chunk: a multiple of 256 columns.
+  m.def("_set_tuning", [](const std::string& name, int64_t value) -> int64_t {
+    if (name == "norm_any_dtype") {
+      if (value != 0 && value != 1) throw Error("_set_tuning", name, "takes 0 or 1");
+      const int64_t before = detail::norm_any_dtype_path_override() ? 1 : 0;
+      detail::norm_any_dtype_path_override() = value != 0;
+      return before;
+    }
+    if (name == "gemm_tile_width") {
+      if (value != 0 && value != 32 && value != 48 && value != 64 && value != 128 && value != 192 && value != 256)
+        throw Error("_set_tuning", name, "takes 0, 32, 48, 64, 128, 192 or 256");
+      const int64_t before = detail::gemm_tile_width_override();
+      detail::gemm_tile_width_override() = int(value);
+      return before;
+    }
+    if (name == "lm_head_vocab_chunk") {
+      if (value < 0 || value % 256 != 0 || value > (int64_t(1) << 30))
+        throw Error("_set_tuning", name, "takes 0 or a positive multiple of 256");
+      const int64_t before = detail::lm_head_vocab_chunk_override();
+      detail::lm_head_vocab_chunk_override() = int(value);
+      return before;
+    }
+    throw Error("_set_tuning", name, "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk)");
+  }, py::arg("name"), py::arg("value"),
+     "Test / benchmark hook: forces a kernel-shape choice that changes no bit (0: the library's own); returns the "
+     "previous value.");
 
   bind_raw(m);
 }

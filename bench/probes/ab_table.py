@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Side-by-side cuBLAS ratios of bench_gemm CSVs (one per variant): bench/ab_table.py A.csv B.csv ..."""
+"""Side-by-side cuBLAS ratios of bench_gemm CSVs (one per variant): bench/probes/ab_table.py A.csv B.csv ...
+(bench/probes/ab_gemm.sh runs it)"""
 import csv, math, os, sys
 
 runs = {os.path.basename(p)[:-4]: {(r["shape"], r["product"], int(r["M"])): float(r["ratio"])

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Same-card A/B of GEMM changes, on the GPU machine, in one call: builds bench_gemm from this tree
 # (build-gpu) and from every variant under .ab/NAME/ (this tree with include/ and src/ replaced by the
-# variant's; `bench/ab_gemm.sh --prepare NAME REV` fills one here from a git revision, edit it as you
+# variant's; `bench/probes/ab_gemm.sh --prepare NAME REV` fills one here from a git revision, edit it as you
 # like; carry .ab and .deps), runs the CUDA GEMM tests on this tree, then every benchmark with the
 # same arguments, variants first, this tree last.
-# Usage: bench/ab_gemm.sh --prepare NAME REV                  (here, before the call)
-#        bench/ab_gemm.sh OUT_DIR [bench_gemm arguments]      (on the GPU machine)
+# Usage: bench/probes/ab_gemm.sh --prepare NAME REV                  (here, before the call)
+#        bench/probes/ab_gemm.sh OUT_DIR [bench_gemm arguments]      (on the GPU machine)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--prepare" ]; then
   name=${2:?NAME}; rev=${3:?REV}
   rm -rf ".ab/$name" && mkdir -p ".ab/$name" && git archive "$rev" include src | tar -x -C ".ab/$name"
@@ -25,7 +25,7 @@ variants=()
 for v in .ab/*/; do
   v=$(basename "$v"); variants+=("$v")
   src=/tmp/ab-src-$v
-  rm -rf "$src" && mkdir -p "$src" && cp -r CMakeLists.txt cmake bench tests tools docs .deps "$src"/ && cp -r ".ab/$v/include" ".ab/$v/src" "$src"/
+  rm -rf "$src" && mkdir -p "$src" && cp -r CMakeLists.txt cmake bench python tests tools docs .deps "$src"/ && cp -r ".ab/$v/include" ".ab/$v/src" "$src"/
   build "$src" "/tmp/ab-build-$v" bench_gemm &
 done
 build . build-gpu bench_gemm samebits_tests || exit 1
@@ -39,6 +39,6 @@ for v in "${variants[@]}"; do
 done
 echo "== this tree"
 build-gpu/bench_gemm "$@" --csv "$out/tree.csv" > /tmp/ab-tree.log 2>&1 || tail -5 /tmp/ab-tree.log
-python3 bench/ab_table.py $(ls "$out"/*.csv | grep -v tree.csv) "$out/tree.csv"
+python3 bench/probes/ab_table.py $(ls "$out"/*.csv | grep -v tree.csv) "$out/tree.csv"
 # SASS of this tree's kernels, for reading here (local memory, warpgroup waits, atomics).
 cuobjdump --dump-sass build-gpu/CMakeFiles/samebits.dir/src/cuda/gemm/gemm_sm90_wgrad.cu.o > "$out/sass_wgrad.txt" 2>&1 || true

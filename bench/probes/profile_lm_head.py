@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Per-kernel times of one fused LM-head forward + backward and the bare GEMM (torch.profiler / CUPTI),
-for tuning (bench/power_lm_head.py times sustained loops with the SM clock alongside).
+for tuning (bench/probes/power_lm_head.py times sustained loops with the SM clock alongside).
 
-    python3 bench/profile_lm_head.py BUILD_DIR [V]
+    python3 bench/probes/profile_lm_head.py BUILD_DIR [V]
 """
+import os
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_logprob import IGNORE, Samebits
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/
+from raw_ops import RawOps  # noqa: E402
+from timing import samebits_from  # noqa: E402
 
 
 def main():
-    sb = Samebits(sys.argv[1])
+    sb = RawOps(samebits_from(sys.argv[1]))
     V = int(sys.argv[2]) if len(sys.argv) > 2 else 151936
     T, K, dev = 8192, 4096, "cuda"
     hidden = torch.randn(T, K, device=dev, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of one samebits GEMM launch (and cuBLAS's, from the same bench run) on the
-# GPU machine. Usage: bench/profile_gemm.sh BUILD_DIR OUT_DIR SHAPE_SUBSTRING PRODUCT M
-# e.g. bench/profile_gemm.sh build-gpu "$OUT" "O 4096" dW 8192
+# GPU machine. Usage: bench/probes/profile_gemm.sh BUILD_DIR OUT_DIR SHAPE_SUBSTRING PRODUCT M
+# e.g. bench/probes/profile_gemm.sh build-gpu "$OUT" "O 4096" dW 8192
 set -uo pipefail
 build=$1 out=$2 shape=$3 product=$4 m=$5
 tag=$(echo "$shape-$product-$m" | tr -c 'A-Za-z0-9-' '_')

@@ -6,7 +6,8 @@
 // can finish faster than (K / 16) x the latency of one dependent step, however many CTAs stream
 // the weight. This kernel runs exactly that chain, as the GEMM kernels issue it (four steps a
 // commit group, one group kept in flight), with both operands already in shared memory (no loads)
-// on one warpgroup per SM, and reports the time per step. Usage: bench_wgmma_chain [steps]
+// on one warpgroup per SM, and reports the time per step. Usage: build/bench_wgmma_chain [steps]
+// (a probe: bench/probes/wgmma_chain.cu, target bench_wgmma_chain)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

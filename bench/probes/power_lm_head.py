@@ -2,19 +2,24 @@
 """Sustained loops of the fused LM-head forward and of the bare GEMM, with the SM clock and power
 sampled alongside (is the fused op's gap work or clock?).
 
-    python3 bench/power_lm_head.py BUILD_DIR
+    python3 bench/probes/power_lm_head.py BUILD_DIR
+
+samebits is called through samebits._core.raw on preallocated tensors (bench/raw_ops.py).
 """
+import os
 import subprocess
 import sys
 import time
 
 import torch
 
-from bench_logprob import Samebits
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/
+from raw_ops import RawOps  # noqa: E402
+from timing import samebits_from  # noqa: E402
 
 
 def main():
-    sb = Samebits(sys.argv[1])
+    sb = RawOps(samebits_from(sys.argv[1]))
     T, K, V, dev = 8192, 4096, 151936, "cuda"
     hidden = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
     weight = (torch.randn(V, K, device=dev) * (3.0 / K ** 0.5)).to(torch.bfloat16)
