@@ -31,7 +31,7 @@ done
 build . build-gpu bench_gemm samebits_tests || exit 1
 wait
 echo "== CUDA GEMM tests (this tree)"
-timeout 300 build-gpu/tests/samebits_tests --gtest_filter='CudaGemm*' > "$out/tests.log" 2>&1 || { echo "tests failed or hung (exit $?)"; tail -5 "$out/tests.log"; exit 1; }
+timeout 300 build-gpu/tests/samebits_tests --gtest_filter='CudaLinear*' > "$out/tests.log" 2>&1 || { echo "tests failed or hung (exit $?)"; tail -5 "$out/tests.log"; exit 1; }
 grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which is|^HASH" "$out/tests.log" | head -20
 for v in "${variants[@]}"; do
   echo "== variant $v: $(cat ".ab/$v/REV")"
@@ -41,4 +41,4 @@ echo "== this tree"
 build-gpu/bench_gemm "$@" --csv "$out/tree.csv" > /tmp/ab-tree.log 2>&1 || tail -5 /tmp/ab-tree.log
 python3 bench/probes/ab_table.py $(ls "$out"/*.csv | grep -v tree.csv) "$out/tree.csv"
 # SASS of this tree's kernels, for reading here (local memory, warpgroup waits, atomics).
-cuobjdump --dump-sass build-gpu/CMakeFiles/samebits.dir/src/cuda/gemm/gemm_sm90_wgrad.cu.o > "$out/sass_wgrad.txt" 2>&1 || true
+cuobjdump --dump-sass build-gpu/CMakeFiles/samebits.dir/src/cuda/linear/gemm_sm90_wgrad.cu.o > "$out/sass_wgrad.txt" 2>&1 || true

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +53,34 @@ inline void expect_same_bits(const HostTensor& got, const HostTensor& want, cons
   ASSERT_EQ(std::memcmp(got.data(), want.data(), got.bytes()), 0) << what;
 }
 
+// A device copy of `h` that starts `shift` elements into its allocation (shift 1: not 16-byte
+// aligned, so every access goes element by element).
+class ShiftedBuffer {
+ public:
+  ShiftedBuffer(const HostTensor& h, int64_t shift) : shift_(shift), shape_(h.shape()), dt_(h.dtype()) {
+    HostTensor padded(h.dtype(), {h.numel() + 16});
+    std::memcpy(static_cast<char*>(padded.data()) + shift * dtype_size(dt_), h.data(), h.bytes());
+    buf_ = std::make_unique<DeviceBuffer>(padded);
+  }
+  TensorView view() const {
+    TensorView v = TensorView::of(static_cast<char*>(buf_->view().data) + shift_ * dtype_size(dt_), dt_, shape_.data(),
+                                  int(shape_.size()), Device::cuda);
+    return v;
+  }
+  HostTensor host() const {
+    const HostTensor all = buf_->host();
+    HostTensor h(dt_, shape_);
+    std::memcpy(h.data(), static_cast<const char*>(all.data()) + shift_ * dtype_size(dt_), h.bytes());
+    return h;
+  }
+
+ private:
+  int64_t shift_;
+  std::vector<int64_t> shape_;
+  DType dt_;
+  std::unique_ptr<DeviceBuffer> buf_;
+};
+
 }  // namespace samebits::testing_cuda
 
 // The names every CUDA test file uses (this header is included by test sources only).
@@ -62,3 +91,4 @@ using samebits::testing_cuda::cuda_ctx;
 using samebits::testing_cuda::CudaTest;
 using samebits::testing_cuda::DeviceBuffer;
 using samebits::testing_cuda::expect_same_bits;
+using samebits::testing_cuda::ShiftedBuffer;

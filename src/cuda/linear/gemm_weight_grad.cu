@@ -7,7 +7,7 @@
 // A 64 x 64 output tile per block stages 32-row slabs of dY and X in shared memory; each thread
 // owns a 4 x 4 block of outputs. This runs on CUDA cores, not tensor cores: it is the correct
 // baseline. The tensor-core version needs the K (token) chunks aligned to sequence starts so that
-// splits at sequence boundaries keep every chunk; see docs/gemm.md.
+// splits at sequence boundaries keep every chunk; see docs/linear.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
