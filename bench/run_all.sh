@@ -12,7 +12,7 @@
 # chain and python need transformers (skipped without it). GPU time: about 5 minutes for all (chain
 # 2-3, the others under a minute each); the whole run keeps within RUN_ALL_BUDGET_S (default 570 s):
 # a benchmark that no longer fits is skipped and named, run it alone in a second call.
-# bench/gpu_check.sh and bench/probes/ are not run here (tests, A/B scripts and probes: no tables).
+# ./dev gpu-check (tools/gpu_check.sh) and bench/probes/ are not run here (tests, A/B scripts, probes).
 set -uo pipefail
 build=$(cd "${1:?BUILD_DIR}" && pwd) || exit 2
 out=${2:?OUT_DIR}

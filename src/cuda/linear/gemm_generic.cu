@@ -6,8 +6,8 @@
 // it, or on the SM count (rule 1-2). No split-K, no atomics (rule 3). Operands are addressed by
 // strides, so the same kernel computes y = x·wᵀ (both K-contiguous) and dx = dy·w (w read along N);
 // out-of-range rows / columns / K are loaded as zeros, so edge tiles need no second kernel.
-// This is the portable path; the Hopper path (TMA + wgmma) replaces it for aligned shapes on
-// sm_90a once it lands, under the same per-element K order rule per architecture (rule 7).
+// This is the portable path (sm_80); the Hopper path (gemm_sm90.cu: TMA + wgmma) takes aligned
+// shapes on sm_90a, under the same per-element K order rule per architecture (rule 7).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>

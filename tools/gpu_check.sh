@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The one check to run on a GPU machine after any change to GPU code (`./dev gpu-check [OUT_DIR]`):
+# builds everything with the CUDA backend and the Python extension, then runs
+#   - every GoogleTest test (CPU and CUDA), the CLI / Python / torch pytest suites;
+#   - `samebits verify --backend cuda` (every op cell and the chain gate);
+#   - the bits fingerprint (tools/bits_fingerprint.sh) against docs/status/fingerprints.txt;
+#   - compute-sanitizer memcheck, racecheck and synccheck over tests that run every kernel family;
+#   - the SASS of libsamebits.so: no value-adding atomics (ATOM / RED); and tools/check_ptxas.sh;
+# and prints one summary (also OUT_DIR/summary.txt; the logs beside it). Exit status 0 iff all pass.
+# On a machine without a package registry, carry .deps (tools/device-deps.sh) with the tree.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check-out}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+build=${BUILD_DIR:-build-gpu}
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+summary=()
+failed=0
+note() {  # NAME STATUS DETAIL
+  summary+=("$(printf '%-28s %-5s %s' "$1" "$2" "$3")")
+  [ "$2" = PASS ] || failed=$((failed + 1))
+}
+t0=$SECONDS
+
+card=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+[ -n "$card" ] || { echo "gpu-check: no GPU visible (nvidia-smi)"; exit 2; }
+echo "gpu-check on $card" | tee "$out/card.txt"
+
+# ---------------------------------------------------------------- build
+py=$(command -v python3)
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$py" \
+  -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir 2>/dev/null)" > "$out/cmake.log" 2>&1 &&
+  cmake --build "$build" > "$out/build.log" 2>&1
+if [ $? -ne 0 ]; then
+  grep -E "error|Error" "$out/build.log" "$out/cmake.log" | head -20
+  echo "gpu-check: the build failed ($out/build.log)"
+  exit 1
+fi
+note build PASS "$((SECONDS - t0)) s"
+
+# ---------------------------------------------------------------- tests
+"$build"/tests/samebits_tests > "$out/gtest.log" 2>&1
+rc=$?
+passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
+skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
+fails=$(grep -E '^\[  FAILED  \] [A-Z]' "$out/gtest.log" | sed 's/.*\] //; s/ (.*//' | sort -u | tr '\n' ' ')
+note "GoogleTest (cpu + cuda)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${passed:-0} passed, ${skipped:-0} skipped ${fails:+; failed: $fails}"
+
+pytest_suite() {  # NAME DIR [ENV...]
+  local name=$1 dir=$2
+  shift 2
+  env "$@" "$py" -m pytest -q -p no:cacheprovider "$dir" > "$out/pytest-$name.log" 2>&1
+  local rc=$?
+  note "pytest $dir" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/pytest-$name.log")"
+}
+pytest_suite cli tests/cli SAMEBITS_CLI="$build/samebits"
+pytest_suite python tests/python PYTHONPATH="$build/python"
+if "$py" -c "import torch" 2>/dev/null; then
+  pytest_suite torch tests/torch PYTHONPATH="$build/python"
+else
+  note "pytest tests/torch" FAIL "python3 has no torch"
+fi
+
+# ---------------------------------------------------------------- verify and the bits
+"$build"/samebits verify --backend cuda -q --status-dir "$out" > "$out/verify.txt" 2>&1
+rc=$?
+note "verify --backend cuda" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^verify:' "$out/verify.txt")"
+tools/bits_fingerprint.sh "$build/samebits" /tmp/samebits_fingerprint > "$out/fingerprints.txt" 2>&1
+if diff -q "$out/fingerprints.txt" docs/status/fingerprints.txt > /dev/null; then
+  note "bits fingerprint" PASS "= docs/status/fingerprints.txt (3 models: logprobs, entropies, gradients)"
+else
+  note "bits fingerprint" FAIL "differs from docs/status/fingerprints.txt: $(diff "$out/fingerprints.txt" docs/status/fingerprints.txt | head -2 | tr '\n' ' ')"
+fi
+
+# ---------------------------------------------------------------- sanitizers
+# Each kernel family's small tests, and the chain (every family in one forward, backward and decode).
+families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
+families+=':CudaLinear.BadInputIsAClearErrorOrACorrectSlowerPath:CudaAttention.PagedCacheGivesTheSameBits'
+families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecodeEqualsPrefillAcrossSpans'
+families+=':CudaLogprob.NonFiniteLogitsPoisonOnlyTheirRow:CudaLmHead.RecomputedStatisticsGiveTheSavedOnesBits'
+families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBitsIgnoreBatchOffsetAndAlignment'
+families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'
+families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
+for tool in memcheck racecheck synccheck; do
+  timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
+    --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
+  rc=$?
+  ran=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/sanitizer-$tool.log" | grep -oE '[0-9]+$')
+  line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -1 | sed 's/^========= //')
+  note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${ran:-0} tests; ${line:-rc $rc}"
+done
+
+# ---------------------------------------------------------------- SASS and ptxas
+cuobjdump --dump-sass "$build"/libsamebits.so > "$out/sass.txt" 2>&1
+# Opcodes only (after the address and an optional predicate): SYNCS.ARRIVE.TRANS64.RED is an mbarrier
+# arrival on a cluster peer (the dW kernel's stage release), not an atomic on data.
+op='^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T]+\s+)?'
+kernels=$(grep -c 'Function :' "$out/sass.txt")
+atomics=$(grep -cE "$op(ATOM|ATOMS|ATOMG|RED)[.[:space:]]" "$out/sass.txt")
+note "SASS atomics" "$([ "$kernels" -gt 0 ] && [ "$atomics" -eq 0 ] && echo PASS || echo FAIL)" \
+  "$kernels kernels, $atomics ATOM/RED instructions"
+tools/check_ptxas.sh > "$out/ptxas.log" 2>&1
+note "check_ptxas" "$([ $? -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/ptxas.log")"
+
+{
+  echo "gpu-check summary: $card, $((SECONDS - t0)) s"
+  printf '%s\n' "${summary[@]}"
+  [ $failed -eq 0 ] && echo "gpu-check: all PASS" || echo "gpu-check: $failed FAILED (logs in $out)"
+} | tee "$out/summary.txt"
+[ $failed -eq 0 ]
