@@ -82,7 +82,7 @@ families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBi
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'
 families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
 for tool in memcheck racecheck synccheck; do
-  timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
+  timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
     --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
   rc=$?
   ran=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/sanitizer-$tool.log" | grep -oE '[0-9]+$')
