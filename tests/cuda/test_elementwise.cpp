@@ -23,18 +23,8 @@ TEST_F(CudaElementwise, VectorAndScalarPathsAgreeAndAreAccurate) {
   auto swiglu = [&](int64_t shift) {
     const ShiftedBuffer dg(g, shift), du(u, shift), ddy(dy, shift), y(HostTensor(DType::f32, {1, n}), shift),
         dgate(HostTensor(DType::f32, {1, n}), shift), dup(HostTensor(DType::f32, {1, n}), shift);
-    SwiGluForwardArgs f;
-    f.gate = dg.view();
-    f.up = du.view();
-    f.y = y.view();
-    swiglu_forward(cuda_ctx(), f);
-    SwiGluBackwardArgs b;
-    b.dy = ddy.view();
-    b.gate = dg.view();
-    b.up = du.view();
-    b.dgate = dgate.view();
-    b.dup = dup.view();
-    swiglu_backward(cuda_ctx(), b);
+    swiglu_forward(cuda_ctx(), SwiGluForwardArgs{dg.view(), du.view(), y.view()});
+    swiglu_backward(cuda_ctx(), SwiGluBackwardArgs{ddy.view(), dg.view(), du.view(), dgate.view(), dup.view()});
     return std::vector<HostTensor>{y.host(), dgate.host(), dup.host()};
   };
   const auto aligned = swiglu(0), unaligned = swiglu(1);
@@ -49,11 +39,7 @@ TEST_F(CudaElementwise, VectorAndScalarPathsAgreeAndAreAccurate) {
   std::printf("ACCURACY swiglu fp32: worst error / tolerance %.3g\n", worst);
   EXPECT_LE(worst, 1.0);
   const ShiftedBuffer a(g, 1), b(u, 1), y(HostTensor(DType::bf16, {1, n}), 1);
-  ResidualAddArgs add;
-  add.a = a.view();
-  add.b = b.view();
-  add.y = y.view();
-  residual_add_forward(cuda_ctx(), add);
+  residual_add_forward(cuda_ctx(), ResidualAddArgs{a.view(), b.view(), y.view()});
   const HostTensor got = y.host();
   for (int64_t i = 0; i < n; ++i) {
     HostTensor one(DType::bf16, {1});

@@ -16,16 +16,6 @@ def desc(a):
     return (a.ctypes.data, _NP[a.dtype], a.shape, "cpu", a)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return samebits.Model.builtin()
-
-
-@pytest.fixture(scope="module")
-def chain(model):
-    return samebits.Chain(model, backend="cpu")
-
-
 def sequences(n, vocab, lo=6, hi=30, seed=11):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]

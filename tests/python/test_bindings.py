@@ -10,16 +10,6 @@ import pytest
 import samebits
 
 
-@pytest.fixture(scope="module")
-def model():
-    return samebits.Model.builtin()
-
-
-@pytest.fixture(scope="module")
-def chain(model):
-    return samebits.Chain(model, backend="cpu")
-
-
 def seqs(n, vocab, seed=3):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=int(rng.integers(2, 40))).tolist() for _ in range(n)]

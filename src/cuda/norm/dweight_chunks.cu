@@ -35,8 +35,9 @@ __global__ void __launch_bounds__(CHAIN_WARPS * 32) chain_partials(const float* 
 
 }  // namespace
 
-void launch_chain(const float* partials, const RangeTable& ranges, int64_t width, float* dweight, cudaStream_t stream,
-                  const char* op) {
+void chain_after_chunks(const float* partials, const RangeTable& ranges, int64_t width, float* dweight,
+                        cudaStream_t stream, const char* op) {
+  check(cudaGetLastError(), op, "kernel launch");
   if (ranges.n == 0) return;
   chain_partials<<<unsigned((width + 31) / 32), CHAIN_WARPS * 32, 0, stream>>>(partials, ranges, width, dweight);
   check(cudaGetLastError(), op, "chain kernel launch");

@@ -85,9 +85,10 @@ void for_chunk_batches(const TensorView& segments, int64_t T, int rows, Launch&&
   flush();
 }
 
-// (2) + (3): dweight[col] += range sums in order, for each range of `ranges` (its chunks' partials
-// [chunks, width] summed in order), ranges in row order.
-void launch_chain(const float* partials, const RangeTable& ranges, int64_t width, float* dweight, cudaStream_t stream,
-                  const char* op);
+// After a batch's chunk kernel: checks its launch, then (2) + (3): dweight[col] += range sums in
+// order, for each range of `ranges` (its chunks' partials [chunks, width] summed in order), ranges
+// in row order.
+void chain_after_chunks(const float* partials, const RangeTable& ranges, int64_t width, float* dweight,
+                        cudaStream_t stream, const char* op);
 
 }  // namespace samebits::cuda::norm

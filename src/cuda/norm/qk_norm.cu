@@ -331,8 +331,7 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
       const int grid = std::min(chunks.count, current_sm_count(op) * resident_ctas(resident, kernel, QK_THREADS, op));
       kernel<<<unsigned(grid), QK_THREADS, 0, stream>>>(p, chunks, inv);
     });
-    check(cudaGetLastError(), op, "kernel launch");
-    launch_chain(p.partials, ranges, D, a.dweight.as<float>(), stream, op);
+    chain_after_chunks(p.partials, ranges, D, a.dweight.as<float>(), stream, op);
   });
 }
 

@@ -348,8 +348,7 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
     with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
       rmsnorm_backward_kernel<decltype(fmt), decltype(v)::value><<<unsigned(chunks.count), threads, 0, stream>>>(p, chunks);
     });
-    check(cudaGetLastError(), op, "kernel launch");
-    launch_chain(p.partials, ranges, H, a.dweight.as<float>(), stream, op);
+    chain_after_chunks(p.partials, ranges, H, a.dweight.as<float>(), stream, op);
   });
 }
 
