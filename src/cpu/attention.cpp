@@ -5,6 +5,7 @@
 // the same bits in a whole prefill, any chunked prefill and a decode step. The backward recomputes
 // p_j = exp(s_j − lse); dq sums over keys ascending; dk/dv sum over the group's query heads in
 // ascending order, each over queries in ascending position. Parallel over (sequence, kv head).
+#include <algorithm>
 #include <limits>
 
 #include "cpu/common.hpp"
@@ -36,16 +37,33 @@ struct KeyRows {
 template <class Acc>
 Acc scale_of(double scale, int64_t d) { return scale > 0 ? Acc(scale) : Acc(1) / std::sqrt(Acc(d)); }
 
-// Scores s_j = (q·k_j)·scale of one query against keys 0..last_key; returns their maximum.
+// Scores s_j = (q·k_j)·scale of one query against keys 0..last_key of a sequence whose keys lie
+// back to back from `keys` (key j, head hk at keys + (j·hkv + hk)·d); returns their maximum.
 template <class Acc>
-Acc scores(const Acc* qi, const std::vector<Acc>& k, const KeyRows& rows, int64_t b, const Seq& sq, int64_t last_key,
-           int64_t hkv, int64_t hk, int64_t d, Acc scale, std::vector<Acc>& s) {
+Acc scores(const Acc* qi, const Acc* keys, int64_t last_key, int64_t hkv, int64_t hk, int64_t d, Acc scale,
+           std::vector<Acc>& s) {
   Acc m = -std::numeric_limits<Acc>::infinity();
   for (int64_t j = 0; j <= last_key; ++j) {
-    s[j] = dot_fixed(qi, &k[(rows(b, sq, j) * hkv + hk) * d], d) * scale;
+    s[j] = dot_fixed(qi, keys + (j * hkv + hk) * d, d) * scale;
     if (s[j] > m) m = s[j];
   }
   return m;
+}
+
+// Each sequence's key (or value) rows, converted once and laid back to back: a KV cache holds far
+// more rows than a call reads (free slots, the rest of each slot), so nothing else is loaded.
+template <class Acc>
+std::vector<std::vector<Acc>> rows_of_each(const TensorView& t, const std::vector<Seq>& seqs, const KeyRows& rows) {
+  const int64_t row_elems = t.numel() / std::max<int64_t>(t.shape[0], 1);
+  std::vector<std::vector<Acc>> out(seqs.size());
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t b = 0; b < int64_t(seqs.size()); ++b) {
+    const Seq& sq = seqs[size_t(b)];
+    out[size_t(b)].resize(size_t(sq.k_len * row_elems));
+    for (int64_t j = 0; j < sq.k_len; ++j)
+      load(t, rows(b, sq, j) * row_elems, row_elems, &out[size_t(b)][size_t(j * row_elems)]);
+  }
+  return out;
 }
 
 template <class Acc>
@@ -53,10 +71,11 @@ void forward(const AttentionForwardArgs& a) {
   const int64_t Tq = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2], Hkv = a.k.shape[1];
   const int64_t group = Hq / Hkv;
   const Acc scale = scale_of<Acc>(a.scale, D);
-  const auto q = load_all<Acc>(a.q), k = load_all<Acc>(a.k), v = load_all<Acc>(a.v);
+  const auto q = load_all<Acc>(a.q);
   const auto seqs = read_seqs(a.seqs);
   KeyRows rows;
   if (a.block_table.present()) rows = {a.block_table.as<const int32_t>(), a.block_table.shape[1], a.page_size};
+  const auto k = rows_of_each<Acc>(a.k, seqs, rows), v = rows_of_each<Acc>(a.v, seqs, rows);
   std::vector<Acc> out(static_cast<size_t>(Tq * Hq * D), Acc(0));
   std::vector<Acc> lse(static_cast<size_t>(Tq * Hq), -std::numeric_limits<Acc>::infinity());
   const int64_t jobs = int64_t(seqs.size()) * Hq;
@@ -69,13 +88,13 @@ void forward(const AttentionForwardArgs& a) {
     for (int64_t i = 0; i < sq.q_len; ++i) {
       const int64_t row = sq.q_row + i, last_key = sq.k_len - sq.q_len + i;
       const Acc* qi = &q[(row * Hq + h) * D];
-      const Acc m = scores(qi, k, rows, b, sq, last_key, Hkv, hk, D, scale, s);
+      const Acc m = scores(qi, k[size_t(b)].data(), last_key, Hkv, hk, D, scale, s);
       Acc l = 0;
       Acc* o = &out[(row * Hq + h) * D];
       for (int64_t j = 0; j <= last_key; ++j) {
         const Acc p = exp_acc(s[j] - m);
         l += p;
-        const Acc* vj = &v[(rows(b, sq, j) * Hkv + hk) * D];
+        const Acc* vj = &v[size_t(b)][size_t((j * Hkv + hk) * D)];
         for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= l;
@@ -111,7 +130,7 @@ void backward(const AttentionBackwardArgs& a) {
         const Acc* qi = &q[(row * Hq + h) * D];
         const Acc* doi = &dout[(row * Hq + h) * D];
         // Softmax statistics, recomputed exactly as the forward computes them.
-        const Acc m = scores(qi, k, KeyRows{}, 0, sq, last_key, Hkv, hk, D, scale, s);
+        const Acc m = scores(qi, &k[size_t(sq.k_row * Hkv * D)], last_key, Hkv, hk, D, scale, s);
         Acc l = 0;
         for (int64_t j = 0; j <= last_key; ++j) l += exp_acc(s[j] - m);
         const Acc lse = m + log_acc(l);

@@ -25,6 +25,16 @@ static void check_ranges(const Validator& v, const char* what, std::vector<std::
   }
 }
 
+// Rows [begin, end) of `t` hold no NaN / Inf (with Context::check_finite_inputs, on the CPU); the
+// index in the message counts from the tensor's start.
+static void finite_rows(const Validator& v, const char* name, const TensorView& t, int64_t begin, int64_t end) {
+  if (!v.context().check_finite_inputs || t.device != Device::cpu || end <= begin) return;
+  const int64_t bad = first_nonfinite_index(t.rows(begin, end));
+  if (bad >= 0)
+    v.fail(name, "holds a non-finite value (NaN or Inf) at flat index " +
+                     std::to_string(begin * (t.numel() / std::max<int64_t>(t.shape[0], 1)) + bad));
+}
+
 // keys: "disjoint" (backward: each key row belongs to one sequence), "inside" (forward: the ranges
 // lie inside k and may overlap) or "paged" (forward: a block table says where keys live).
 enum class KeyRanges { disjoint, inside, paged };
@@ -32,8 +42,14 @@ enum class KeyRanges { disjoint, inside, paged };
 static void check_attention(const Validator& v, const TensorView& q, const TensorView& k,
                             const TensorView& vv, const TensorView& seqs, KeyRanges keys) {
   check_float_input(v, "q", q, 3);
-  check_float_input(v, "k", k, 3);
-  check_float_input(v, "v", vv, 3);
+  // k and v: finite only where a sequence reads them (below). A KV cache holds far more rows than
+  // a step reads (free slots, the rest of each slot), and scanning all of it every step would cost
+  // more than the step.
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"k", &k}, {"v", &vv}}) {
+    v.required(name, *t, 3);
+    v.floating(name, *t);
+    v.nonempty(name, *t);
+  }
   v.same_dtype("k", k, "q", q);
   v.same_dtype("v", vv, "q", q);
   v.same_shape("v", vv, "k", k);
@@ -69,6 +85,13 @@ static void check_attention(const Validator& v, const TensorView& q, const Tenso
       if (r.first < 0 || r.second > k.shape[0])
         v.fail("seqs", "key rows [" + std::to_string(r.first) + ", " + std::to_string(r.second) +
                            ") fall outside the " + std::to_string(k.shape[0]) + " rows of k");
+  }
+  if (keys == KeyRanges::paged) {  // the pages a sequence reads: check_pages knows them; all of k / v here
+    v.finite("k", k);
+    v.finite("v", vv);
+  } else {
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"k", &k}, {"v", &vv}})
+      for (auto& r : kr) finite_rows(v, name, *t, r.first, r.second);
   }
 }
 

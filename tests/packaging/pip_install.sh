@@ -27,7 +27,7 @@ print("pip_install: samebits", samebits.version(), "from", pkg, "->", logp[0].to
 assert len(logp) == 1 and len(logp[0]) == 3 and all(x < 0 for x in logp[0][1:]), logp
 libs = {l.split()[-1] for l in open("/proc/self/maps") if "libsamebits" in l}
 assert libs and all(os.path.dirname(p) == pkg for p in libs), f"libsamebits loaded from {libs}"
-for py in ("torch.py", "hf.py"):
+for py in ("torch/__init__.py", "torch/ops.py", "torch/enable.py", "torch/_common.py", "hf.py"):
     assert os.path.exists(os.path.join(pkg, py)), f"the package lacks samebits/{py}"
 PY
 echo "pip_install: ok"
