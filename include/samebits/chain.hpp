@@ -54,8 +54,12 @@ class KvCache {
  public:
   KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, DType dtype, Backend backend = Backend::cpu);
   int64_t capacity() const { return capacity_; }
+  int64_t slots() const { return int64_t(lengths_.size()); }
   int64_t length(int64_t slot) const { return lengths_.at(size_t(slot)); }
   void reset(int64_t slot) { lengths_.at(size_t(slot)) = 0; }
+  // Slot `to` holds the first `len` cached tokens of slot `from` (a prompt's keys and values, shared
+  // by its samples): the same bits the slot would hold had it run those tokens itself.
+  void copy_prefix(int64_t from, int64_t to, int64_t len);
 
  private:
   friend class Chain;
@@ -104,6 +108,13 @@ class Chain {
   // row of sequence i of a forward: the fused LM-head logprob a trainer's rescoring computes, so a
   // rollout's reported logprobs equal the trainer's bit for bit.
   std::vector<double> last_logprobs(const ChainBatch& batch, const ChainForward& f, const std::vector<int32_t>& tokens) const;
+  // The same for any rows of a forward: the fused LM-head logprob of tokens[i] at row rows[i] (a row
+  // may repeat: the samples of one prompt drawn from its last row).
+  std::vector<double> row_logprobs(const ChainForward& f, const std::vector<int64_t>& rows,
+                                   const std::vector<int32_t>& tokens) const;
+  // The fp32 (fp64 in truth mode) logits of rows of a forward, one LM-head GEMM for all of them (its
+  // bits do not depend on how many rows it takes), copied to the host: what sampling reads.
+  std::vector<std::vector<double>> row_logits(const ChainForward& f, const std::vector<int64_t>& rows) const;
   // Backward of L = Σ dlogp[row]·logp[row] (`fwd` from this chain's forward() of `batch`): adds every weight's gradient into `grads` (on the
   // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
   // activation dtype, on the chain's backend: to_host() it when wanted, a trainer seldom does).

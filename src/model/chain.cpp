@@ -235,17 +235,36 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
 
 std::vector<double> Chain::last_logprobs(const ChainBatch& batch, const ChainForward& f,
                                          const std::vector<int32_t>& tokens) const {
+  if (tokens.size() != batch.seqs.size()) throw Error("Chain::last_logprobs", "tokens", "needs one token per sequence");
+  std::vector<int64_t> rows;
+  for (const ChainSequence& s : batch.seqs) rows.push_back(s.row + s.len - 1);
+  return row_logprobs(f, rows, tokens);
+}
+
+namespace {
+// Rows `rows` of a forward's final hidden states, gathered into one tensor [S, hidden].
+DeviceTensor gather_rows(const DeviceTensor& from, const std::vector<int64_t>& rows, Backend backend, const char* op) {
+  DeviceTensor out(backend, from.dtype(), {int64_t(rows.size()), from.shape()[1]});
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= from.rows())
+      throw Error(op, "rows", fmt::format("row {} is outside the forward's {} rows", rows[i], from.rows()));
+    out.copy_rows_from(from, rows[i], int64_t(i), 1);
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<double> Chain::row_logprobs(const ChainForward& f, const std::vector<int64_t>& rows,
+                                        const std::vector<int32_t>& tokens) const {
   const ModelConfig& c = model_.config();
-  const int64_t S = int64_t(batch.seqs.size());
-  if (int64_t(tokens.size()) != S) throw Error("Chain::last_logprobs", "tokens", "needs one token per sequence");
-  const DeviceTensor& final_hidden = f.at("final.n1");
-  DeviceTensor hidden(ctx_.backend, final_hidden.dtype(), {S, c.hidden_size});
+  const int64_t S = int64_t(rows.size());
+  if (int64_t(tokens.size()) != S) throw Error("Chain::row_logprobs", "tokens", "needs one token per row");
+  if (S == 0) return {};
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_.backend, "Chain::row_logprobs");
   HostTensor targets(DType::i32, {S}), mask(DType::u8, {S});
   for (int64_t i = 0; i < S; ++i) {
-    const ChainSequence& s = batch.seqs[size_t(i)];
-    hidden.copy_rows_from(final_hidden, s.row + s.len - 1, i, 1);
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab_size)
-      throw Error("Chain::last_logprobs", "tokens", fmt::format("token id {} is outside [0, {})", tokens[size_t(i)], c.vocab_size));
+      throw Error("Chain::row_logprobs", "tokens", fmt::format("token id {} is outside [0, {})", tokens[size_t(i)], c.vocab_size));
     targets.set(i, tokens[size_t(i)]);
     mask.set(i, 1);
   }
@@ -264,6 +283,21 @@ std::vector<double> Chain::last_logprobs(const ChainBatch& batch, const ChainFor
   const HostTensor host = logp.to_host();
   std::vector<double> out;
   for (int64_t i = 0; i < S; ++i) out.push_back(host.get(i));
+  return out;
+}
+
+std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const std::vector<int64_t>& rows) const {
+  const ModelConfig& c = model_.config();
+  const int64_t S = int64_t(rows.size());
+  if (S == 0) return {};
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_.backend, "Chain::row_logits");
+  DeviceTensor logits(ctx_.backend, acc_, {S, c.vocab_size});
+  linear_forward(ctx_, {hidden.view(), weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"),
+                        {}, logits.view()});
+  const HostTensor host = logits.to_host();
+  std::vector<std::vector<double>> out(size_t(S), std::vector<double>(size_t(c.vocab_size)));
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < c.vocab_size; ++j) out[size_t(i)][size_t(j)] = host.get(i * c.vocab_size + j);
   return out;
 }
 

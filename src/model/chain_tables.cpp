@@ -159,6 +159,18 @@ KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dt
   }
 }
 
+void KvCache::copy_prefix(int64_t from, int64_t to, int64_t len) {
+  if (from < 0 || from >= slots() || to < 0 || to >= slots() || from == to)
+    throw Error("KvCache::copy_prefix", "slots", fmt::format("{} -> {} (of {} slots)", from, to, slots()));
+  if (len < 0 || len > lengths_[size_t(from)])
+    throw Error("KvCache::copy_prefix", "len", fmt::format("{} tokens, slot {} holds {}", len, from, lengths_[size_t(from)]));
+  for (size_t l = 0; l < k_.size(); ++l) {
+    k_[l].copy_rows_from(k_[l], from * capacity_, to * capacity_, len);
+    v_[l].copy_rows_from(v_[l], from * capacity_, to * capacity_, len);
+  }
+  lengths_[size_t(to)] = len;
+}
+
 ModelGrads::ModelGrads(const Model& model, DType acc, Backend backend) : tied_(model.config().tie_word_embeddings) {
   for (auto& [name, w] : model.weights())
     acc_[name] = DeviceTensor(backend, acc, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.ndim));

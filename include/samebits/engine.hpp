@@ -1,0 +1,93 @@
+// samebits/engine.hpp — rollouts on samebits: a generation engine whose reported logprobs are the
+// trainer's, bit for bit.
+//
+// Requests queue; each step the scheduler packs one batch under a token budget: every running
+// sample's next token (a decode row) first, then prompt chunks in arrival order (chunked prefill),
+// and runs it through the chain against a KV cache of fixed slots. A prompt is prefilled once; its
+// n samples then take its keys and values (KvCache::copy_prefix) and draw their tokens apart. Every
+// part of that keeps a sample's bits whatever else runs: the chain's forward is batch-, chunk- and
+// layout-invariant, sampling depends only on the row's logits and (seed, sample, position)
+// (samebits/sampling.hpp), and the reported logprob of a drawn token is the fused LM-head logprob
+// the trainer's rescoring computes (Chain::row_logprobs) — equal to `samebits logprobs` of prompt +
+// completion, bit for bit.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "samebits/chain.hpp"
+#include "samebits/sampling.hpp"
+
+namespace samebits {
+
+struct EngineOptions {
+  Backend backend = Backend::cpu;
+  int64_t max_slots = 64;           // samples decoding at once (KV-cache slots)
+  int64_t max_batch_tokens = 2048;  // rows of one step: decode rows + prefill chunks
+  int64_t max_context = 0;          // tokens a slot holds (prompt + new); 0: min(max_position, 4096)
+  bool share_prefix = true;         // false: every sample prefills its prompt itself (same bits)
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+};
+
+// One sample of one request.
+struct Completion {
+  int64_t request = 0, sample = 0;
+  std::vector<int32_t> tokens;     // the generated tokens (a stop token included)
+  std::vector<double> logprobs;    // log p(token | prompt, earlier tokens) under the model (before
+                                   // temperature or truncation): the trainer's logprob
+  std::string finish_reason;       // "stop", "length", or "error"
+  std::string error;               // with "error": the message naming the request and the problem
+};
+
+class Engine {
+ public:
+  Engine(const Model& model, EngineOptions options);
+  ~Engine();
+
+  // Queues a request and returns its id (0, 1, … in submission order). A bad request (empty prompt,
+  // ids outside the vocab, prompt + max_new_tokens past the model's positions or a slot, n more
+  // than the slots, bad sampling settings) is not queued: its completions carry the error and the
+  // other requests run on.
+  int64_t submit(GenerationRequest request);
+  // One scheduler step; false when nothing is left to run.
+  bool step();
+  // Steps until every request is done; returns every completion not returned before, ordered by
+  // (request, sample).
+  std::vector<Completion> run();
+  // Called after each step with (tokens generated so far, steps so far).
+  void on_progress(std::function<void(int64_t, int64_t)> f) { progress_ = std::move(f); }
+
+  const EngineOptions& options() const { return options_; }
+  int64_t max_context() const { return context_; }
+
+ private:
+  struct Sample;
+  struct Request;
+  void admit();
+  void finish(Sample& s, const char* reason);
+  const Model& model_;
+  EngineOptions options_;
+  int64_t context_;
+  Chain chain_;
+  KvCache cache_;
+  std::vector<int64_t> free_slots_;
+  std::deque<std::shared_ptr<Request>> waiting_;
+  std::vector<std::shared_ptr<Request>> running_;
+  std::vector<Completion> done_;
+  int64_t next_id_ = 0, generated_ = 0, steps_ = 0;
+  std::function<void(int64_t, int64_t)> progress_;
+};
+
+// Generates completions for `requests` in one engine (the convenience door): n per request,
+// ordered by (request, sample).
+std::vector<Completion> generate(const Model& model, const std::vector<GenerationRequest>& requests,
+                                 const EngineOptions& options = {});
+
+}  // namespace samebits

@@ -1,0 +1,249 @@
+// The generation engine (samebits/engine.hpp says why it is shaped so). One step: admit waiting
+// requests whose samples all find a free slot; pack decode rows, then prompt chunks, under the
+// token budget; run the chain against the cache; draw a token for every sequence whose last row
+// ends its prompt or is a decode row, report its fused LM-head logprob, and retire what finished.
+#include "samebits/engine.hpp"
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "samebits/error.hpp"
+
+namespace samebits {
+
+struct Engine::Sample {
+  int64_t index = 0, slot = -1;
+  int64_t cached = 0;            // tokens of prompt + generated held in the slot
+  bool waits_for_prefix = false; // shares the prompt's prefill: its slot gets the prompt by copy
+  bool done = false;
+  std::vector<int32_t> tokens;   // generated
+  std::vector<double> logprobs;
+};
+
+struct Engine::Request {
+  int64_t id = 0;
+  GenerationRequest req;
+  std::vector<Sample> samples;
+  int64_t prompt_len() const { return int64_t(req.prompt.size()); }
+};
+
+namespace {
+
+int64_t context_of(const Model& model, const EngineOptions& o) {
+  const int64_t max_pos = model.config().rope.max_position;
+  if (o.max_context < 0) throw Error("Engine", "max_context", "must be ≥ 0 (0: min(max_position_embeddings, 4096))");
+  return o.max_context == 0 ? std::min<int64_t>(max_pos, 4096) : std::min(o.max_context, max_pos);
+}
+
+Context context_for(Backend backend) {
+  Context ctx;
+  ctx.backend = backend;
+  return ctx;
+}
+
+}  // namespace
+
+Engine::Engine(const Model& model, EngineOptions options)
+    : model_(model),
+      options_(options),
+      context_(context_of(model, options)),
+      chain_(model, context_for(options.backend)),
+      cache_(model.config(), std::max<int64_t>(options.max_slots, 1), context_, chain_.act_dtype(), options.backend) {
+  if (options.max_slots < 1) throw Error("Engine", "max_slots", fmt::format("must be at least 1, got {}", options.max_slots));
+  if (options.max_batch_tokens < 1)
+    throw Error("Engine", "max_batch_tokens", fmt::format("must be at least 1, got {}", options.max_batch_tokens));
+  for (int64_t s = options.max_slots - 1; s >= 0; --s) free_slots_.push_back(s);  // the lowest slot first
+}
+
+Engine::~Engine() = default;
+
+int64_t Engine::submit(GenerationRequest request) {
+  const int64_t id = next_id_++;
+  const std::string op = fmt::format("generate: request {}", id);
+  const ModelConfig& c = model_.config();
+  try {
+    const auto& p = request.prompt;
+    if (p.empty()) throw Error(op, "prompt", "is empty (a prompt needs at least one token)");
+    for (size_t i = 0; i < p.size(); ++i)
+      if (p[i] < 0 || p[i] >= c.vocab_size)
+        throw Error(op, "prompt", fmt::format("token id {} at {} is outside the vocab [0, {})", p[i], i, c.vocab_size));
+    request.sampling.validate(op, c.vocab_size);
+    const int64_t need = int64_t(p.size()) + request.sampling.max_new_tokens;
+    if (need > context_)
+      throw Error(op, "max_new_tokens",
+                  fmt::format("prompt ({}) + max_new_tokens ({}) = {} tokens, more than a slot holds ({}: the model's "
+                              "max_position_embeddings {}, the engine's max_context)",
+                              p.size(), request.sampling.max_new_tokens, need, context_, c.rope.max_position));
+    if (request.sampling.n > options_.max_slots)
+      throw Error(op, "n", fmt::format("{} samples, more than the engine's {} slots", request.sampling.n, options_.max_slots));
+  } catch (const Error& e) {
+    Completion failed;
+    failed.request = id;
+    failed.finish_reason = "error";
+    failed.error = e.what();
+    done_.push_back(std::move(failed));
+    return id;
+  }
+  auto r = std::make_shared<Request>();
+  r->id = id;
+  r->req = std::move(request);
+  for (int64_t j = 0; j < r->req.sampling.n; ++j) {
+    Sample s;
+    s.index = j;
+    s.waits_for_prefix = options_.share_prefix && j > 0;
+    r->samples.push_back(std::move(s));
+  }
+  waiting_.push_back(std::move(r));
+  return id;
+}
+
+void Engine::admit() {
+  while (!waiting_.empty() && int64_t(free_slots_.size()) >= waiting_.front()->req.sampling.n) {
+    auto r = waiting_.front();
+    waiting_.pop_front();
+    for (Sample& s : r->samples) {
+      s.slot = free_slots_.back();
+      free_slots_.pop_back();
+    }
+    running_.push_back(std::move(r));
+  }
+}
+
+void Engine::finish(Sample& s, const char* reason) {
+  s.done = true;
+  cache_.reset(s.slot);
+  free_slots_.push_back(s.slot);
+  std::sort(free_slots_.begin(), free_slots_.end(), std::greater<int64_t>());
+  Completion c;
+  c.sample = s.index;
+  c.tokens = std::move(s.tokens);
+  c.logprobs = std::move(s.logprobs);
+  c.finish_reason = reason;
+  done_.push_back(std::move(c));
+}
+
+bool Engine::step() {
+  admit();
+  if (running_.empty()) return false;
+  // The batch: decode rows first (one a sample), then prompt chunks, within the token budget.
+  struct Part {
+    Request* r;
+    Sample* s;
+    bool ends_prompt;  // its last row is the prompt's last token: draw every sharing sample's first
+  };
+  std::vector<Part> parts;
+  ChainBatch b;
+  int64_t budget = options_.max_batch_tokens;
+  auto add = [&](Request& r, Sample& s, int64_t len) {
+    const int64_t P = r.prompt_len();
+    b.seqs.push_back({b.rows(), len, s.slot, s.cached});
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t pos = s.cached + i;
+      b.tokens.push_back(pos < P ? r.req.prompt[size_t(pos)] : s.tokens[size_t(pos - P)]);
+      b.positions.push_back(int32_t(pos));
+      b.targets.push_back(-100);
+      b.loss_mask.push_back(0);
+    }
+    parts.push_back({&r, &s, s.cached < P && s.cached + len == P});
+    budget -= len;
+  };
+  for (auto& r : running_)
+    for (Sample& s : r->samples)
+      if (!s.done && !s.waits_for_prefix && s.cached >= r->prompt_len() && budget > 0) add(*r, s, 1);
+  for (auto& r : running_)
+    for (Sample& s : r->samples)
+      if (!s.done && !s.waits_for_prefix && s.cached < r->prompt_len() && budget > 0)
+        add(*r, s, std::min(budget, r->prompt_len() - s.cached));
+  if (parts.empty()) return false;  // cannot happen with max_batch_tokens ≥ 1; never spin
+  const ChainForward f = chain_.forward_cached(b, cache_);
+
+  // Draws: a decode row, or the end of a prompt (for the sample itself, or for every sample
+  // sharing the prompt). The logits of the rows that draw, then one logprob a drawn token.
+  std::vector<int64_t> rows;
+  for (size_t k = 0; k < parts.size(); ++k)
+    if (parts[k].ends_prompt || parts[k].s->cached >= parts[k].r->prompt_len())
+      rows.push_back(b.seqs[k].row + b.seqs[k].len - 1);
+  const std::vector<std::vector<double>> logits = chain_.row_logits(f, rows);
+  struct Draw {
+    Request* r;
+    Sample* s;
+    int64_t row;
+    int32_t token;
+  };
+  std::vector<Draw> draws;
+  size_t at = 0;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    Part& p = parts[k];
+    const bool decode = p.s->cached >= p.r->prompt_len();
+    p.s->cached += b.seqs[k].len;
+    if (!decode && !p.ends_prompt) continue;
+    const std::vector<double>& row_logits = logits[at];
+    const int64_t row = rows[at++];
+    const SamplingParams& sp = p.r->req.sampling;
+    std::vector<Sample*> drawing{p.s};
+    if (p.ends_prompt)
+      for (Sample& other : p.r->samples)
+        if (other.waits_for_prefix) {
+          cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len());
+          other.cached = p.r->prompt_len();
+          other.waits_for_prefix = false;
+          drawing.push_back(&other);
+        }
+    for (Sample* s : drawing) {
+      const int64_t position = p.r->prompt_len() + int64_t(s->tokens.size());
+      draws.push_back({p.r, s, row, sample_token(row_logits, sp, s->index, position)});
+    }
+  }
+  std::vector<int64_t> draw_rows;
+  std::vector<int32_t> draw_tokens;
+  for (const Draw& d : draws) {
+    draw_rows.push_back(d.row);
+    draw_tokens.push_back(d.token);
+  }
+  const std::vector<double> lp = chain_.row_logprobs(f, draw_rows, draw_tokens);
+  for (size_t i = 0; i < draws.size(); ++i) {
+    Sample& s = *draws[i].s;
+    s.tokens.push_back(draws[i].token);
+    s.logprobs.push_back(lp[i]);
+    ++generated_;
+    const auto& stop = draws[i].r->req.sampling.stop_token_ids;
+    const bool stopped = std::find(stop.begin(), stop.end(), draws[i].token) != stop.end();
+    const bool full = int64_t(s.tokens.size()) >= draws[i].r->req.sampling.max_new_tokens;
+    if (stopped || full) {
+      const size_t before = done_.size();
+      finish(s, stopped ? "stop" : "length");
+      done_[before].request = draws[i].r->id;
+    }
+  }
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [](const std::shared_ptr<Request>& r) {
+                                  return std::all_of(r->samples.begin(), r->samples.end(),
+                                                     [](const Sample& s) { return s.done; });
+                                }),
+                 running_.end());
+  ++steps_;
+  if (progress_) progress_(generated_, steps_);
+  return true;
+}
+
+std::vector<Completion> Engine::run() {
+  while (step()) {
+  }
+  std::vector<Completion> out = std::move(done_);
+  done_.clear();
+  std::sort(out.begin(), out.end(),
+            [](const Completion& a, const Completion& b) { return std::tie(a.request, a.sample) < std::tie(b.request, b.sample); });
+  return out;
+}
+
+std::vector<Completion> generate(const Model& model, const std::vector<GenerationRequest>& requests,
+                                 const EngineOptions& options) {
+  Engine engine(model, options);
+  for (const GenerationRequest& r : requests) engine.submit(r);
+  return engine.run();
+}
+
+}  // namespace samebits

@@ -1,0 +1,297 @@
+// The generation engine on the CPU: a request's tokens and logprobs are the same bits alone, among
+// 63 others, arriving mid-decode, under any prefill chunking, queued behind a full cache, with its
+// prompt shared by its samples or not, and run to run; its logprobs equal the trainer's rescoring of
+// prompt + completion bit for bit; sampling draws what it claims; bad requests fail alone.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "samebits/engine.hpp"
+#include "samebits/error.hpp"
+#include "samebits/rng.hpp"
+#include "tools/logprobs_io.hpp"
+
+using namespace samebits;
+
+namespace {
+
+std::vector<int32_t> random_prompt(Rng& r, int64_t len, int64_t vocab) {
+  std::vector<int32_t> p;
+  for (int64_t i = 0; i < len; ++i) p.push_back(int32_t(r.integer(0, vocab - 1)));
+  return p;
+}
+
+GenerationRequest target_request() {
+  Rng r(5);
+  GenerationRequest g{random_prompt(r, 37, 2560), {}};
+  g.sampling.n = 3;
+  g.sampling.temperature = 0.9;
+  g.sampling.top_k = 200;
+  g.sampling.top_p = 0.95;
+  g.sampling.max_new_tokens = 12;
+  g.sampling.seed = 1234;
+  return g;
+}
+
+std::vector<GenerationRequest> others(int n, uint64_t seed) {
+  Rng r(seed);
+  std::vector<GenerationRequest> out;
+  for (int i = 0; i < n; ++i) {
+    GenerationRequest g{random_prompt(r, r.integer(1, 90), 2560), {}};
+    g.sampling.temperature = r.uniform(0, 1) < 0.2 ? 0.0 : 1.0;
+    g.sampling.max_new_tokens = r.integer(1, 20);
+    g.sampling.seed = uint64_t(i);
+    out.push_back(g);
+  }
+  return out;
+}
+
+// The target's completions from an engine run with `opt`, `before` other requests submitted
+// first, `after` submitted after `steps_first` steps.
+std::vector<Completion> run_target(const Model& m, EngineOptions opt, const std::vector<GenerationRequest>& before,
+                                   int steps_first = 0, const std::vector<GenerationRequest>& after = {}) {
+  Engine e(m, opt);
+  for (auto& r : before) e.submit(r);
+  for (int i = 0; i < steps_first; ++i) e.step();
+  const int64_t id = e.submit(target_request());
+  for (auto& r : after) e.submit(r);
+  std::vector<Completion> got;
+  for (Completion& c : e.run())
+    if (c.request == id) got.push_back(std::move(c));
+  return got;
+}
+
+void expect_same(const std::vector<Completion>& got, const std::vector<Completion>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_EQ(got[k].tokens, want[k].tokens) << what << ", sample " << k;
+    ASSERT_EQ(got[k].logprobs.size(), want[k].logprobs.size()) << what;
+    EXPECT_EQ(std::memcmp(got[k].logprobs.data(), want[k].logprobs.data(), got[k].logprobs.size() * sizeof(double)), 0)
+        << what << ", sample " << k << ": logprob bits differ";
+    EXPECT_EQ(got[k].finish_reason, want[k].finish_reason) << what;
+  }
+}
+
+}  // namespace
+
+TEST(Engine, ARequestsBitsDoNotDependOnWhatElseRuns) {
+  const Model m = Model::builtin(false);
+  const std::vector<Completion> alone = run_target(m, {}, {});
+  ASSERT_EQ(alone.size(), 3u);
+  EXPECT_NE(alone[0].tokens, alone[1].tokens) << "samples of one prompt should draw apart";
+  for (auto& c : alone) EXPECT_EQ(c.finish_reason, "length");
+  expect_same(run_target(m, {}, {}), alone, "a second run");
+  expect_same(run_target(m, {}, others(63, 1)), alone, "among 63 others");
+  expect_same(run_target(m, {}, others(20, 2), 7, others(10, 3)), alone, "arriving while others decode");
+  for (int64_t budget : {1, 7, 64, 4096}) {
+    EngineOptions o;
+    o.max_batch_tokens = budget;
+    expect_same(run_target(m, o, others(5, 4)), alone, "prefill chunks of " + std::to_string(budget));
+  }
+  EngineOptions few;
+  few.max_slots = 3;  // the target waits for a free cache and then takes all of it
+  expect_same(run_target(m, few, others(6, 5)), alone, "queued behind a full cache");
+  EngineOptions unshared;
+  unshared.share_prefix = false;
+  expect_same(run_target(m, unshared, others(4, 6)), alone, "every sample prefilling its own prompt");
+}
+
+TEST(Engine, GeneratedLogprobsAreTheTrainersBitForBit) {
+  for (bool tied : {false, true}) {
+    const Model m = Model::builtin(tied);
+    std::vector<GenerationRequest> reqs = others(12, 9);
+    reqs[3].sampling.n = 4;
+    reqs[5].sampling.top_p = 0.5;
+    reqs[6].sampling.min_p = 0.05;
+    const std::vector<Completion> out = generate(m, reqs);
+    const Chain chain(m, Context{});
+    std::stringstream jsonl;
+    std::vector<std::vector<int32_t>> full;
+    for (const Completion& c : out) {
+      ASSERT_EQ(c.finish_reason == "error", false) << c.error;
+      std::vector<int32_t> seq = reqs[size_t(c.request)].prompt;
+      seq.insert(seq.end(), c.tokens.begin(), c.tokens.end());
+      full.push_back(seq);
+      nlohmann::json line{{"tokens", seq}};
+      jsonl << line.dump() << "\n";
+    }
+    // The trainer's view: one packed forward of every prompt + completion.
+    const ChainBatch packed = ChainBatch::packed(full);
+    const ChainForward f = chain.forward(packed);
+    std::stringstream scored;
+    tools::write_logprobs(m, Backend::cpu, jsonl, scored, false);
+    for (size_t k = 0; k < out.size(); ++k) {
+      const int64_t P = int64_t(reqs[size_t(out[k].request)].prompt.size());
+      const int64_t first = packed.seqs[k].row + P - 1;  // row scoring the first generated token
+      std::string line;
+      std::getline(scored, line);
+      const auto cli = nlohmann::json::parse(line)["logprobs"];
+      for (size_t t = 0; t < out[k].tokens.size(); ++t) {
+        const double want = f.logp[size_t(first) + t];
+        EXPECT_EQ(std::memcmp(&out[k].logprobs[t], &want, sizeof(double)), 0)
+            << (tied ? "tied" : "untied") << " completion " << k << " token " << t << ": " << out[k].logprobs[t]
+            << " vs " << want;
+        EXPECT_EQ(float(out[k].logprobs[t]), cli[size_t(P) + t].get<float>()) << "samebits logprobs, completion " << k;
+      }
+    }
+  }
+}
+
+TEST(Engine, GreedyIsTheArgmaxOfTheLogits) {
+  const Model m = Model::builtin(false);
+  Rng r(3);
+  GenerationRequest g{random_prompt(r, 20, 2560), {}};
+  g.sampling.temperature = 0;
+  g.sampling.max_new_tokens = 6;
+  const std::vector<Completion> out = generate(m, {g});
+  ASSERT_EQ(out.size(), 1u);
+  const Chain chain(m, Context{});
+  std::vector<int32_t> seq = g.prompt;
+  for (int32_t tok : out[0].tokens) {
+    const ChainBatch b = ChainBatch::packed({seq});
+    const ChainForward f = chain.forward(b);
+    const auto logits = chain.row_logits(f, {b.rows() - 1})[0];
+    const int32_t want = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    EXPECT_EQ(tok, want);
+    seq.push_back(tok);
+  }
+}
+
+TEST(Engine, StopTokensEndASampleAndAreKept) {
+  const Model m = Model::builtin(false);
+  Rng r(4);
+  GenerationRequest g{random_prompt(r, 10, 2560), {}};
+  g.sampling.temperature = 0;
+  g.sampling.max_new_tokens = 8;
+  const std::vector<Completion> free_run = generate(m, {g});
+  ASSERT_GE(free_run[0].tokens.size(), 3u);
+  g.sampling.stop_token_ids = {free_run[0].tokens[2]};
+  const std::vector<Completion> stopped = generate(m, {g});
+  ASSERT_EQ(stopped[0].finish_reason, "stop");
+  const auto first = std::find(free_run[0].tokens.begin(), free_run[0].tokens.end(), free_run[0].tokens[2]);
+  EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(free_run[0].tokens.begin(), first + 1));
+}
+
+TEST(Engine, BadRequestsFailAloneNamingTheRequest) {
+  const Model m = Model::builtin(false);
+  Engine e(m, EngineOptions{Backend::cpu, 4, 256, 128, true});
+  auto req = [](std::vector<int32_t> prompt, auto edit) {
+    GenerationRequest g{std::move(prompt), {}};
+    g.sampling.max_new_tokens = 4;
+    edit(g.sampling);
+    return g;
+  };
+  auto none = [](SamplingParams&) {};
+  e.submit(req({1, 2, 3}, none));
+  e.submit(req({}, none));
+  e.submit(req({1, 2560}, none));
+  e.submit(req({1, 2}, [](SamplingParams& s) { s.n = 0; }));
+  e.submit(req({1, 2}, [](SamplingParams& s) { s.top_p = 0; }));
+  e.submit(req({1, 2}, [](SamplingParams& s) { s.top_p = 1.5; }));
+  e.submit(req({1, 2}, [](SamplingParams& s) { s.temperature = -1; }));
+  e.submit(req({1, 2}, [](SamplingParams& s) { s.max_new_tokens = 200; }));
+  e.submit(req({1, 2}, [](SamplingParams& s) { s.n = 5; }));
+  e.submit(req({4, 5, 6}, none));
+  const std::vector<Completion> out = e.run();
+  std::map<int64_t, std::string> errors;
+  for (const Completion& c : out)
+    if (c.finish_reason == "error") errors[c.request] = c.error;
+    else EXPECT_EQ(c.tokens.size(), 4u);
+  const std::map<int64_t, std::string> want{{1, "is empty"},      {2, "outside the vocab"}, {3, "'n': must be at least 1"},
+                                            {4, "in (0, 1]"},     {5, "in (0, 1]"},        {6, "temperature"},
+                                            {7, "more than a slot holds (128"}, {8, "more than the engine's 4 slots"}};
+  ASSERT_EQ(errors.size(), want.size());
+  for (auto& [id, what] : want) {
+    EXPECT_NE(errors[id].find("request " + std::to_string(id)), std::string::npos) << errors[id];
+    EXPECT_NE(errors[id].find(what), std::string::npos) << errors[id];
+  }
+  EXPECT_EQ(out.size(), 2u + want.size());  // requests 0 and 9 completed
+}
+
+// ---------------------------------------------------------------- sampling
+TEST(Sampling, FrequenciesFollowTheTemperedSoftmax) {
+  const std::vector<double> logits{1.0, -0.5, 2.0, 0.3, 0.3, -2.0, 1.1, 0.0};
+  for (double T : {1.0, 0.7, 1.6}) {
+    SamplingParams p;
+    p.temperature = T;
+    p.seed = 99;
+    std::vector<int64_t> count(logits.size(), 0);
+    const int64_t N = 100000;
+    for (int64_t i = 0; i < N; ++i) ++count[size_t(sample_token(logits, p, 0, i))];
+    double z = 0;
+    std::vector<double> prob;
+    for (double l : logits) z += std::exp(l / T);
+    double chi2 = 0;
+    for (size_t j = 0; j < logits.size(); ++j) {
+      const double expected = N * std::exp(logits[j] / T) / z;
+      chi2 += (double(count[j]) - expected) * (double(count[j]) - expected) / expected;
+    }
+    EXPECT_LT(chi2, 24.32) << "chi-square, 7 degrees of freedom, p = 0.001; T = " << T;  // a fixed seed: no flake
+  }
+}
+
+TEST(Sampling, TruncationKeepsExactlyTheClaimedSet) {
+  Rng r(8);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t V = r.integer(1, 300);
+    std::vector<double> logits;
+    for (int64_t i = 0; i < V; ++i) logits.push_back(double(float(r.normal() * 3)));
+    if (V > 4) logits[3] = logits[1];  // a tie
+    SamplingParams p;
+    p.temperature = r.uniform(0.3, 2.0);
+    p.top_k = r.uniform(0, 1) < 0.5 ? r.integer(1, V) : 0;
+    p.top_p = r.uniform(0, 1) < 0.5 ? r.uniform(0.05, 1.0) : 1.0;
+    p.min_p = r.uniform(0, 1) < 0.5 ? r.uniform(0.0, 0.5) : 0.0;
+    // The reference, written out: rank by (logit desc, id asc); cut k; cut the smallest prefix of
+    // probability mass ≥ top_p; keep p ≥ min_p · max.
+    std::vector<int32_t> order(static_cast<size_t>(V));
+    for (int64_t i = 0; i < V; ++i) order[size_t(i)] = int32_t(i);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)]; });
+    if (p.top_k > 0) order.resize(size_t(std::min<int64_t>(p.top_k, V)));
+    auto weight = [&](int32_t i) {  // z = logit / T, p = exp(z − max z): the documented arithmetic
+      return std::exp(logits[size_t(i)] / p.temperature - logits[size_t(order[0])] / p.temperature);
+    };
+    std::vector<double> w;
+    for (int32_t i : order) w.push_back(weight(i));
+    if (p.top_p < 1) {
+      std::vector<int32_t> asc = order;
+      std::sort(asc.begin(), asc.end());
+      double total = 0;
+      for (int32_t i : asc) total += weight(i);
+      double sum = 0;
+      size_t keep = 0;
+      while (keep < order.size()) {
+        sum += w[keep++];
+        if (sum >= p.top_p * total) break;
+      }
+      order.resize(keep);
+      w.resize(keep);
+    }
+    std::vector<int32_t> want;
+    for (size_t k = 0; k < order.size(); ++k)
+      if (p.min_p == 0 || w[k] >= p.min_p) want.push_back(order[k]);
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(sampling_candidates(logits, p), want) << "trial " << trial << " V " << V;
+    const int32_t tok = sample_token(logits, p, 0, trial);
+    EXPECT_TRUE(std::binary_search(want.begin(), want.end(), tok)) << "drew " << tok << " outside the kept set";
+  }
+}
+
+TEST(Sampling, TheSameSeedDrawsTheSameTokensAndAnotherDoesNot) {
+  const Model m = Model::builtin(false);
+  GenerationRequest g = target_request();
+  g.sampling.n = 1;
+  const auto a = generate(m, {g}), b = generate(m, {g});
+  g.sampling.seed += 1;
+  const auto c = generate(m, {g});
+  EXPECT_EQ(a[0].tokens, b[0].tokens);
+  EXPECT_NE(a[0].tokens, c[0].tokens);
+  EXPECT_EQ(sampling_uniform(1, 2, 3), sampling_uniform(1, 2, 3));
+  EXPECT_NE(sampling_uniform(1, 2, 3), sampling_uniform(1, 3, 2));
+  EXPECT_NE(sampling_uniform(1, 2, 3), sampling_uniform(2, 2, 3));
+}
