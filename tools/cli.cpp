@@ -64,8 +64,8 @@ ParsedCommandLine usage_error(const std::string& where, const std::string& messa
 }  // namespace
 
 const std::vector<std::string>& command_names() {
-  static const std::vector<std::string> names{"verify", "logprobs", "grads", "activations", "export-model", "inspect",
-                                              "version"};
+  static const std::vector<std::string> names{"verify", "logprobs", "grads", "activations", "generate", "export-model",
+                                              "inspect", "version"};
   return names;
 }
 
@@ -135,6 +135,35 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
   activations_cmd->add_option("--output", activations.output, "The .safetensors file to write")->required();
   activations_cmd->add_option("--backend", activations.backend, "cpu | cuda | auto")->check(backends());
 
+  GenerateRequest gen;
+  bool gen_quiet = false, gen_progress = false;
+  auto* generate_cmd = app.add_subcommand(
+      "generate", "Sample completions of JSONL prompts; each token's logprob is the trainer's, bit for bit");
+  add_model_choice(generate_cmd, gen.model);
+  generate_cmd->add_option("--input", gen.input,
+                           "JSONL: {\"tokens\": [...], and optionally \"n\", \"temperature\", \"top_k\", \"top_p\", "
+                           "\"min_p\", \"max_new_tokens\", \"stop\", \"seed\"} per line; - = stdin")
+      ->required();
+  generate_cmd->add_option("--output", gen.output, "Where to write the JSONL (default: stdout)");
+  generate_cmd->add_option("--backend", gen.backend, "cpu | cuda | auto")->check(backends());
+  generate_cmd->add_option("-n,--n", gen.n, "Samples per prompt (they share its prefill)")->check(positive_integer())->capture_default_str();
+  generate_cmd->add_option("--temperature", gen.temperature, "0: greedy")->capture_default_str();
+  generate_cmd->add_option("--top-k", gen.top_k, "0: off")->capture_default_str();
+  generate_cmd->add_option("--top-p", gen.top_p, "in (0, 1]; 1: off")->capture_default_str();
+  generate_cmd->add_option("--min-p", gen.min_p, "in [0, 1); 0: off")->capture_default_str();
+  generate_cmd->add_option("--max-new-tokens", gen.max_new_tokens, "Tokens to generate at most")
+      ->check(positive_integer())
+      ->capture_default_str();
+  generate_cmd->add_option("--stop", gen.stop, "Stop token ids (repeatable); a sampled one ends its sample");
+  generate_cmd->add_option("--seed", gen.seed, "Seed of the sampling (a line's own \"seed\" wins)")->capture_default_str();
+  generate_cmd->add_option("--max-slots", gen.max_slots, "Samples decoding at once")->check(positive_integer())->capture_default_str();
+  generate_cmd->add_option("--max-batch-tokens", gen.max_batch_tokens, "Rows a step runs (decode rows + prefill chunks)")
+      ->check(positive_integer())
+      ->capture_default_str();
+  generate_cmd->add_option("--max-context", gen.max_context, "Tokens a slot holds (0: min(max_position_embeddings, 4096))")
+      ->capture_default_str();
+  add_progress(generate_cmd, gen_quiet, gen_progress);
+
   ExportRequest exported;
   int64_t layers = 1;
   auto* export_cmd = app.add_subcommand("export-model", "Write the built-in model (or a random model of a known shape) in the Hugging Face format");
@@ -183,6 +212,10 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
     grads.progress = progress_mode(gr_quiet, gr_progress);
     out.request = grads;
   } else if (activations_cmd->parsed()) out.request = activations;
+  else if (generate_cmd->parsed()) {
+    gen.progress = progress_mode(gen_quiet, gen_progress);
+    out.request = gen;
+  }
   else if (export_cmd->parsed()) {
     if (layers_opt->count() > 0) {
       if (exported.shape != "qwen3-8b")

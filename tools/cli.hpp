@@ -53,12 +53,23 @@ struct ExportRequest {
   std::optional<int64_t> layers;  // only with shape qwen3-8b
 };
 
+// generate: rollouts from JSONL prompts; the sampling flags are the defaults a line may override.
+struct GenerateRequest {
+  ModelChoice model;
+  std::string input, output, backend = "auto";
+  int64_t n = 1, top_k = 0, max_new_tokens = 16, max_slots = 64, max_batch_tokens = 2048, max_context = 0;
+  double temperature = 1.0, top_p = 1.0, min_p = 0.0;
+  uint64_t seed = 0;
+  std::vector<int32_t> stop;
+  ProgressMode progress = ProgressMode::automatic;
+};
+
 struct InspectRequest {
   ModelChoice model;
 };
 
 using Request = std::variant<VersionRequest, VerifyRequest, LogprobsRequest, GradsRequest, ActivationsRequest,
-                             ExportRequest, InspectRequest>;
+                             ExportRequest, InspectRequest, GenerateRequest>;
 
 // What the command line asks for: a request to run, or text to print (help, or a usage error
 // with "Run samebits --help") and the exit code to end with.

@@ -25,6 +25,7 @@
 #include "samebits/error.hpp"
 #include "src/core/output_file.hpp"
 #include "tools/cli.hpp"
+#include "tools/generate_io.hpp"
 #include "tools/logprobs_io.hpp"
 #include "tools/verify.hpp"
 
@@ -163,6 +164,56 @@ int run(const ActivationsRequest& r) {
   return 0;
 }
 
+int run(const GenerateRequest& r) {
+  EngineOptions opt;
+  opt.backend = pick_backend(r.backend);
+  opt.max_slots = r.max_slots;
+  opt.max_batch_tokens = r.max_batch_tokens;
+  opt.max_context = r.max_context;
+  SamplingParams defaults;
+  defaults.n = r.n;
+  defaults.temperature = r.temperature;
+  defaults.top_k = r.top_k;
+  defaults.top_p = r.top_p;
+  defaults.min_p = r.min_p;
+  defaults.max_new_tokens = r.max_new_tokens;
+  defaults.stop_token_ids = r.stop;
+  defaults.seed = r.seed;
+  const Model model = load_model(r.model);
+  doing = "reading " + (r.input == "-" ? std::string("standard input") : r.input);
+  std::ifstream file;
+  const std::vector<PromptLine> prompts = read_prompts(open_input("generate", r.input, file), defaults);
+  std::unique_ptr<OutputFile> out;
+  if (!r.output.empty()) out = std::make_unique<OutputFile>(r.output, "generate");
+  doing = "generating";
+  // Progress: tokens generated and tokens/s after each engine step (an open-ended run: no ETA).
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  const bool show = r.progress == ProgressMode::on || (r.progress == ProgressMode::automatic && tty);
+  const auto start = std::chrono::steady_clock::now();
+  auto last = start - std::chrono::hours(1);
+  int64_t generated = 0;
+  auto rate_line = [&](int64_t tokens, int64_t steps) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return fmt::format("generate: {} tokens in {} steps, {:.0f} tokens/s", tokens, steps, s > 0 ? double(tokens) / s : 0.0);
+  };
+  std::function<void(int64_t, int64_t)> progress;
+  if (show)
+    progress = [&](int64_t tokens, int64_t steps) {
+      generated = tokens;
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last < std::chrono::milliseconds(tty ? 500 : 5000)) return;
+      last = now;
+      std::cerr << (tty ? "\r\033[K" : "") << rate_line(tokens, steps) << (tty ? "" : "\n") << std::flush;
+    };
+  const int64_t failed = write_generations(model, opt, prompts, out ? out->stream() : std::cout, progress);
+  if (out) out->commit();
+  else check_stream(std::cout, "generate", "standard output");
+  if (show) std::cerr << (tty ? "\r\033[K" : "") << rate_line(generated, 0).replace(rate_line(generated, 0).find(" in 0 steps"), 11, "") << ", done\n";
+  if (failed > 0) std::cerr << fmt::format("samebits generate: {} of {} prompts failed (their lines say why)\n", failed,
+                                           prompts.size());
+  return failed > 0 ? 2 : 0;
+}
+
 // Qwen3-8B's shape (36 layers in the real model; `layers` here), for export and load reports.
 ModelConfig qwen3_8b_shape(int64_t layers) {
   ModelConfig c = Model::builtin(false).config();
@@ -255,7 +306,8 @@ int run(const InspectRequest& r) {
 // The one handler: every failure becomes a message on stderr naming the command and a non-zero
 // exit code (see the --help footer).
 int run_guarded(const Request& request) {
-  static const char* const names[] = {"version", "verify", "logprobs", "grads", "activations", "export-model", "inspect"};
+  static const char* const names[] = {"version", "verify",       "logprobs", "grads",
+                                      "activations", "export-model", "inspect",  "generate"};
   const std::string command = names[request.index()];
   try {
     return std::visit([](const auto& r) { return run(r); }, request);

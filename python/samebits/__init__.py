@@ -14,7 +14,8 @@ dtype the ops take; nothing is copied or cast behind the caller's back.
 """
 import numpy as np
 
-from ._core import Chain, Error, Model, backends, cuda_available, raw, version  # noqa: F401
+from ._core import (Chain, Completion, Engine, Error, Model, SamplingParams, backends, cuda_available, raw,  # noqa: F401
+                    version)
 
 _NP_DTYPES = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(np.int32): "int32",
               np.dtype(np.uint8): "uint8"}
@@ -66,5 +67,5 @@ def token_logprobs(logits, targets, loss_mask=None):
     return logp, entropy
 
 
-__all__ = ["Chain", "Error", "Model", "backends", "cuda_available", "linear", "raw", "rms_norm", "token_logprobs",
+__all__ = ["Chain", "Completion", "Engine", "Error", "Model", "SamplingParams", "backends", "cuda_available", "linear", "raw", "rms_norm", "token_logprobs",
            "version"]

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <memory>
 #include <new>
 #include <optional>
@@ -28,6 +29,7 @@
 #include "samebits/chain.hpp"
 #include "samebits/context.hpp"
 #include "samebits/device.hpp"
+#include "samebits/engine.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
 #include "samebits/ops.hpp"
@@ -496,6 +498,103 @@ py::dict config_of(const Model& m) {
   return d;
 }
 
+// The generation engine: SamplingParams, Completion, Engine.generate (prompts -> completions per
+// prompt). A bad prompt gives one Completion with finish_reason "error" naming it; the others run.
+class PyEngine {
+ public:
+  PyEngine(const Model& model, const std::string& backend, int64_t max_slots, int64_t max_batch_tokens,
+           int64_t max_context, bool share_prefix)
+      : engine_(model, EngineOptions{choose_backend(backend.c_str(), "Engine", "backend"), max_slots, max_batch_tokens,
+                                     max_context, share_prefix}) {}
+
+  std::vector<std::vector<Completion>> generate(const std::vector<std::vector<int64_t>>& prompts,
+                                                const py::object& params) {
+    std::vector<SamplingParams> per;
+    if (py::isinstance<SamplingParams>(params)) per.assign(prompts.size(), params.cast<SamplingParams>());
+    else per = params.cast<std::vector<SamplingParams>>();
+    if (per.size() != prompts.size())
+      throw Error("Engine.generate", "params", "one SamplingParams, or one per prompt (" + std::to_string(prompts.size()) +
+                                                   "), got " + std::to_string(per.size()));
+    std::vector<int64_t> ids;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerationRequest r;
+      for (int64_t t : prompts[i]) r.prompt.push_back(t < INT32_MIN || t > INT32_MAX ? -1 : int32_t(t));
+      r.sampling = per[i];
+      ids.push_back(engine_.submit(std::move(r)));
+    }
+    std::vector<Completion> done;
+    {
+      py::gil_scoped_release unlocked;
+      done = engine_.run();
+    }
+    std::map<int64_t, size_t> index;
+    for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = i;
+    std::vector<std::vector<Completion>> out(prompts.size());
+    for (Completion& c : done)
+      if (index.count(c.request)) out[index[c.request]].push_back(std::move(c));
+    return out;
+  }
+
+  int64_t max_context() const { return engine_.max_context(); }
+
+ private:
+  Engine engine_;
+};
+
+void bind_engine(py::module_& m) {
+  py::class_<SamplingParams>(m, "SamplingParams",
+                             "How a prompt's samples are drawn: n, temperature (0: greedy), top_k (0: off), top_p "
+                             "(1: off), min_p (0: off), max_new_tokens, stop_token_ids, seed.")
+      .def(py::init([](int64_t n, double temperature, int64_t top_k, double top_p, double min_p, int64_t max_new_tokens,
+                       std::vector<int32_t> stop_token_ids, uint64_t seed) {
+             return SamplingParams{n, temperature, top_k, top_p, min_p, max_new_tokens, std::move(stop_token_ids), seed};
+           }),
+           py::kw_only(), py::arg("n") = 1, py::arg("temperature") = 1.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+           py::arg("min_p") = 0.0, py::arg("max_new_tokens") = 16, py::arg("stop_token_ids") = std::vector<int32_t>{},
+           py::arg("seed") = 0)
+      .def_readwrite("n", &SamplingParams::n)
+      .def_readwrite("temperature", &SamplingParams::temperature)
+      .def_readwrite("top_k", &SamplingParams::top_k)
+      .def_readwrite("top_p", &SamplingParams::top_p)
+      .def_readwrite("min_p", &SamplingParams::min_p)
+      .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readwrite("seed", &SamplingParams::seed)
+      .def("__repr__", [](const SamplingParams& p) {
+        return "SamplingParams(n=" + std::to_string(p.n) + ", temperature=" + std::to_string(p.temperature) +
+               ", top_k=" + std::to_string(p.top_k) + ", top_p=" + std::to_string(p.top_p) +
+               ", min_p=" + std::to_string(p.min_p) + ", max_new_tokens=" + std::to_string(p.max_new_tokens) +
+               ", seed=" + std::to_string(p.seed) + ")";
+      });
+  py::class_<Completion>(m, "Completion", "One sample of one prompt: tokens, their logprobs (the trainer's), why it ended.")
+      .def_readonly("sample", &Completion::sample)
+      .def_readonly("tokens", &Completion::tokens)
+      .def_property_readonly("logprobs", [](const Completion& c) {
+        return py::array_t<double>(py::ssize_t(c.logprobs.size()), c.logprobs.data());
+      })
+      .def_readonly("finish_reason", &Completion::finish_reason)
+      .def_readonly("error", &Completion::error)
+      .def("__repr__", [](const Completion& c) {
+        return "Completion(sample=" + std::to_string(c.sample) + ", " + std::to_string(c.tokens.size()) +
+               " tokens, finish_reason='" + c.finish_reason + "')";
+      });
+  py::class_<PyEngine>(m, "Engine",
+                       "Rollouts whose logprobs are the trainer's, bit for bit: continuous batching, chunked prefill, "
+                       "a prompt's prefill shared by its samples, batch-invariant sampling.")
+      .def(py::init<const Model&, const std::string&, int64_t, int64_t, int64_t, bool>(), py::arg("model"),
+           py::arg("backend") = "auto", py::arg("max_slots") = 64, py::arg("max_batch_tokens") = 2048,
+           py::arg("max_context") = 0, py::arg("share_prefix") = true, py::keep_alive<1, 2>())
+      .def("generate", &PyEngine::generate, py::arg("prompts"), py::arg("params"),
+           "Per prompt, its completions (n of them; one with finish_reason 'error' for a bad prompt). params: one "
+           "SamplingParams for all, or one per prompt.")
+      .def_property_readonly("max_context", &PyEngine::max_context);
+  m.def("sampling_candidates", [](const std::vector<double>& logits, const SamplingParams& p) {
+    return sampling_candidates(logits, p);
+  }, py::arg("logits"), py::arg("params"), "The ids sampling may draw from a logits row under params (ascending).");
+  m.def("sample_token", &sample_token, py::arg("logits"), py::arg("params"), py::arg("sample"), py::arg("position"),
+        "The token drawn for (params.seed, sample, position) from a logits row.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -663,5 +762,6 @@ PYBIND11_MODULE(_core, m) {
      "Test / benchmark hook: forces a kernel-shape choice that changes no bit (0: the library's own); returns the "
      "previous value.");
 
+  bind_engine(m);
   bind_raw(m);
 }

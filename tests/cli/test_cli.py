@@ -205,3 +205,30 @@ def test_bad_lines_still_name_the_line():
           "token id 99999 is outside the vocab [0, 2560)")
     fails(run("logprobs", "--input", "-", input='{"tokens": [1, 2], "loss_mask": [1, 7]}\n'), 2,
           "loss_mask entries must be 0 or 1, got 7")
+
+
+# ---------------------------------------------------------------- generate
+def test_generate_reports_the_trainers_logprobs_and_fails_bad_prompts_alone():
+    lines = ('{"tokens": [1, 2, 3], "n": 2, "seed": 5}\n{"tokens": []}\n'
+             '{"tokens": [7, 8, 9, 10], "temperature": 0, "max_new_tokens": 4}\n{"tokens": [1], "top_p": 2}\nnot json\n')
+    p = run("generate", "--input", "-", "--max-new-tokens", "5", input=lines)
+    assert p.returncode == 2 and "3 of 5 prompts failed" in p.stderr, p.stderr
+    out = [json.loads(l) for l in p.stdout.splitlines()]
+    assert [(o["prompt"], o.get("sample")) for o in out] == [(0, 0), (0, 1), (1, None), (2, 0), (3, None), (4, None)]
+    assert "is empty" in out[2]["error"] and "top_p" in out[4]["error"] and "not valid JSON" in out[5]["error"]
+    good = [o for o in out if "tokens" in o]
+    prompts = {0: [1, 2, 3], 2: [7, 8, 9, 10]}
+    rescore = "".join(json.dumps({"tokens": prompts[o["prompt"]] + o["tokens"]}) + "\n" for o in good)
+    scored = [json.loads(l)["logprobs"] for l in run("logprobs", "--input", "-", input=rescore).stdout.splitlines()]
+    for o, s in zip(good, scored):
+        assert o["logprobs"] == s[len(prompts[o["prompt"]]):], (o, s)
+    assert len(good[2]["tokens"]) == 4 and good[0]["finish_reason"] == "length"
+
+
+def test_generate_progress_and_output_file(tmp_path):
+    out = tmp_path / "g.jsonl"
+    p = run("generate", "--input", "-", "--output", out, "--progress", input='{"tokens": [1, 2]}\n')
+    assert p.returncode == 0 and "tokens/s" in p.stderr, p.stderr
+    assert json.loads(out.read_text())["finish_reason"] == "length"
+    fails(run("generate", "--input", "-", "--output", tmp_path / "no" / "g.jsonl", input='{"tokens": [1]}\n'), 2,
+          "does not exist")

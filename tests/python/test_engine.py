@@ -1,0 +1,87 @@
+"""The generation engine through Python: completions whose logprobs are the trainer's (Chain.logprobs
+of prompt + completion) bit for bit, the same bits whatever else is generated, NumPy's view of the
+truncation sets, and bad prompts failing alone."""
+import numpy as np
+import pytest
+
+import samebits
+
+
+def prompts(n, seed=1, vocab=2560):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(1, 40))).tolist() for _ in range(n)]
+
+
+def test_generated_logprobs_are_the_chains_bit_for_bit(model, chain):
+    engine = samebits.Engine(model, "cpu")
+    ps = prompts(6)
+    out = engine.generate(ps, samebits.SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=3))
+    assert [len(o) for o in out] == [2] * 6
+    full = [p + c.tokens for p, cs in zip(ps, out) for c in cs]
+    scored = chain.logprobs(full)
+    k = 0
+    for p, cs in zip(ps, out):
+        for c in cs:
+            assert c.finish_reason == "length" and len(c.tokens) == 8
+            want = scored[k][len(p):]
+            assert np.array_equal(c.logprobs.view(np.uint64), want.view(np.uint64)), (c.logprobs, want)
+            k += 1
+
+
+def test_a_prompts_bits_do_not_depend_on_the_others(model):
+    target = prompts(1, seed=7)[0]
+    params = samebits.SamplingParams(n=3, temperature=0.8, top_k=50, max_new_tokens=10, seed=11)
+    alone = samebits.Engine(model, "cpu").generate([target], params)[0]
+    crowd = prompts(20, seed=8) + [target] + prompts(5, seed=9)
+    among = samebits.Engine(model, "cpu", max_batch_tokens=7).generate(crowd, params)[20]
+    for a, b in zip(alone, among):
+        assert a.tokens == b.tokens
+        assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
+
+
+def reference_candidates(logits, temperature, top_k, top_p, min_p):
+    """NumPy's reading of samebits/sampling.hpp."""
+    z = logits / temperature
+    order = np.lexsort((np.arange(len(logits)), -logits))  # logit descending, id ascending
+    if top_k > 0:
+        order = order[:top_k]
+    w = np.exp(z[order] - z[order[0]])
+    if top_p < 1:
+        total = sum(np.exp(z[i] - z[order[0]]) for i in sorted(order))  # ascending id order
+        keep, acc = 0, 0.0
+        while keep < len(order):
+            acc += w[keep]
+            keep += 1
+            if acc >= top_p * total:
+                break
+        order, w = order[:keep], w[:keep]
+    if min_p > 0:
+        order = order[w >= min_p]
+    return sorted(int(i) for i in order)
+
+
+def test_truncation_sets_match_numpy():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        v = int(rng.integers(1, 300))
+        logits = (rng.standard_normal(v) * 3).astype(np.float32).astype(np.float64)
+        t = float(rng.uniform(0.3, 2.0))
+        k = int(rng.integers(1, v + 1)) if rng.random() < 0.5 else 0
+        p = float(rng.uniform(0.05, 1.0)) if rng.random() < 0.5 else 1.0
+        mp = float(rng.uniform(0.0, 0.5)) if rng.random() < 0.5 else 0.0
+        params = samebits.SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp)
+        got = samebits._core.sampling_candidates(logits.tolist(), params)
+        assert got == reference_candidates(logits, t, k, p, mp)
+        assert samebits._core.sample_token(logits.tolist(), params, 0, 5) in got
+
+
+def test_bad_prompts_fail_alone(model):
+    engine = samebits.Engine(model, "cpu", max_context=64)
+    out = engine.generate([[1, 2], [], [1, 99999], [3, 4]],
+                          [samebits.SamplingParams(max_new_tokens=4)] * 3 + [samebits.SamplingParams(max_new_tokens=100)])
+    assert out[0][0].finish_reason == "length"
+    assert out[1][0].finish_reason == "error" and "is empty" in out[1][0].error
+    assert "outside the vocab" in out[2][0].error
+    assert "more than a slot holds (64" in out[3][0].error
+    with pytest.raises(samebits.Error, match="one per prompt"):
+        engine.generate([[1], [2]], [samebits.SamplingParams()])
