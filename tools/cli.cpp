@@ -146,16 +146,16 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
       ->required();
   generate_cmd->add_option("--output", gen.output, "Where to write the JSONL (default: stdout)");
   generate_cmd->add_option("--backend", gen.backend, "cpu | cuda | auto")->check(backends());
-  generate_cmd->add_option("-n,--n", gen.n, "Samples per prompt (they share its prefill)")->check(positive_integer())->capture_default_str();
-  generate_cmd->add_option("--temperature", gen.temperature, "0: greedy")->capture_default_str();
-  generate_cmd->add_option("--top-k", gen.top_k, "0: off")->capture_default_str();
-  generate_cmd->add_option("--top-p", gen.top_p, "in (0, 1]; 1: off")->capture_default_str();
-  generate_cmd->add_option("--min-p", gen.min_p, "in [0, 1); 0: off")->capture_default_str();
-  generate_cmd->add_option("--max-new-tokens", gen.max_new_tokens, "Tokens to generate at most")
+  generate_cmd->add_option("-n,--n", gen.sampling.n, "Samples per prompt (they share its prefill)")->check(positive_integer())->capture_default_str();
+  generate_cmd->add_option("--temperature", gen.sampling.temperature, "0: greedy")->capture_default_str();
+  generate_cmd->add_option("--top-k", gen.sampling.top_k, "0: off")->capture_default_str();
+  generate_cmd->add_option("--top-p", gen.sampling.top_p, "in (0, 1]; 1: off")->capture_default_str();
+  generate_cmd->add_option("--min-p", gen.sampling.min_p, "in [0, 1); 0: off")->capture_default_str();
+  generate_cmd->add_option("--max-new-tokens", gen.sampling.max_new_tokens, "Tokens to generate at most")
       ->check(positive_integer())
       ->capture_default_str();
-  generate_cmd->add_option("--stop", gen.stop, "Stop token ids (repeatable); a sampled one ends its sample");
-  generate_cmd->add_option("--seed", gen.seed, "Seed of the sampling (a line's own \"seed\" wins)")->capture_default_str();
+  generate_cmd->add_option("--stop", gen.sampling.stop_token_ids, "Stop token ids (repeatable); a sampled one ends its sample");
+  generate_cmd->add_option("--seed", gen.sampling.seed, "Seed of the sampling (a line's own \"seed\" wins)")->capture_default_str();
   generate_cmd->add_option("--max-slots", gen.max_slots, "Samples decoding at once")->check(positive_integer())->capture_default_str();
   generate_cmd->add_option("--max-batch-tokens", gen.max_batch_tokens, "Rows a step runs (decode rows + prefill chunks)")
       ->check(positive_integer())

@@ -7,6 +7,8 @@
 #include <variant>
 #include <vector>
 
+#include "samebits/sampling.hpp"
+
 namespace samebits::tools {
 
 // Where a run's progress lines go: a TTY on stderr gets them unless -q; otherwise only --progress.
@@ -57,10 +59,8 @@ struct ExportRequest {
 struct GenerateRequest {
   ModelChoice model;
   std::string input, output, backend = "auto";
-  int64_t n = 1, top_k = 0, max_new_tokens = 16, max_slots = 64, max_batch_tokens = 2048, max_context = 0;
-  double temperature = 1.0, top_p = 1.0, min_p = 0.0;
-  uint64_t seed = 0;
-  std::vector<int32_t> stop;
+  SamplingParams sampling;  // the defaults a line may override
+  int64_t max_slots = 64, max_batch_tokens = 2048, max_context = 0;
   ProgressMode progress = ProgressMode::automatic;
 };
 

@@ -1,5 +1,7 @@
 #include "tools/generate_io.hpp"
 
+#include "tools/jsonl.hpp"
+
 #include <map>
 
 #include <fmt/format.h>
@@ -59,11 +61,7 @@ GenerationRequest parse_prompt(const std::string& text, const std::string& where
 
 std::vector<PromptLine> read_prompts(std::istream& in, const SamplingParams& defaults) {
   std::vector<PromptLine> out;
-  std::string text;
-  int64_t number = 0;
-  while (std::getline(in, text)) {
-    ++number;
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+  for_each_jsonl_line(in, "generate", [&](const std::string& text, int64_t number) {
     PromptLine p;
     p.line = number;
     try {
@@ -72,8 +70,7 @@ std::vector<PromptLine> read_prompts(std::istream& in, const SamplingParams& def
       p.error = e.what();
     }
     out.push_back(std::move(p));
-  }
-  if (in.bad()) throw Error("generate", "--input", fmt::format("read failed after line {}", number));
+  });
   if (out.empty()) throw Error("generate", "--input", "holds no prompts (every line blank, or no lines)");
   return out;
 }

@@ -1,5 +1,7 @@
 #include "tools/logprobs_io.hpp"
 
+#include "tools/jsonl.hpp"
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -88,14 +90,9 @@ Chain chain_on(const Model& model, Backend backend) {
 
 std::vector<InputSequence> read_sequences(std::istream& in, const ModelConfig& config, const std::string& command) {
   std::vector<InputSequence> seqs;
-  std::string text;
-  int64_t number = 0;
-  while (std::getline(in, text)) {
-    ++number;
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+  for_each_jsonl_line(in, command, [&](const std::string& text, int64_t number) {
     seqs.push_back(parse_line(text, number, config, command));
-  }
-  if (in.bad()) throw Error(command, "--input", fmt::format("read failed after line {}", number));
+  });
   if (seqs.empty()) throw Error(command, "--input", "holds no sequences (every line blank, or no lines)");
   return seqs;
 }

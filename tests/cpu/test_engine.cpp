@@ -77,6 +77,14 @@ void expect_same(const std::vector<Completion>& got, const std::vector<Completio
   }
 }
 
+GenerationRequest greedy(uint64_t seed, int64_t prompt_len, int64_t max_new_tokens) {
+  Rng r(seed);
+  GenerationRequest g{random_prompt(r, prompt_len, 2560), {}};
+  g.sampling.temperature = 0;
+  g.sampling.max_new_tokens = max_new_tokens;
+  return g;
+}
+
 }  // namespace
 
 TEST(Engine, ARequestsBitsDoNotDependOnWhatElseRuns) {
@@ -144,10 +152,7 @@ TEST(Engine, GeneratedLogprobsAreTheTrainersBitForBit) {
 
 TEST(Engine, GreedyIsTheArgmaxOfTheLogits) {
   const Model m = Model::builtin(false);
-  Rng r(3);
-  GenerationRequest g{random_prompt(r, 20, 2560), {}};
-  g.sampling.temperature = 0;
-  g.sampling.max_new_tokens = 6;
+  const GenerationRequest g = greedy(3, 20, 6);
   const std::vector<Completion> out = generate(m, {g});
   ASSERT_EQ(out.size(), 1u);
   const Chain chain(m, Context{});
@@ -164,10 +169,7 @@ TEST(Engine, GreedyIsTheArgmaxOfTheLogits) {
 
 TEST(Engine, StopTokensEndASampleAndAreKept) {
   const Model m = Model::builtin(false);
-  Rng r(4);
-  GenerationRequest g{random_prompt(r, 10, 2560), {}};
-  g.sampling.temperature = 0;
-  g.sampling.max_new_tokens = 8;
+  GenerationRequest g = greedy(4, 10, 8);
   const std::vector<Completion> free_run = generate(m, {g});
   ASSERT_GE(free_run[0].tokens.size(), 3u);
   g.sampling.stop_token_ids = {free_run[0].tokens[2]};
