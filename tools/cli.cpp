@@ -162,6 +162,9 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
       ->capture_default_str();
   generate_cmd->add_option("--max-context", gen.max_context, "Tokens a slot holds (0: min(max_position_embeddings, 4096))")
       ->capture_default_str();
+  generate_cmd->add_option("--page-size", gen.page_size, "KV-cache page, in tokens")->check(positive_integer())->capture_default_str();
+  generate_cmd->add_option("--kv-pages", gen.kv_pages, "Pages in the KV pool (0: every slot's max_context)")
+      ->capture_default_str();
   add_progress(generate_cmd, gen_quiet, gen_progress);
 
   ExportRequest exported;

@@ -170,6 +170,8 @@ int run(const GenerateRequest& r) {
   opt.max_slots = r.max_slots;
   opt.max_batch_tokens = r.max_batch_tokens;
   opt.max_context = r.max_context;
+  opt.page_size = r.page_size;
+  opt.kv_pages = r.kv_pages;
   const Model model = load_model(r.model);
   doing = "reading " + (r.input == "-" ? std::string("standard input") : r.input);
   std::ifstream file;

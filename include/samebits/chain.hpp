@@ -48,24 +48,49 @@ struct ChainBatch {
                            int empty_slots = 0, int32_t pad_token = 0);
 };
 
-// Per-layer KV cache for a fixed number of sequence slots of a fixed capacity, in the memory of the
-// chain's backend.
+// Per-layer KV cache for a fixed number of sequence slots of up to `capacity` tokens each, in the
+// memory of the chain's backend. Contiguous (slot s owns rows [s·capacity, (s + 1)·capacity)) or
+// paged (a pool of pages of `page_size` token rows; a slot takes pages as it grows and gives them
+// back when reset; the attention reads keys through the slot's block table). Either holds the same
+// bits for the same tokens: where a key lives never changes a reduction.
 class KvCache {
  public:
   KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, DType dtype, Backend backend = Backend::cpu);
+  static KvCache paged(const ModelConfig& config, int64_t slots, int64_t capacity, int64_t pages, int64_t page_size,
+                       DType dtype, Backend backend = Backend::cpu);
   int64_t capacity() const { return capacity_; }
   int64_t slots() const { return int64_t(lengths_.size()); }
   int64_t length(int64_t slot) const { return lengths_.at(size_t(slot)); }
-  void reset(int64_t slot) { lengths_.at(size_t(slot)) = 0; }
-  // Slot `to` holds the first `len` cached tokens of slot `from` (a prompt's keys and values, shared
-  // by its samples): the same bits the slot would hold had it run those tokens itself.
-  void copy_prefix(int64_t from, int64_t to, int64_t len);
+  bool is_paged() const { return page_size_ > 0; }
+  int64_t page_size() const { return page_size_; }
+  int64_t pages() const { return int64_t(users_.size()); }
+  int64_t free_pages() const { return int64_t(free_.size()); }
+  int64_t pages_for(int64_t tokens) const { return is_paged() ? (tokens + page_size_ - 1) / page_size_ : 0; }
+  // Room for `tokens` tokens in `slot`: paged, the pages it lacks come from the pool, and false (taking
+  // nothing) when the pool is short; contiguous, whether they fit its capacity.
+  bool reserve(int64_t slot, int64_t tokens);
+  // Empties the slot; paged, its pages go back to the pool (a shared page when its last user lets go).
+  void reset(int64_t slot);
+  // Slot `to` (empty) holds the first `len` cached tokens of slot `from` (a prompt's keys and values,
+  // shared by its samples): the same bits the slot would hold had it run those tokens itself. Paged,
+  // the full pages are shared and the last partial page is copied into a page of its own (each slot
+  // writes only past its length, into pages it alone holds): false, changing nothing, when the pool
+  // has no page for that copy.
+  bool copy_prefix(int64_t from, int64_t to, int64_t len);
+  // Paged: the slot's pages, in token order.
+  const std::vector<int32_t>& block_table(int64_t slot) const { return tables_.at(size_t(slot)); }
 
  private:
   friend class Chain;
-  int64_t capacity_;
+  KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, int64_t rows, DType dtype, Backend backend);
+  int64_t capacity_, page_size_ = 0;
   std::vector<int64_t> lengths_;
-  std::vector<DeviceTensor> k_, v_;  // per layer: [slots * capacity, kv_heads, head_dim]
+  std::vector<DeviceTensor> k_, v_;          // per layer: [rows, kv_heads, head_dim]
+  std::vector<std::vector<int32_t>> tables_; // paged: each slot's pages, in token order
+  std::vector<int32_t> users_;               // paged: slots holding each page
+  std::vector<int32_t> free_;                // paged: free pages, the lowest at the back
+  // The cache row of token `pos` of `slot`.
+  int64_t row_of(int64_t slot, int64_t pos) const;
 };
 
 // Gradient accumulators, one fp32 (fp64 in truth mode) buffer per weight. A tied embedding has two

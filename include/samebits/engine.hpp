@@ -3,7 +3,8 @@
 //
 // Requests queue; each step the scheduler packs one batch under a token budget: every running
 // sample's next token (a decode row) first, then prompt chunks in arrival order (chunked prefill),
-// and runs it through the chain against a KV cache of fixed slots. A prompt is prefilled once; its
+// and runs it through the chain against a paged KV cache (a pool of pages; a request waits for
+// them, and when a decode row finds none the latest request is preempted and recomputed later). A prompt is prefilled once; its
 // n samples then take its keys and values (KvCache::copy_prefix) and draw their tokens apart. Every
 // part of that keeps a sample's bits whatever else runs: the chain's forward is batch-, chunk- and
 // layout-invariant, sampling depends only on the row's logits and (seed, sample, position)
@@ -29,6 +30,10 @@ struct EngineOptions {
   int64_t max_batch_tokens = 2048;  // rows of one step: decode rows + prefill chunks
   int64_t max_context = 0;          // tokens a slot holds (prompt + new); 0: min(max_position, 4096)
   bool share_prefix = true;         // false: every sample prefills its prompt itself (same bits)
+  int64_t page_size = 64;           // KV-cache page, in tokens
+  int64_t kv_pages = 0;             // pages in the pool; 0: every slot's max_context. Fewer: requests
+                                    // wait for pages, and a running one is preempted (recomputed
+                                    // later, the same bits) when a decode row finds none
 };
 
 struct GenerationRequest {
@@ -65,6 +70,7 @@ class Engine {
   void on_progress(std::function<void(int64_t, int64_t)> f) { progress_ = std::move(f); }
 
   const EngineOptions& options() const { return options_; }
+  int64_t preemptions() const { return preemptions_; }
   int64_t max_context() const { return context_; }
 
  private:
@@ -72,6 +78,8 @@ class Engine {
   struct Request;
   void admit();
   void finish(Sample& s, const char* reason);
+  bool preempt_latest_after(size_t index);  // the last running request, if after `index`; false: none
+  int64_t preemptions_ = 0;
   const Model& model_;
   EngineOptions options_;
   int64_t context_;

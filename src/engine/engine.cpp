@@ -28,6 +28,13 @@ struct Engine::Request {
   GenerationRequest req;
   std::vector<Sample> samples;
   int64_t prompt_len() const { return int64_t(req.prompt.size()); }
+  // Tokens the slot must hold before the sample's next row: the prompt, and after a preemption its
+  // generated tokens but the last (which the next decode row feeds).
+  int64_t prefill_target(const Sample& s) const {
+    return prompt_len() + (s.tokens.empty() ? 0 : int64_t(s.tokens.size()) - 1);
+  }
+  bool decoding(const Sample& s) const { return !s.tokens.empty() && s.cached == prefill_target(s); }
+  bool prefilling(const Sample& s) const { return !s.done && !s.waits_for_prefix && s.cached < prefill_target(s); }
 };
 
 namespace {
@@ -51,7 +58,13 @@ Engine::Engine(const Model& model, EngineOptions options)
       options_(options),
       context_(context_of(model, options)),
       chain_(model, context_for(options.backend)),
-      cache_(model.config(), std::max<int64_t>(options.max_slots, 1), context_, chain_.act_dtype(), options.backend) {
+      cache_(KvCache::paged(model.config(), std::max<int64_t>(options.max_slots, 1), context_,
+                            options.kv_pages > 0 ? options.kv_pages
+                                                 : std::max<int64_t>(options.max_slots, 1) *
+                                                       ((context_ + std::max<int64_t>(options.page_size, 1) - 1) /
+                                                        std::max<int64_t>(options.page_size, 1)),
+                            std::max<int64_t>(options.page_size, 1), chain_.act_dtype(), options.backend)) {
+  if (options.page_size < 1) throw Error("Engine", "page_size", fmt::format("must be at least 1, got {}", options.page_size));
   if (options.max_slots < 1) throw Error("Engine", "max_slots", fmt::format("must be at least 1, got {}", options.max_slots));
   if (options.max_batch_tokens < 1)
     throw Error("Engine", "max_batch_tokens", fmt::format("must be at least 1, got {}", options.max_batch_tokens));
@@ -79,6 +92,10 @@ int64_t Engine::submit(GenerationRequest request) {
                               p.size(), request.sampling.max_new_tokens, need, context_, c.rope.max_position));
     if (request.sampling.n > options_.max_slots)
       throw Error(op, "n", fmt::format("{} samples, more than the engine's {} slots", request.sampling.n, options_.max_slots));
+    const int64_t pages = request.sampling.n * cache_.pages_for(need);
+    if (pages > cache_.pages())
+      throw Error(op, "n", fmt::format("{} samples of up to {} tokens need {} KV pages, the pool has {}",
+                                       request.sampling.n, need, pages, cache_.pages()));
   } catch (const Error& e) {
     Completion failed;
     failed.request = id;
@@ -125,14 +142,36 @@ void Engine::finish(Sample& s, const char* reason) {
   done_.push_back(std::move(c));
 }
 
+bool Engine::preempt_latest_after(size_t index) {
+  if (running_.size() <= index + 1) return false;
+  auto r = running_.back();
+  running_.pop_back();
+  // Back to the queue's front: its slots and pages go, its samples will recompute what they had
+  // (prefill = decode, bit for bit) and draw on from the same counters.
+  const bool none_drawn = std::all_of(r->samples.begin(), r->samples.end(), [](const Sample& s) { return s.tokens.empty(); });
+  for (Sample& s : r->samples) {
+    if (s.done) continue;
+    cache_.reset(s.slot);
+    free_slots_.push_back(s.slot);
+    s.slot = -1;
+    s.cached = 0;
+    s.waits_for_prefix = none_drawn && options_.share_prefix && s.index > 0;
+  }
+  std::sort(free_slots_.begin(), free_slots_.end(), std::greater<int64_t>());
+  waiting_.push_front(std::move(r));
+  ++preemptions_;
+  return true;
+}
+
 bool Engine::step() {
   admit();
   if (running_.empty()) return false;
-  // The batch: decode rows first (one a sample), then prompt chunks, within the token budget.
+  // The batch: decode rows first (one a sample), then prompt chunks, within the token budget and
+  // the pages the cache can give. A decode row that finds no page preempts the latest other request.
   struct Part {
     Request* r;
     Sample* s;
-    bool ends_prompt;  // its last row is the prompt's last token: draw every sharing sample's first
+    bool draws_first;  // its last row ends the prompt: draw the first token (of every sharing sample)
   };
   std::vector<Part> parts;
   ChainBatch b;
@@ -147,24 +186,59 @@ bool Engine::step() {
       b.targets.push_back(-100);
       b.loss_mask.push_back(0);
     }
-    parts.push_back({&r, &s, s.cached < P && s.cached + len == P});
+    parts.push_back({&r, &s, s.tokens.empty() && s.cached + len == P});
     budget -= len;
   };
-  for (auto& r : running_)
-    for (Sample& s : r->samples)
-      if (!s.done && !s.waits_for_prefix && s.cached >= r->prompt_len() && budget > 0) add(*r, s, 1);
-  for (auto& r : running_)
-    for (Sample& s : r->samples)
-      if (!s.done && !s.waits_for_prefix && s.cached < r->prompt_len() && budget > 0)
-        add(*r, s, std::min(budget, r->prompt_len() - s.cached));
-  if (parts.empty()) return false;  // cannot happen with max_batch_tokens ≥ 1; never spin
+  // Decode rows, request by request in admission order: a request whose rows need pages the pool
+  // lacks preempts the latest requests after it (which have added nothing yet), else waits itself.
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Request& r = *running_[i];
+    std::vector<Sample*> rows_of_r;
+    int64_t need = 0;
+    for (Sample& s : r.samples)
+      if (!s.done && r.decoding(s) && budget - int64_t(rows_of_r.size()) > 0) {
+        rows_of_r.push_back(&s);
+        need += cache_.pages_for(s.cached + 1) - int64_t(cache_.block_table(s.slot).size());
+      }
+    while (cache_.free_pages() < need && preempt_latest_after(i)) {
+    }
+    if (cache_.free_pages() < need) continue;  // waits for pages (those ahead of it finish first)
+    for (Sample* s : rows_of_r) {
+      cache_.reserve(s->slot, s->cached + 1);
+      add(r, *s, 1);
+    }
+  }
+  // Prompt chunks (and recomputation after a preemption) in what remains of the budget and the
+  // pool. A chunk that ends a shared prompt also holds back a page for each sample's copy of the
+  // prompt's last partial page.
+  int64_t promised = 0;
+  for (auto& rp : running_) {
+    Request& r = *rp;
+    for (Sample& s : r.samples) {
+      if (!r.prefilling(s) || budget <= 0) continue;
+      const int64_t held = int64_t(cache_.block_table(s.slot).size()), free = cache_.free_pages() - promised;
+      int64_t len = std::min({budget, r.prefill_target(s) - s.cached, (held + free) * cache_.page_size() - s.cached});
+      if (len <= 0) continue;
+      int64_t copies = 0;
+      if (s.tokens.empty() && s.cached + len == r.prompt_len() && r.prompt_len() % cache_.page_size() != 0)
+        for (const Sample& other : r.samples) copies += other.waits_for_prefix ? 1 : 0;
+      if (copies > 0 && free - (cache_.pages_for(s.cached + len) - held) < copies) --len;  // end the prompt later
+      if (len <= 0 || !cache_.reserve(s.slot, s.cached + len)) continue;
+      if (s.tokens.empty() && s.cached + len == r.prompt_len()) promised += copies;
+      add(r, s, len);
+    }
+  }
+  if (parts.empty()) {  // every running request waits for pages: the latest gives way
+    if (preempt_latest_after(0)) return true;
+    throw Error("Engine", "kv_pages", "the first running request cannot get a page (cannot happen: submit checks)");
+  }
   const ChainForward f = chain_.forward_cached(b, cache_);
 
   // Draws: a decode row, or the end of a prompt (for the sample itself, or for every sample
   // sharing the prompt). The logits of the rows that draw, then one logprob a drawn token.
   std::vector<int64_t> rows;
   for (size_t k = 0; k < parts.size(); ++k)
-    if (parts[k].ends_prompt || parts[k].s->cached >= parts[k].r->prompt_len())
+    if (parts[k].draws_first || parts[k].r->decoding(*parts[k].s))
       rows.push_back(b.seqs[k].row + b.seqs[k].len - 1);
   const std::vector<std::vector<double>> logits = chain_.row_logits(f, rows);
   struct Draw {
@@ -177,24 +251,24 @@ bool Engine::step() {
   size_t at = 0;
   for (size_t k = 0; k < parts.size(); ++k) {
     Part& p = parts[k];
-    const bool decode = p.s->cached >= p.r->prompt_len();
+    const bool decode = p.r->decoding(*p.s);
     p.s->cached += b.seqs[k].len;
-    if (!decode && !p.ends_prompt) continue;
+    if (!decode && !p.draws_first) continue;
     const std::vector<double>& row_logits = logits[at];
     const int64_t row = rows[at++];
-    const SamplingParams& sp = p.r->req.sampling;
     std::vector<Sample*> drawing{p.s};
-    if (p.ends_prompt)
+    if (p.draws_first)
       for (Sample& other : p.r->samples)
         if (other.waits_for_prefix) {
-          cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len());
+          if (!cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len()))  // its page was held back above
+            throw Error("Engine", "kv_pages", "no page to share a prompt (cannot happen)");
           other.cached = p.r->prompt_len();
           other.waits_for_prefix = false;
           drawing.push_back(&other);
         }
     for (Sample* s : drawing) {
       const int64_t position = p.r->prompt_len() + int64_t(s->tokens.size());
-      draws.push_back({p.r, s, row, sample_token(row_logits, sp, s->index, position)});
+      draws.push_back({p.r, s, row, sample_token(row_logits, p.r->req.sampling, s->index, position)});
     }
   }
   std::vector<int64_t> draw_rows;

@@ -101,6 +101,17 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     throw Error("chain", "cache", fmt::format("lives on the {} backend, the chain runs on {}",
                                               backend_name(cache->k_[0].backend()), backend_name(ctx_.backend)));
   const HostTensor seqs = attention_table(batch, cache, cache ? cache->capacity() : 0, cache ? &cache->lengths_ : nullptr);
+  // A paged cache: each sequence's pages (its block table row; unused columns repeat page 0).
+  HostTensor block_table;
+  if (cache && cache->is_paged()) {
+    size_t cols = 1;
+    for (auto& s : batch.seqs) cols = std::max(cols, cache->block_table(s.slot).size());
+    block_table = HostTensor(DType::i32, {int64_t(batch.seqs.size()), int64_t(cols)});
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+      const auto& pages = cache->block_table(batch.seqs[i].slot);
+      for (size_t j = 0; j < pages.size(); ++j) block_table.set(int64_t(i * cols + j), pages[j]);
+    }
+  }
 
   // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
   auto norm = [&](const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight, DeviceTensor& y,
@@ -153,7 +164,20 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
 
     AttentionForwardArgs at;
     at.q = v3(qr, Hq, D);
-    if (cache) {  // append this step's keys / values to each sequence's slot, a run of like sequences a copy
+    if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
+      const int64_t ps = cache->page_size();
+      for (const ChainSequence& s : batch.seqs)
+        for (int64_t pos = s.cached; pos < s.cached + s.len;) {
+          const int64_t n = std::min(s.cached + s.len - pos, ps - pos % ps);  // the rest of this page
+          cache->k_[size_t(l)].copy_rows_from(kr, s.row + pos - s.cached, cache->row_of(s.slot, pos), n);
+          cache->v_[size_t(l)].copy_rows_from(v, s.row + pos - s.cached, cache->row_of(s.slot, pos), n);
+          pos += n;
+        }
+      at.k = cache->k_[size_t(l)].view();
+      at.v = cache->v_[size_t(l)].view();
+      at.block_table = block_table.view();
+      at.page_size = ps;
+    } else if (cache) {  // append this step's keys / values to each sequence's slot, a run of like sequences a copy
       const int64_t cap = cache->capacity();
       for (size_t i = 0; i < batch.seqs.size();) {
         const ChainSequence& s = batch.seqs[i];

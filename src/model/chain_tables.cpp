@@ -85,7 +85,12 @@ HostTensor attention_table(const ChainBatch& batch, const KvCache* cache, int64_
                                                   (*slot_lengths)[size_t(s.slot)]));
       if (s.cached + s.len > capacity)
         throw Error("chain", "batch", fmt::format("sequence {} overflows its cache slot ({} tokens)", i, capacity));
-      row[2] = s.slot * capacity;
+      if (cache->is_paged() && cache->pages_for(s.cached + s.len) > int64_t(cache->block_table(s.slot).size()))
+        throw Error("chain", "cache", fmt::format("sequence {}: slot {} has pages for {} tokens, the step needs {} "
+                                                  "(KvCache::reserve)", i, s.slot,
+                                                  int64_t(cache->block_table(s.slot).size()) * cache->page_size(),
+                                                  s.cached + s.len));
+      row[2] = cache->is_paged() ? 0 : s.slot * capacity;
       row[3] = s.cached + s.len;
     }
     for (int k = 0; k < 4; ++k) seqs.set(int64_t(i) * 4 + k, double(row[k]));
@@ -151,24 +156,93 @@ ChainBatch ChainBatch::padded(const std::vector<std::vector<int32_t>>& sequences
 }
 
 // ---------------------------------------------------------------- cache and gradients
-KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Backend backend)
+KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, int64_t rows, DType dtype, Backend backend)
     : capacity_(capacity), lengths_(size_t(slots), 0) {
+  if (slots < 1 || capacity < 1) throw Error("KvCache", "slots", fmt::format("{} slots of {} tokens", slots, capacity));
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    k_.emplace_back(backend, dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
-    v_.emplace_back(backend, dtype, std::vector<int64_t>{slots * capacity, c.num_kv_heads, c.head_dim});
+    k_.emplace_back(backend, dtype, std::vector<int64_t>{rows, c.num_kv_heads, c.head_dim});
+    v_.emplace_back(backend, dtype, std::vector<int64_t>{rows, c.num_kv_heads, c.head_dim});
   }
 }
 
-void KvCache::copy_prefix(int64_t from, int64_t to, int64_t len) {
+KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Backend backend)
+    : KvCache(c, slots, capacity, slots * capacity, dtype, backend) {}
+
+KvCache KvCache::paged(const ModelConfig& c, int64_t slots, int64_t capacity, int64_t pages, int64_t page_size,
+                       DType dtype, Backend backend) {
+  if (pages < 1 || page_size < 1 || pages * page_size > (int64_t(1) << 31))
+    throw Error("KvCache::paged", "pages", fmt::format("{} pages of {} tokens", pages, page_size));
+  KvCache cache(c, slots, capacity, pages * page_size, dtype, backend);
+  cache.page_size_ = page_size;
+  cache.tables_.resize(size_t(slots));
+  cache.users_.assign(size_t(pages), 0);
+  for (int64_t p = pages - 1; p >= 0; --p) cache.free_.push_back(int32_t(p));
+  return cache;
+}
+
+int64_t KvCache::row_of(int64_t slot, int64_t pos) const {
+  if (!is_paged()) return slot * capacity_ + pos;
+  return int64_t(tables_[size_t(slot)][size_t(pos / page_size_)]) * page_size_ + pos % page_size_;
+}
+
+bool KvCache::reserve(int64_t slot, int64_t tokens) {
+  if (slot < 0 || slot >= slots()) throw Error("KvCache::reserve", "slot", fmt::format("{} (of {} slots)", slot, slots()));
+  if (tokens > capacity_) return false;
+  if (!is_paged()) return true;
+  auto& table = tables_[size_t(slot)];
+  const int64_t lacking = pages_for(tokens) - int64_t(table.size());
+  if (lacking > free_pages()) return false;
+  for (int64_t i = 0; i < lacking; ++i) {
+    table.push_back(free_.back());
+    free_.pop_back();
+    users_[size_t(table.back())] = 1;
+  }
+  return true;
+}
+
+void KvCache::reset(int64_t slot) {
+  lengths_.at(size_t(slot)) = 0;
+  if (!is_paged()) return;
+  for (int32_t page : tables_[size_t(slot)])
+    if (--users_[size_t(page)] == 0) free_.push_back(page);
+  tables_[size_t(slot)].clear();
+  std::sort(free_.begin(), free_.end(), std::greater<int32_t>());  // the lowest page is taken first
+}
+
+bool KvCache::copy_prefix(int64_t from, int64_t to, int64_t len) {
   if (from < 0 || from >= slots() || to < 0 || to >= slots() || from == to)
     throw Error("KvCache::copy_prefix", "slots", fmt::format("{} -> {} (of {} slots)", from, to, slots()));
   if (len < 0 || len > lengths_[size_t(from)])
     throw Error("KvCache::copy_prefix", "len", fmt::format("{} tokens, slot {} holds {}", len, from, lengths_[size_t(from)]));
-  for (size_t l = 0; l < k_.size(); ++l) {
-    k_[l].copy_rows_from(k_[l], from * capacity_, to * capacity_, len);
-    v_[l].copy_rows_from(v_[l], from * capacity_, to * capacity_, len);
+  if (lengths_[size_t(to)] != 0 || (is_paged() && !tables_[size_t(to)].empty()))
+    throw Error("KvCache::copy_prefix", "to", fmt::format("slot {} is not empty", to));
+  if (!is_paged()) {
+    for (size_t l = 0; l < k_.size(); ++l) {
+      k_[l].copy_rows_from(k_[l], from * capacity_, to * capacity_, len);
+      v_[l].copy_rows_from(v_[l], from * capacity_, to * capacity_, len);
+    }
+  } else {
+    const int64_t full = len / page_size_, rest = len % page_size_;
+    if (rest > 0 && free_.empty()) return false;
+    auto& table = tables_[size_t(to)];
+    for (int64_t i = 0; i < full; ++i) {
+      table.push_back(tables_[size_t(from)][size_t(i)]);
+      ++users_[size_t(table.back())];
+    }
+    if (rest > 0) {
+      const int32_t own = free_.back();
+      free_.pop_back();
+      users_[size_t(own)] = 1;
+      table.push_back(own);
+      const int64_t src = int64_t(tables_[size_t(from)][size_t(full)]) * page_size_;
+      for (size_t l = 0; l < k_.size(); ++l) {
+        k_[l].copy_rows_from(k_[l], src, int64_t(own) * page_size_, rest);
+        v_[l].copy_rows_from(v_[l], src, int64_t(own) * page_size_, rest);
+      }
+    }
   }
   lengths_[size_t(to)] = len;
+  return true;
 }
 
 ModelGrads::ModelGrads(const Model& model, DType acc, Backend backend) : tied_(model.config().tie_word_embeddings) {

@@ -86,10 +86,7 @@ static void check_attention(const Validator& v, const TensorView& q, const Tenso
         v.fail("seqs", "key rows [" + std::to_string(r.first) + ", " + std::to_string(r.second) +
                            ") fall outside the " + std::to_string(k.shape[0]) + " rows of k");
   }
-  if (keys == KeyRanges::paged) {  // the pages a sequence reads: check_pages knows them; all of k / v here
-    v.finite("k", k);
-    v.finite("v", vv);
-  } else {
+  if (keys != KeyRanges::paged) {  // paged: check_pages checks the pages a sequence reads
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"k", &k}, {"v", &vv}})
       for (auto& r : kr) finite_rows(v, name, *t, r.first, r.second);
   }
@@ -98,7 +95,7 @@ static void check_attention(const Validator& v, const TensorView& q, const Tenso
 // The block table of a paged KV cache: one row per sequence, enough pages for its keys, each page
 // inside the pool k / v.
 static void check_pages(const Validator& v, const TensorView& table, int64_t page_size, const TensorView& seqs,
-                        const TensorView& k) {
+                        const TensorView& k, const TensorView& vv) {
   if (table.device != Device::cpu) v.fail("block_table", "the block table lives on the host (cpu)");
   if (table.ndim != 2 || table.shape[0] != seqs.shape[0])
     v.fail("block_table", "expected int32 [B, pages] with one row per sequence (B = " + std::to_string(seqs.shape[0]) +
@@ -122,6 +119,12 @@ static void check_pages(const Validator& v, const TensorView& table, int64_t pag
       if (t[b * cols + i] < 0 || t[b * cols + i] >= pages)
         v.fail("block_table", at + "page " + std::to_string(i) + " is " + std::to_string(t[b * cols + i]) +
                                   ", outside the " + std::to_string(pages) + " pages of k / v");
+    for (int64_t i = 0; i < needed; ++i) {  // the rows of its pages it reads hold no NaN / Inf
+      const int64_t first = int64_t(t[b * cols + i]) * page_size,
+                    n = std::min<int64_t>(page_size, int64_t(s[4 * b + 3]) - i * page_size);
+      finite_rows(v, "k", k, first, first + n);
+      finite_rows(v, "v", vv, first, first + n);
+    }
   }
 }
 
@@ -145,7 +148,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   const bool paged = a.block_table.present();
   if (!paged && a.page_size != 0) v.fail("page_size", "is set but no block_table was given");
   check_attention(v, a.q, a.k, a.v, a.seqs, paged ? KeyRanges::paged : KeyRanges::inside);
-  if (paged) check_pages(v, a.block_table, a.page_size, a.seqs, a.k);
+  if (paged) check_pages(v, a.block_table, a.page_size, a.seqs, a.k, a.v);
   check_out(v, "out", a.out, a.q);
   v.no_alias("out", a.out, "q", a.q);
   check_lse(v, a.lse, a.q, false);

@@ -107,6 +107,70 @@ TEST(Engine, ARequestsBitsDoNotDependOnWhatElseRuns) {
   EngineOptions unshared;
   unshared.share_prefix = false;
   expect_same(run_target(m, unshared, others(4, 6)), alone, "every sample prefilling its own prompt");
+  for (int64_t page : {1, 16, 64}) {
+    EngineOptions o;
+    o.page_size = page;
+    expect_same(run_target(m, o, others(8, 7)), alone, "pages of " + std::to_string(page) + " tokens");
+  }
+}
+
+TEST(Engine, PreemptionUnderASmallKvPoolChangesNoBit) {
+  const Model m = Model::builtin(false);
+  const std::vector<Completion> alone = run_target(m, {}, {});
+  // 24 pages of 8 tokens: the target alone needs 3 samples × 7 pages at its end; 12 others crowd it.
+  EngineOptions tight;
+  tight.page_size = 8;
+  tight.kv_pages = 24;
+  tight.max_batch_tokens = 16;
+  Engine e(m, tight);
+  for (auto& r : others(6, 10)) e.submit(r);
+  const int64_t id = e.submit(target_request());
+  for (auto& r : others(6, 11)) e.submit(r);
+  std::vector<Completion> got;
+  for (Completion& c : e.run()) {
+    EXPECT_NE(c.finish_reason, "error") << c.error;
+    if (c.request == id) got.push_back(std::move(c));
+  }
+  EXPECT_GT(e.preemptions(), 0) << "the pool was meant to force preemption";
+  expect_same(got, alone, "preempted and recomputed");
+}
+
+TEST(KvCache, PagedHoldsTheContiguousBits) {
+  const Model m = Model::builtin(false);
+  const Chain chain(m, Context{});
+  const ModelConfig& c = m.config();
+  Rng r(12);
+  const std::vector<int32_t> seq = random_prompt(r, 70, c.vocab_size);
+  KvCache flat(c, 2, 96, chain.act_dtype()), paged = KvCache::paged(c, 2, 96, 12, 16, chain.act_dtype());
+  std::vector<double> a, b;
+  for (KvCache* cache : {&flat, &paged}) {
+    std::vector<double>& out = cache == &flat ? a : b;
+    int64_t at = 0;
+    for (int64_t chunk : {1, 20, 33, 1, 1, 14}) {  // chunked prefill, then decode steps
+      ChainBatch batch;
+      batch.seqs.push_back({0, chunk, 1, at});
+      for (int64_t i = 0; i < chunk; ++i) {
+        batch.tokens.push_back(seq[size_t(at + i)]);
+        batch.positions.push_back(int32_t(at + i));
+        batch.targets.push_back(seq[size_t(std::min<int64_t>(at + i + 1, 69))]);
+        batch.loss_mask.push_back(1);
+      }
+      ASSERT_TRUE(cache->reserve(1, at + chunk));
+      const ChainForward f = chain.forward_cached(batch, *cache);
+      out.insert(out.end(), f.logp.begin(), f.logp.end());
+      at += chunk;
+    }
+  }
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(double)), 0);
+  EXPECT_EQ(paged.free_pages(), 12 - 5);
+  ASSERT_TRUE(paged.copy_prefix(1, 0, 37));  // two pages shared, the third copied
+  EXPECT_EQ(paged.free_pages(), 12 - 6);
+  paged.reset(1);
+  EXPECT_EQ(paged.free_pages(), 12 - 3);    // the shared pages stay with slot 0
+  paged.reset(0);
+  EXPECT_EQ(paged.free_pages(), 12);
+  EXPECT_FALSE(paged.reserve(0, 97));       // past the slot's capacity
 }
 
 TEST(Engine, GeneratedLogprobsAreTheTrainersBitForBit) {

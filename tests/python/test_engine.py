@@ -85,3 +85,15 @@ def test_bad_prompts_fail_alone(model):
     assert "more than a slot holds (64" in out[3][0].error
     with pytest.raises(samebits.Error, match="one per prompt"):
         engine.generate([[1], [2]], [samebits.SamplingParams()])
+
+
+def test_preemption_under_a_small_kv_pool_changes_no_bit(model):
+    target = prompts(1, seed=7)[0]
+    params = samebits.SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4)
+    alone = samebits.Engine(model, "cpu").generate([target], params)[0]
+    tight = samebits.Engine(model, "cpu", page_size=8, kv_pages=16, max_batch_tokens=16)
+    crowd = prompts(8, seed=12) + [target] + prompts(8, seed=13)
+    out = tight.generate(crowd, params)
+    assert tight.preemptions > 0
+    for a, b in zip(alone, out[8]):
+        assert a.tokens == b.tokens and np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
