@@ -165,6 +165,7 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
   generate_cmd->add_option("--page-size", gen.page_size, "KV-cache page, in tokens")->check(positive_integer())->capture_default_str();
   generate_cmd->add_option("--kv-pages", gen.kv_pages, "Pages in the KV pool (0: every slot's max_context)")
       ->capture_default_str();
+  generate_cmd->add_option("--kv-memory-mib", gen.kv_memory_mib, "Or: the KV pool's size in MiB")->capture_default_str();
   add_progress(generate_cmd, gen_quiet, gen_progress);
 
   ExportRequest exported;

@@ -172,6 +172,7 @@ int run(const GenerateRequest& r) {
   opt.max_context = r.max_context;
   opt.page_size = r.page_size;
   opt.kv_pages = r.kv_pages;
+  opt.kv_memory_bytes = r.kv_memory_mib << 20;
   const Model model = load_model(r.model);
   doing = "reading " + (r.input == "-" ? std::string("standard input") : r.input);
   std::ifstream file;

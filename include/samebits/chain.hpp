@@ -127,8 +127,11 @@ class Chain {
   // Runs a step against the cache: each sequence's rows are appended to its slot (after `cached`
   // tokens, which must equal the slot's length) and attend to everything cached before them.
   // `last_logits` (optional) receives each sequence's last-row logits (fp32 / fp64), for sampling.
+  // score_rows = false skips the LM head over the batch's rows (logp / entropy stay 0): a generation
+  // step that needs only some rows' logits and logprobs (row_logits, row_logprobs) saves a rows ×
+  // vocab GEMM; no other bit changes.
   ChainForward forward_cached(const ChainBatch& batch, KvCache& cache,
-                              std::vector<std::vector<double>>* last_logits = nullptr) const;
+                              std::vector<std::vector<double>>* last_logits = nullptr, bool score_rows = true) const;
   // The logprob of `tokens[i]` (one per sequence, e.g. just sampled from `last_logits`) at the last
   // row of sequence i of a forward: the fused LM-head logprob a trainer's rescoring computes, so a
   // rollout's reported logprobs equal the trainer's bit for bit.
@@ -151,7 +154,8 @@ class Chain {
   Backend backend() const { return ctx_.backend; }
 
  private:
-  ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits) const;
+  ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
+                   bool score_rows = true) const;
   TensorView weight(const std::string& name) const;
   DeviceTensor activation(DType dtype, std::vector<int64_t> shape) const;  // poisoned if ctx asks
   const Model& model_;

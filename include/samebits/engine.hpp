@@ -34,6 +34,7 @@ struct EngineOptions {
   int64_t kv_pages = 0;             // pages in the pool; 0: every slot's max_context. Fewer: requests
                                     // wait for pages, and a running one is preempted (recomputed
                                     // later, the same bits) when a decode row finds none
+  int64_t kv_memory_bytes = 0;      // or: the pool's size in bytes (keys and values of every layer)
 };
 
 struct GenerationRequest {
@@ -71,6 +72,7 @@ class Engine {
 
   const EngineOptions& options() const { return options_; }
   int64_t preemptions() const { return preemptions_; }
+  int64_t kv_pages() const { return cache_.pages(); }
   int64_t max_context() const { return context_; }
 
  private:

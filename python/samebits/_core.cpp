@@ -503,9 +503,9 @@ py::dict config_of(const Model& m) {
 class PyEngine {
  public:
   PyEngine(const Model& model, const std::string& backend, int64_t max_slots, int64_t max_batch_tokens,
-           int64_t max_context, bool share_prefix, int64_t page_size, int64_t kv_pages)
+           int64_t max_context, bool share_prefix, int64_t page_size, int64_t kv_pages, int64_t kv_memory_bytes)
       : engine_(model, EngineOptions{choose_backend(backend.c_str(), "Engine", "backend"), max_slots, max_batch_tokens,
-                                     max_context, share_prefix, page_size, kv_pages}) {}
+                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes}) {}
 
   std::vector<std::vector<Completion>> generate(const std::vector<std::vector<int64_t>>& prompts,
                                                 const py::object& params) {
@@ -537,6 +537,7 @@ class PyEngine {
 
   int64_t max_context() const { return engine_.max_context(); }
   int64_t preemptions() const { return engine_.preemptions(); }
+  int64_t kv_pages() const { return engine_.kv_pages(); }
 
  private:
   Engine engine_;
@@ -582,15 +583,16 @@ void bind_engine(py::module_& m) {
   py::class_<PyEngine>(m, "Engine",
                        "Rollouts whose logprobs are the trainer's, bit for bit: continuous batching, chunked prefill, "
                        "a prompt's prefill shared by its samples, batch-invariant sampling.")
-      .def(py::init<const Model&, const std::string&, int64_t, int64_t, int64_t, bool, int64_t, int64_t>(),
+      .def(py::init<const Model&, const std::string&, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t>(),
            py::arg("model"), py::arg("backend") = "auto", py::arg("max_slots") = 64, py::arg("max_batch_tokens") = 2048,
            py::arg("max_context") = 0, py::arg("share_prefix") = true, py::arg("page_size") = 64,
-           py::arg("kv_pages") = 0, py::keep_alive<1, 2>())
+           py::arg("kv_pages") = 0, py::arg("kv_memory_bytes") = 0, py::keep_alive<1, 2>())
       .def("generate", &PyEngine::generate, py::arg("prompts"), py::arg("params"),
            "Per prompt, its completions (n of them; one with finish_reason 'error' for a bad prompt). params: one "
            "SamplingParams for all, or one per prompt.")
       .def_property_readonly("max_context", &PyEngine::max_context)
-      .def_property_readonly("preemptions", &PyEngine::preemptions);
+      .def_property_readonly("preemptions", &PyEngine::preemptions)
+      .def_property_readonly("kv_pages", &PyEngine::kv_pages);
   m.def("sampling_candidates", [](const std::vector<double>& logits, const SamplingParams& p) {
     return sampling_candidates(logits, p);
   }, py::arg("logits"), py::arg("params"), "The ids sampling may draw from a logits row under params (ascending).");

@@ -45,6 +45,24 @@ int64_t context_of(const Model& model, const EngineOptions& o) {
   return o.max_context == 0 ? std::min<int64_t>(max_pos, 4096) : std::min(o.max_context, max_pos);
 }
 
+// The pool's pages: kv_pages, or what kv_memory_bytes holds, or every slot's max_context.
+int64_t pool_pages(const Model& model, const EngineOptions& o, int64_t context, DType act) {
+  const ModelConfig& c = model.config();
+  const int64_t ps = std::max<int64_t>(o.page_size, 1), slots = std::max<int64_t>(o.max_slots, 1);
+  if (o.kv_pages < 0 || o.kv_memory_bytes < 0) throw Error("Engine", "kv_pages", "must be ≥ 0");
+  if (o.kv_pages > 0 && o.kv_memory_bytes > 0) throw Error("Engine", "kv_pages", "give kv_pages or kv_memory_bytes, not both");
+  if (o.kv_pages > 0) return o.kv_pages;
+  if (o.kv_memory_bytes > 0) {
+    const int64_t page_bytes = c.num_layers * 2 * ps * c.num_kv_heads * c.head_dim * dtype_size(act);
+    const int64_t pages = o.kv_memory_bytes / page_bytes;
+    if (pages < 1)
+      throw Error("Engine", "kv_memory_bytes", fmt::format("{} bytes hold no page ({} bytes a page of {} tokens)",
+                                                           o.kv_memory_bytes, page_bytes, ps));
+    return pages;
+  }
+  return slots * ((context + ps - 1) / ps);
+}
+
 Context context_for(Backend backend) {
   Context ctx;
   ctx.backend = backend;
@@ -59,10 +77,7 @@ Engine::Engine(const Model& model, EngineOptions options)
       context_(context_of(model, options)),
       chain_(model, context_for(options.backend)),
       cache_(KvCache::paged(model.config(), std::max<int64_t>(options.max_slots, 1), context_,
-                            options.kv_pages > 0 ? options.kv_pages
-                                                 : std::max<int64_t>(options.max_slots, 1) *
-                                                       ((context_ + std::max<int64_t>(options.page_size, 1) - 1) /
-                                                        std::max<int64_t>(options.page_size, 1)),
+                            pool_pages(model, options, context_, chain_.act_dtype()),
                             std::max<int64_t>(options.page_size, 1), chain_.act_dtype(), options.backend)) {
   if (options.page_size < 1) throw Error("Engine", "page_size", fmt::format("must be at least 1, got {}", options.page_size));
   if (options.max_slots < 1) throw Error("Engine", "max_slots", fmt::format("must be at least 1, got {}", options.max_slots));
@@ -232,7 +247,7 @@ bool Engine::step() {
     if (preempt_latest_after(0)) return true;
     throw Error("Engine", "kv_pages", "the first running request cannot get a page (cannot happen: submit checks)");
   }
-  const ChainForward f = chain_.forward_cached(b, cache_);
+  const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);  // logits: drawing rows only
 
   // Draws: a decode row, or the end of a prompt (for the sample itself, or for every sample
   // sharing the prompt). The logits of the rows that draw, then one logprob a drawn token.

@@ -74,11 +74,12 @@ DeviceTensor Chain::activation(DType dtype, std::vector<int64_t> shape) const {
 ChainForward Chain::forward(const ChainBatch& batch) const { return run(batch, nullptr, nullptr); }
 
 ChainForward Chain::forward_cached(const ChainBatch& batch, KvCache& cache,
-                                   std::vector<std::vector<double>>* last_logits) const {
-  return run(batch, &cache, last_logits);
+                                   std::vector<std::vector<double>>* last_logits, bool score_rows) const {
+  return run(batch, &cache, last_logits, score_rows);
 }
 
-ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits) const {
+ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
+                        bool score_rows) const {
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
@@ -226,22 +227,27 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
 
   const TensorView head = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-  DeviceTensor& logp = acc("head.logp", {T});
-  DeviceTensor& entropy = acc("head.entropy", {T});
-  DeviceTensor& lse = acc("head.lse", {T});
-  LmHeadLogprobForwardArgs lh;
-  lh.hidden = n1->view();
-  lh.weight = head;
-  lh.targets = r.targets;
-  lh.loss_mask = r.loss_mask;
-  lh.logp = logp.view();
-  lh.entropy = entropy.view();
-  lh.lse = lse.view();
-  lm_head_logprob_forward(ctx_, lh);
-  const HostTensor logp_host = logp.to_host(), entropy_host = entropy.to_host();
-  for (int64_t i = 0; i < T; ++i) {
-    f.logp.push_back(logp_host.get(i));
-    f.entropy.push_back(entropy_host.get(i));
+  if (!score_rows) {
+    f.logp.assign(size_t(T), 0.0);
+    f.entropy.assign(size_t(T), 0.0);
+  } else {
+    DeviceTensor& logp = acc("head.logp", {T});
+    DeviceTensor& entropy = acc("head.entropy", {T});
+    DeviceTensor& lse = acc("head.lse", {T});
+    LmHeadLogprobForwardArgs lh;
+    lh.hidden = n1->view();
+    lh.weight = head;
+    lh.targets = r.targets;
+    lh.loss_mask = r.loss_mask;
+    lh.logp = logp.view();
+    lh.entropy = entropy.view();
+    lh.lse = lse.view();
+    lm_head_logprob_forward(ctx_, lh);
+    const HostTensor logp_host = logp.to_host(), entropy_host = entropy.to_host();
+    for (int64_t i = 0; i < T; ++i) {
+      f.logp.push_back(logp_host.get(i));
+      f.entropy.push_back(entropy_host.get(i));
+    }
   }
   if (last_logits) {
     last_logits->clear();

@@ -135,6 +135,19 @@ TEST(Engine, PreemptionUnderASmallKvPoolChangesNoBit) {
   expect_same(got, alone, "preempted and recomputed");
 }
 
+TEST(Engine, TheKvPoolIsSizedFromAMemoryBudget) {
+  const Model m = Model::builtin(false);  // 2 layers, 2 kv heads of 64, bf16: 1024 bytes a token
+  EngineOptions o;
+  o.page_size = 16;
+  o.kv_memory_bytes = 100 * 16 * 1024 + 5;
+  EXPECT_EQ(Engine(m, o).kv_pages(), 100);
+  o.kv_memory_bytes = 1000;
+  EXPECT_THROW(Engine(m, o), Error);
+  o.kv_memory_bytes = 1 << 20;
+  o.kv_pages = 3;
+  EXPECT_THROW(Engine(m, o), Error);
+}
+
 TEST(KvCache, PagedHoldsTheContiguousBits) {
   const Model m = Model::builtin(false);
   const Chain chain(m, Context{});
