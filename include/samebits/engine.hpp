@@ -72,6 +72,8 @@ class Engine {
 
   const EngineOptions& options() const { return options_; }
   int64_t preemptions() const { return preemptions_; }
+  // Preemptions of a request some of whose samples had ended (they need no slot on readmission).
+  int64_t preemptions_with_finished_samples() const { return preempted_with_done_; }
   int64_t kv_pages() const { return cache_.pages(); }
   int64_t max_context() const { return context_; }
 
@@ -81,7 +83,7 @@ class Engine {
   void admit();
   void finish(Sample& s, const char* reason);
   bool preempt_latest_after(size_t index);  // the last running request, if after `index`; false: none
-  int64_t preemptions_ = 0;
+  int64_t preemptions_ = 0, preempted_with_done_ = 0;
   const Model& model_;
   EngineOptions options_;
   int64_t context_;

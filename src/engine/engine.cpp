@@ -133,13 +133,18 @@ int64_t Engine::submit(GenerationRequest request) {
 }
 
 void Engine::admit() {
-  while (!waiting_.empty() && int64_t(free_slots_.size()) >= waiting_.front()->req.sampling.n) {
+  // A slot for every sample still to finish (a preempted request's finished samples need none).
+  auto unfinished = [](const Request& r) {
+    return int64_t(std::count_if(r.samples.begin(), r.samples.end(), [](const Sample& s) { return !s.done; }));
+  };
+  while (!waiting_.empty() && int64_t(free_slots_.size()) >= unfinished(*waiting_.front())) {
     auto r = waiting_.front();
     waiting_.pop_front();
-    for (Sample& s : r->samples) {
-      s.slot = free_slots_.back();
-      free_slots_.pop_back();
-    }
+    for (Sample& s : r->samples)
+      if (!s.done) {
+        s.slot = free_slots_.back();
+        free_slots_.pop_back();
+      }
     running_.push_back(std::move(r));
   }
 }
@@ -173,6 +178,7 @@ bool Engine::preempt_latest_after(size_t index) {
     s.waits_for_prefix = none_drawn && options_.share_prefix && s.index > 0;
   }
   std::sort(free_slots_.begin(), free_slots_.end(), std::greater<int64_t>());
+  if (std::any_of(r->samples.begin(), r->samples.end(), [](const Sample& s) { return s.done; })) ++preempted_with_done_;
   waiting_.push_front(std::move(r));
   ++preemptions_;
   return true;
@@ -180,7 +186,11 @@ bool Engine::preempt_latest_after(size_t index) {
 
 bool Engine::step() {
   admit();
-  if (running_.empty()) return false;
+  if (running_.empty()) {
+    if (!waiting_.empty())  // never drop a request: submit checks it fits an empty engine
+      throw Error("Engine", "request " + std::to_string(waiting_.front()->id), "cannot be admitted (cannot happen)");
+    return false;
+  }
   // The batch: decode rows first (one a sample), then prompt chunks, within the token budget and
   // the pages the cache can give. A decode row that finds no page preempts the latest other request.
   struct Part {

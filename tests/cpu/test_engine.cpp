@@ -135,6 +135,45 @@ TEST(Engine, PreemptionUnderASmallKvPoolChangesNoBit) {
   expect_same(got, alone, "preempted and recomputed");
 }
 
+TEST(Engine, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
+  // A (40-token prompt, 44 new) and B (n = 2, 36 new) share 3 slots and a 22-page pool of 4-token
+  // pages; B's sample 0 ends at its first token (its stop id), so when A's growth preempts B (about
+  // step 22) B comes back needing one slot, not two. Then C (n = 3) must still find all three.
+  const Model m = Model::builtin(false);
+  Rng r(31);
+  GenerationRequest a{random_prompt(r, 40, 2560), {}}, b{random_prompt(r, 4, 2560), {}};
+  a.sampling.max_new_tokens = 44;
+  b.sampling.n = 2;
+  b.sampling.max_new_tokens = 36;
+  for (uint64_t seed = 0;; ++seed) {  // a seed whose two samples start apart
+    b.sampling.seed = seed;
+    const auto free_run = generate(m, {b});
+    if (free_run[0].tokens[0] != free_run[1].tokens[0] &&
+        std::find(free_run[1].tokens.begin(), free_run[1].tokens.end(), free_run[0].tokens[0]) == free_run[1].tokens.end()) {
+      b.sampling.stop_token_ids = {free_run[0].tokens[0]};
+      break;
+    }
+  }
+  EngineOptions tight;
+  tight.page_size = 4;
+  tight.kv_pages = 22;
+  tight.max_slots = 3;
+  Engine e(m, tight);
+  e.submit(a);
+  e.submit(b);
+  const std::vector<Completion> first = e.run();
+  EXPECT_GT(e.preemptions_with_finished_samples(), 0) << e.preemptions() << " preemptions, none with a sample ended";
+  ASSERT_EQ(first.size(), 3u);
+  expect_same({first[0]}, generate(m, {a}), "A");
+  expect_same({first[1], first[2]}, generate(m, {b}), "B (preempted)");
+  GenerationRequest c = b;
+  c.sampling.n = 3;
+  c.sampling.stop_token_ids.clear();
+  c.sampling.max_new_tokens = 4;
+  e.submit(c);
+  EXPECT_EQ(e.run().size(), 3u) << "C (n = 3) was never admitted: a slot leaked";
+}
+
 TEST(Engine, TheKvPoolIsSizedFromAMemoryBudget) {
   const Model m = Model::builtin(false);  // 2 layers, 2 kv heads of 64, bf16: 1024 bytes a token
   EngineOptions o;
