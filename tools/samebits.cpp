@@ -185,24 +185,26 @@ int run(const GenerateRequest& r) {
   const bool show = r.progress == ProgressMode::on || (r.progress == ProgressMode::automatic && tty);
   const auto start = std::chrono::steady_clock::now();
   auto last = start - std::chrono::hours(1);
-  int64_t generated = 0;
-  auto rate_line = [&](int64_t tokens, int64_t steps) {
+  int64_t generated = 0, steps_run = 0;
+  auto rate_line = [&] {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return fmt::format("generate: {} tokens in {} steps, {:.0f} tokens/s", tokens, steps, s > 0 ? double(tokens) / s : 0.0);
+    return fmt::format("generate: {} tokens in {} steps, {:.0f} tokens/s", generated, steps_run,
+                       s > 0 ? double(generated) / s : 0.0);
   };
   std::function<void(int64_t, int64_t)> progress;
   if (show)
     progress = [&](int64_t tokens, int64_t steps) {
       generated = tokens;
+      steps_run = steps;
       const auto now = std::chrono::steady_clock::now();
       if (now - last < std::chrono::milliseconds(tty ? 500 : 5000)) return;
       last = now;
-      std::cerr << (tty ? "\r\033[K" : "") << rate_line(tokens, steps) << (tty ? "" : "\n") << std::flush;
+      std::cerr << (tty ? "\r\033[K" : "") << rate_line() << (tty ? "" : "\n") << std::flush;
     };
   const int64_t failed = write_generations(model, opt, prompts, out ? out->stream() : std::cout, progress);
   if (out) out->commit();
   else check_stream(std::cout, "generate", "standard output");
-  if (show) std::cerr << (tty ? "\r\033[K" : "") << rate_line(generated, 0).replace(rate_line(generated, 0).find(" in 0 steps"), 11, "") << ", done\n";
+  if (show) std::cerr << (tty ? "\r\033[K" : "") << rate_line() << ", done\n";
   if (failed > 0) std::cerr << fmt::format("samebits generate: {} of {} prompts failed (their lines say why)\n", failed,
                                            prompts.size());
   return failed > 0 ? 2 : 0;
