@@ -81,6 +81,7 @@ class Engine {
   struct Sample;
   struct Request;
   void admit();
+  void release(Sample& s);  // its pages and slot back (free slots kept descending: the lowest is taken first)
   void finish(Sample& s, const char* reason);
   bool preempt_latest_after(size_t index);  // the last running request, if after `index`; false: none
   int64_t preemptions_ = 0, preempted_with_done_ = 0;

@@ -149,11 +149,15 @@ void Engine::admit() {
   }
 }
 
+void Engine::release(Sample& s) {
+  cache_.reset(s.slot);
+  free_slots_.insert(std::upper_bound(free_slots_.begin(), free_slots_.end(), s.slot, std::greater<int64_t>()), s.slot);
+  s.slot = -1;
+}
+
 void Engine::finish(Sample& s, const char* reason) {
   s.done = true;
-  cache_.reset(s.slot);
-  free_slots_.push_back(s.slot);
-  std::sort(free_slots_.begin(), free_slots_.end(), std::greater<int64_t>());
+  release(s);
   Completion c;
   c.sample = s.index;
   c.tokens = std::move(s.tokens);
@@ -171,13 +175,10 @@ bool Engine::preempt_latest_after(size_t index) {
   const bool none_drawn = std::all_of(r->samples.begin(), r->samples.end(), [](const Sample& s) { return s.tokens.empty(); });
   for (Sample& s : r->samples) {
     if (s.done) continue;
-    cache_.reset(s.slot);
-    free_slots_.push_back(s.slot);
-    s.slot = -1;
+    release(s);
     s.cached = 0;
     s.waits_for_prefix = none_drawn && options_.share_prefix && s.index > 0;
   }
-  std::sort(free_slots_.begin(), free_slots_.end(), std::greater<int64_t>());
   if (std::any_of(r->samples.begin(), r->samples.end(), [](const Sample& s) { return s.done; })) ++preempted_with_done_;
   waiting_.push_front(std::move(r));
   ++preemptions_;

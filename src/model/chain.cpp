@@ -249,16 +249,10 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
       f.entropy.push_back(entropy_host.get(i));
     }
   }
-  if (last_logits) {
-    last_logits->clear();
-    for (auto& s : batch.seqs) {
-      DeviceTensor logits(ctx_.backend, acc_, {1, c.vocab_size});
-      linear_forward(ctx_, {n1->view().rows(s.row + s.len - 1, s.row + s.len), head, {}, logits.view()});
-      const HostTensor host = logits.to_host();
-      std::vector<double> row(size_t(c.vocab_size));
-      for (int64_t j = 0; j < c.vocab_size; ++j) row[size_t(j)] = host.get(j);
-      last_logits->push_back(std::move(row));
-    }
+  if (last_logits) {  // one LM-head GEMM over the sequences' last rows (its bits do not depend on M)
+    std::vector<int64_t> rows;
+    for (auto& s : batch.seqs) rows.push_back(s.row + s.len - 1);
+    *last_logits = row_logits(f, rows);
   }
   return f;
 }

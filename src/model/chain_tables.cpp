@@ -203,10 +203,10 @@ bool KvCache::reserve(int64_t slot, int64_t tokens) {
 void KvCache::reset(int64_t slot) {
   lengths_.at(size_t(slot)) = 0;
   if (!is_paged()) return;
-  for (int32_t page : tables_[size_t(slot)])
-    if (--users_[size_t(page)] == 0) free_.push_back(page);
+  for (int32_t page : tables_[size_t(slot)])  // kept descending: the lowest page is taken first
+    if (--users_[size_t(page)] == 0)
+      free_.insert(std::upper_bound(free_.begin(), free_.end(), page, std::greater<int32_t>()), page);
   tables_[size_t(slot)].clear();
-  std::sort(free_.begin(), free_.end(), std::greater<int32_t>());  // the lowest page is taken first
 }
 
 bool KvCache::copy_prefix(int64_t from, int64_t to, int64_t len) {
