@@ -143,6 +143,16 @@ class Chain {
   // The fp32 (fp64 in truth mode) logits of rows of a forward, one LM-head GEMM for all of them (its
   // bits do not depend on how many rows it takes), copied to the host: what sampling reads.
   std::vector<std::vector<double>> row_logits(const ChainForward& f, const std::vector<int64_t>& rows) const;
+  // Sampling on the chain's backend (no logits leave the device): for each i, the token drawn at row
+  // rows[i] (a row may repeat) under params[5·i … 5·i + 4] = {temperature, top_k, top_p, min_p, u}
+  // (the op sample_tokens), and its fused LM-head logprob, from one LM-head GEMM over the rows (the
+  // logprob is logprob_forward of those fp32 logits: the trainer's bits). A row whose logits hold
+  // NaN / Inf gets token −1 and logprob NaN.
+  struct RowDraws {
+    std::vector<int32_t> tokens;
+    std::vector<double> logprobs;
+  };
+  RowDraws sample_rows(const ChainForward& f, const std::vector<int64_t>& rows, const std::vector<double>& params) const;
   // Backward of L = Σ dlogp[row]·logp[row] (`fwd` from this chain's forward() of `batch`): adds every weight's gradient into `grads` (on the
   // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
   // activation dtype, on the chain's backend: to_host() it when wanted, a trainer seldom does).

@@ -6,13 +6,17 @@
 // the top-k / top-p cut, the walk of the cumulative sum) is a fixed per-row order that depends only
 // on the vocab size. So a request draws the same tokens alone or in any batch, at any step.
 //
-// The arithmetic, in double on the host (the logits are the chain's fp32 logits, exact in double):
+// The rule (src/ops/sampling_rule.hpp; the CPU and CUDA kernels of the op sample_tokens follow it
+// word for word and draw the same token from the same fp32 row):
 //   greedy (temperature 0): the largest logit, ties to the lowest id;
-//   otherwise z = logits / temperature; top-k keeps the k largest z (ties to the lower id);
-//   p = exp(z − max z), summed in ascending id order; top-p keeps the most probable tokens, in
-//   (p descending, id ascending) order, until their sum reaches top_p of the total; min-p keeps
-//   p ≥ min_p · max p; the token is the first kept id, in ascending order, at which the running
-//   sum of kept p exceeds u · (their total), u = uniform(seed, sample, position) in [0, 1).
+//   otherwise every finite logit is a candidate, with weight w = exp((z − max z) / T) in fp32;
+//   top-k keeps the k largest logits (ties to the lower id); top-p keeps the logits ≥ the largest
+//   threshold whose candidates' mass reaches top_p · (their total) — ties at the threshold kept
+//   together; min-p keeps w ≥ min_p (the max weighs 1). A mass is a sum in one fixed order: lane
+//   ℓ < 1024 adds the weights of ids ℓ, ℓ + 1024, … in turn, the lanes' sums meet in a pairwise tree.
+//   The token: t = u · total, walked down that tree (left when t < left sum, else t −= left sum)
+//   to a lane, whose ids are then walked in order until their running sum exceeds t; u =
+//   uniform(seed, sample, position) in [0, 1).
 #pragma once
 #include <cstdint>
 #include <string>

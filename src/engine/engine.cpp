@@ -5,6 +5,7 @@
 #include "samebits/engine.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <set>
 #include <tuple>
 
@@ -261,28 +262,21 @@ bool Engine::step() {
   const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);  // logits: drawing rows only
 
   // Draws: a decode row, or the end of a prompt (for the sample itself, or for every sample
-  // sharing the prompt). The logits of the rows that draw, then one logprob a drawn token.
-  std::vector<int64_t> rows;
-  for (size_t k = 0; k < parts.size(); ++k)
-    if (parts[k].draws_first || parts[k].r->decoding(*parts[k].s))
-      rows.push_back(b.seqs[k].row + b.seqs[k].len - 1);
-  const std::vector<std::vector<double>> logits = chain_.row_logits(f, rows);
+  // sharing the prompt). Each draw's token and its logprob come from one LM-head GEMM over the
+  // drawing rows and the sampling op, on the chain's backend (no logits come to the host).
   struct Draw {
     Request* r;
     Sample* s;
     int64_t row;
-    int32_t token;
   };
   std::vector<Draw> draws;
-  size_t at = 0;
   for (size_t k = 0; k < parts.size(); ++k) {
     Part& p = parts[k];
     const bool decode = p.r->decoding(*p.s);
     p.s->cached += b.seqs[k].len;
     if (!decode && !p.draws_first) continue;
-    const std::vector<double>& row_logits = logits[at];
-    const int64_t row = rows[at++];
-    std::vector<Sample*> drawing{p.s};
+    const int64_t row = b.seqs[k].row + b.seqs[k].len - 1;
+    draws.push_back({p.r, p.s, row});
     if (p.draws_first)
       for (Sample& other : p.r->samples)
         if (other.waits_for_prefix) {
@@ -290,27 +284,36 @@ bool Engine::step() {
             throw Error("Engine", "kv_pages", "no page to share a prompt (cannot happen)");
           other.cached = p.r->prompt_len();
           other.waits_for_prefix = false;
-          drawing.push_back(&other);
+          draws.push_back({p.r, &other, row});
         }
-    for (Sample* s : drawing) {
-      const int64_t position = p.r->prompt_len() + int64_t(s->tokens.size());
-      draws.push_back({p.r, s, row, sample_token(row_logits, p.r->req.sampling, s->index, position)});
-    }
   }
   std::vector<int64_t> draw_rows;
-  std::vector<int32_t> draw_tokens;
+  std::vector<double> params;
   for (const Draw& d : draws) {
+    const SamplingParams& sp = d.r->req.sampling;
+    const int64_t position = d.r->prompt_len() + int64_t(d.s->tokens.size());
     draw_rows.push_back(d.row);
-    draw_tokens.push_back(d.token);
+    params.insert(params.end(), {sp.temperature, double(std::min<int64_t>(sp.top_k, INT32_MAX)), sp.top_p, sp.min_p,
+                                 sampling_uniform(sp.seed, d.s->index, position)});
   }
-  const std::vector<double> lp = chain_.row_logprobs(f, draw_rows, draw_tokens);
+  const Chain::RowDraws drawn = chain_.sample_rows(f, draw_rows, params);
   for (size_t i = 0; i < draws.size(); ++i) {
     Sample& s = *draws[i].s;
-    s.tokens.push_back(draws[i].token);
-    s.logprobs.push_back(lp[i]);
+    if (drawn.tokens[i] < 0) {  // the model's logits hold NaN / Inf here: this sample ends, the rest run on
+      const std::string what = fmt::format("request {} sample {}: the model's logits at position {} hold NaN or Inf",
+                                            draws[i].r->id, s.index, draws[i].r->prompt_len() + int64_t(s.tokens.size()));
+      const size_t before = done_.size();
+      finish(s, "error");
+      done_[before].request = draws[i].r->id;
+      done_[before].error = what;
+      continue;
+    }
+    const int32_t token = drawn.tokens[i];
+    s.tokens.push_back(token);
+    s.logprobs.push_back(drawn.logprobs[i]);
     ++generated_;
     const auto& stop = draws[i].r->req.sampling.stop_token_ids;
-    const bool stopped = std::find(stop.begin(), stop.end(), draws[i].token) != stop.end();
+    const bool stopped = std::find(stop.begin(), stop.end(), token) != stop.end();
     const bool full = int64_t(s.tokens.size()) >= draws[i].r->req.sampling.max_new_tokens;
     if (stopped || full) {
       const size_t before = done_.size();

@@ -5,11 +5,13 @@
 #include "samebits/chain.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include <fmt/format.h>
 
 #include "model/chain_tables.hpp"
+#include "ops/sampling_rule.hpp"
 #include "samebits/error.hpp"
 #include "samebits/validate.hpp"
 
@@ -267,13 +269,19 @@ std::vector<double> Chain::last_logprobs(const ChainBatch& batch, const ChainFor
 
 namespace {
 // Rows `rows` of a forward's final hidden states, gathered into one tensor [S, hidden].
-DeviceTensor gather_rows(const DeviceTensor& from, const std::vector<int64_t>& rows, Backend backend, const char* op) {
-  DeviceTensor out(backend, from.dtype(), {int64_t(rows.size()), from.shape()[1]});
+// rows of `from` [T, H] as a new tensor (a row may repeat): one gather (the embedding op) over them.
+DeviceTensor gather_rows(const DeviceTensor& from, const std::vector<int64_t>& rows, const Context& ctx, const char* op) {
+  HostTensor ids(DType::i32, {int64_t(rows.size())});
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= from.rows())
       throw Error(op, "rows", fmt::format("row {} is outside the forward's {} rows", rows[i], from.rows()));
-    out.copy_rows_from(from, rows[i], int64_t(i), 1);
+    ids.set(int64_t(i), int32_t(rows[i]));
   }
+  DeviceTensor out(ctx.backend, from.dtype(), {int64_t(rows.size()), from.shape()[1]});
+  const DeviceTensor d_ids = DeviceTensor::from_host(ctx.backend, ids);
+  Context c = ctx;
+  c.check_finite_inputs = false;  // activations, checked where they were made
+  embedding_forward(c, {d_ids.view(), from.view(), out.view()});
   return out;
 }
 }  // namespace
@@ -284,7 +292,7 @@ std::vector<double> Chain::row_logprobs(const ChainForward& f, const std::vector
   const int64_t S = int64_t(rows.size());
   if (int64_t(tokens.size()) != S) throw Error("Chain::row_logprobs", "tokens", "needs one token per row");
   if (S == 0) return {};
-  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_.backend, "Chain::row_logprobs");
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::row_logprobs");
   HostTensor targets(DType::i32, {S}), mask(DType::u8, {S});
   for (int64_t i = 0; i < S; ++i) {
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab_size)
@@ -314,7 +322,7 @@ std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const 
   const ModelConfig& c = model_.config();
   const int64_t S = int64_t(rows.size());
   if (S == 0) return {};
-  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_.backend, "Chain::row_logits");
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::row_logits");
   DeviceTensor logits(ctx_.backend, acc_, {S, c.vocab_size});
   linear_forward(ctx_, {hidden.view(), weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"),
                         {}, logits.view()});
@@ -322,6 +330,43 @@ std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const 
   std::vector<std::vector<double>> out(size_t(S), std::vector<double>(size_t(c.vocab_size)));
   for (int64_t i = 0; i < S; ++i)
     for (int64_t j = 0; j < c.vocab_size; ++j) out[size_t(i)][size_t(j)] = host.get(i * c.vocab_size + j);
+  return out;
+}
+
+Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int64_t>& rows,
+                                   const std::vector<double>& params) const {
+  const ModelConfig& c = model_.config();
+  const int64_t S = int64_t(rows.size());
+  if (int64_t(params.size()) != S * 5) throw Error("Chain::sample_rows", "params", "needs five settings a row");
+  if (S == 0) return {};
+  if (acc_ != DType::f32) throw Error("Chain::sample_rows", "precision", "sampling reads fp32 logits (not the fp64 truth mode)");
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::sample_rows");
+  DeviceTensor logits(ctx_.backend, DType::f32, {S, c.vocab_size});
+  linear_forward(ctx_, {hidden.view(), weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"),
+                        {}, logits.view()});
+  HostTensor p(DType::f64, {S, 5});
+  std::memcpy(p.data(), params.data(), params.size() * sizeof(double));
+  const DeviceTensor d_params = DeviceTensor::from_host(ctx_.backend, p);
+  DeviceTensor d_tokens(ctx_.backend, DType::i32, {S});
+  Context quiet = ctx_;
+  quiet.check_finite_inputs = false;
+  sample_tokens(quiet, {logits.view(), d_params.view(), d_tokens.view(), {}});
+  const HostTensor tokens = d_tokens.to_host();
+  RowDraws out;
+  HostTensor targets(DType::i32, {S}), mask(DType::u8, {S});
+  for (int64_t i = 0; i < S; ++i) {
+    const int32_t t = int32_t(tokens.get(i));
+    if (t == sampling_rule::BAD_PARAMS)
+      throw Error("Chain::sample_rows", "params", fmt::format("row {}'s settings are out of range", i));
+    out.tokens.push_back(t);
+    targets.set(i, t < 0 ? 0 : t);
+    mask.set(i, t < 0 ? 0 : 1);
+  }
+  const DeviceTensor d_targets = DeviceTensor::from_host(ctx_.backend, targets), d_mask = DeviceTensor::from_host(ctx_.backend, mask);
+  DeviceTensor logp(ctx_.backend, DType::f32, {S});
+  logprob_forward(quiet, {logits.view(), d_targets.view(), d_mask.view(), logp.view(), {}, {}});
+  const HostTensor lp = logp.to_host();
+  for (int64_t i = 0; i < S; ++i) out.logprobs.push_back(out.tokens[size_t(i)] < 0 ? NAN : lp.get(i));
   return out;
 }
 

@@ -16,6 +16,7 @@ enum class OpId : int {
   embedding_forward, embedding_backward,
   attention_forward, attention_backward,
   logprob_forward, logprob_backward, lm_head_logprob_forward, lm_head_logprob_backward,
+  sample_tokens,
 };
 
 template <OpId Id, class Args>

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ops/sampling_rule.hpp"
+#include "samebits/device.hpp"
 #include "samebits/engine.hpp"
 #include "samebits/error.hpp"
 #include "samebits/rng.hpp"
@@ -85,40 +87,61 @@ GenerationRequest greedy(uint64_t seed, int64_t prompt_len, int64_t max_new_toke
   return g;
 }
 
+// The engine tests run on every backend: the CPU (the reference, CI) and CUDA where a GPU is present.
+class EngineOn : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Backend::cuda && !cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+  }
+  EngineOptions opts() const {
+    EngineOptions o;
+    o.backend = GetParam();
+    return o;
+  }
+  Context ctx() const {
+    Context c;
+    c.backend = GetParam();
+    return c;
+  }
+};
+
 }  // namespace
 
-TEST(Engine, ARequestsBitsDoNotDependOnWhatElseRuns) {
+INSTANTIATE_TEST_SUITE_P(Backends, EngineOn, ::testing::Values(Backend::cpu, Backend::cuda),
+                         [](const ::testing::TestParamInfo<Backend>& i) { return std::string(backend_name(i.param)); });
+
+TEST_P(EngineOn, ARequestsBitsDoNotDependOnWhatElseRuns) {
   const Model m = Model::builtin(false);
-  const std::vector<Completion> alone = run_target(m, {}, {});
+  const std::vector<Completion> alone = run_target(m, opts(), {});
   ASSERT_EQ(alone.size(), 3u);
   EXPECT_NE(alone[0].tokens, alone[1].tokens) << "samples of one prompt should draw apart";
   for (auto& c : alone) EXPECT_EQ(c.finish_reason, "length");
-  expect_same(run_target(m, {}, {}), alone, "a second run");
-  expect_same(run_target(m, {}, others(63, 1)), alone, "among 63 others");
-  expect_same(run_target(m, {}, others(20, 2), 7, others(10, 3)), alone, "arriving while others decode");
+  expect_same(run_target(m, opts(), {}), alone, "a second run");
+  expect_same(run_target(m, opts(), others(63, 1)), alone, "among 63 others");
+  expect_same(run_target(m, opts(), others(20, 2), 7, others(10, 3)), alone, "arriving while others decode");
   for (int64_t budget : {1, 7, 64, 4096}) {
-    EngineOptions o;
+    EngineOptions o = opts();
     o.max_batch_tokens = budget;
     expect_same(run_target(m, o, others(5, 4)), alone, "prefill chunks of " + std::to_string(budget));
   }
-  EngineOptions few;
+  EngineOptions few = opts();
   few.max_slots = 3;  // the target waits for a free cache and then takes all of it
   expect_same(run_target(m, few, others(6, 5)), alone, "queued behind a full cache");
-  EngineOptions unshared;
+  EngineOptions unshared = opts();
   unshared.share_prefix = false;
   expect_same(run_target(m, unshared, others(4, 6)), alone, "every sample prefilling its own prompt");
   for (int64_t page : {1, 16, 64}) {
-    EngineOptions o;
+    EngineOptions o = opts();
     o.page_size = page;
     expect_same(run_target(m, o, others(8, 7)), alone, "pages of " + std::to_string(page) + " tokens");
   }
 }
 
-TEST(Engine, PreemptionUnderASmallKvPoolChangesNoBit) {
+TEST_P(EngineOn, PreemptionUnderASmallKvPoolChangesNoBit) {
   const Model m = Model::builtin(false);
-  const std::vector<Completion> alone = run_target(m, {}, {});
+  const std::vector<Completion> alone = run_target(m, opts(), {});
   // 24 pages of 8 tokens: the target alone needs 3 samples × 7 pages at its end; 12 others crowd it.
-  EngineOptions tight;
+  EngineOptions tight = opts();
   tight.page_size = 8;
   tight.kv_pages = 24;
   tight.max_batch_tokens = 16;
@@ -135,7 +158,7 @@ TEST(Engine, PreemptionUnderASmallKvPoolChangesNoBit) {
   expect_same(got, alone, "preempted and recomputed");
 }
 
-TEST(Engine, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
+TEST_P(EngineOn, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
   // A (40-token prompt, 44 new) and B (n = 2, 36 new) share 3 slots and a 22-page pool of 4-token
   // pages; B's sample 0 ends at its first token (its stop id), so when A's growth preempts B (about
   // step 22) B comes back needing one slot, not two. Then C (n = 3) must still find all three.
@@ -147,14 +170,14 @@ TEST(Engine, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
   b.sampling.max_new_tokens = 36;
   for (uint64_t seed = 0;; ++seed) {  // a seed whose two samples start apart
     b.sampling.seed = seed;
-    const auto free_run = generate(m, {b});
+    const auto free_run = generate(m, {b}, opts());
     if (free_run[0].tokens[0] != free_run[1].tokens[0] &&
         std::find(free_run[1].tokens.begin(), free_run[1].tokens.end(), free_run[0].tokens[0]) == free_run[1].tokens.end()) {
       b.sampling.stop_token_ids = {free_run[0].tokens[0]};
       break;
     }
   }
-  EngineOptions tight;
+  EngineOptions tight = opts();
   tight.page_size = 4;
   tight.kv_pages = 22;
   tight.max_slots = 3;
@@ -164,8 +187,8 @@ TEST(Engine, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
   const std::vector<Completion> first = e.run();
   EXPECT_GT(e.preemptions_with_finished_samples(), 0) << e.preemptions() << " preemptions, none with a sample ended";
   ASSERT_EQ(first.size(), 3u);
-  expect_same({first[0]}, generate(m, {a}), "A");
-  expect_same({first[1], first[2]}, generate(m, {b}), "B (preempted)");
+  expect_same({first[0]}, generate(m, {a}, opts()), "A");
+  expect_same({first[1], first[2]}, generate(m, {b}, opts()), "B (preempted)");
   GenerationRequest c = b;
   c.sampling.n = 3;
   c.sampling.stop_token_ids.clear();
@@ -174,9 +197,9 @@ TEST(Engine, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
   EXPECT_EQ(e.run().size(), 3u) << "C (n = 3) was never admitted: a slot leaked";
 }
 
-TEST(Engine, TheKvPoolIsSizedFromAMemoryBudget) {
+TEST_P(EngineOn, TheKvPoolIsSizedFromAMemoryBudget) {
   const Model m = Model::builtin(false);  // 2 layers, 2 kv heads of 64, bf16: 1024 bytes a token
-  EngineOptions o;
+  EngineOptions o = opts();
   o.page_size = 16;
   o.kv_memory_bytes = 100 * 16 * 1024 + 5;
   EXPECT_EQ(Engine(m, o).kv_pages(), 100);
@@ -187,13 +210,13 @@ TEST(Engine, TheKvPoolIsSizedFromAMemoryBudget) {
   EXPECT_THROW(Engine(m, o), Error);
 }
 
-TEST(KvCache, PagedHoldsTheContiguousBits) {
+TEST_P(EngineOn, PagedCacheHoldsTheContiguousBits) {
   const Model m = Model::builtin(false);
-  const Chain chain(m, Context{});
+  const Chain chain(m, ctx());
   const ModelConfig& c = m.config();
   Rng r(12);
   const std::vector<int32_t> seq = random_prompt(r, 70, c.vocab_size);
-  KvCache flat(c, 2, 96, chain.act_dtype()), paged = KvCache::paged(c, 2, 96, 12, 16, chain.act_dtype());
+  KvCache flat(c, 2, 96, chain.act_dtype(), GetParam()), paged = KvCache::paged(c, 2, 96, 12, 16, chain.act_dtype(), GetParam());
   std::vector<double> a, b;
   for (KvCache* cache : {&flat, &paged}) {
     std::vector<double>& out = cache == &flat ? a : b;
@@ -225,15 +248,15 @@ TEST(KvCache, PagedHoldsTheContiguousBits) {
   EXPECT_FALSE(paged.reserve(0, 97));       // past the slot's capacity
 }
 
-TEST(Engine, GeneratedLogprobsAreTheTrainersBitForBit) {
+TEST_P(EngineOn, GeneratedLogprobsAreTheTrainersBitForBit) {
   for (bool tied : {false, true}) {
     const Model m = Model::builtin(tied);
     std::vector<GenerationRequest> reqs = others(12, 9);
     reqs[3].sampling.n = 4;
     reqs[5].sampling.top_p = 0.5;
     reqs[6].sampling.min_p = 0.05;
-    const std::vector<Completion> out = generate(m, reqs);
-    const Chain chain(m, Context{});
+    const std::vector<Completion> out = generate(m, reqs, opts());
+    const Chain chain(m, ctx());
     std::stringstream jsonl;
     std::vector<std::vector<int32_t>> full;
     for (const Completion& c : out) {
@@ -248,7 +271,7 @@ TEST(Engine, GeneratedLogprobsAreTheTrainersBitForBit) {
     const ChainBatch packed = ChainBatch::packed(full);
     const ChainForward f = chain.forward(packed);
     std::stringstream scored;
-    tools::write_logprobs(m, Backend::cpu, jsonl, scored, false);
+    tools::write_logprobs(m, GetParam(), jsonl, scored, false);
     for (size_t k = 0; k < out.size(); ++k) {
       const int64_t P = int64_t(reqs[size_t(out[k].request)].prompt.size());
       const int64_t first = packed.seqs[k].row + P - 1;  // row scoring the first generated token
@@ -266,12 +289,12 @@ TEST(Engine, GeneratedLogprobsAreTheTrainersBitForBit) {
   }
 }
 
-TEST(Engine, GreedyIsTheArgmaxOfTheLogits) {
+TEST_P(EngineOn, GreedyIsTheArgmaxOfTheLogits) {
   const Model m = Model::builtin(false);
   const GenerationRequest g = greedy(3, 20, 6);
-  const std::vector<Completion> out = generate(m, {g});
+  const std::vector<Completion> out = generate(m, {g}, opts());
   ASSERT_EQ(out.size(), 1u);
-  const Chain chain(m, Context{});
+  const Chain chain(m, ctx());
   std::vector<int32_t> seq = g.prompt;
   for (int32_t tok : out[0].tokens) {
     const ChainBatch b = ChainBatch::packed({seq});
@@ -283,21 +306,21 @@ TEST(Engine, GreedyIsTheArgmaxOfTheLogits) {
   }
 }
 
-TEST(Engine, StopTokensEndASampleAndAreKept) {
+TEST_P(EngineOn, StopTokensEndASampleAndAreKept) {
   const Model m = Model::builtin(false);
   GenerationRequest g = greedy(4, 10, 8);
-  const std::vector<Completion> free_run = generate(m, {g});
+  const std::vector<Completion> free_run = generate(m, {g}, opts());
   ASSERT_GE(free_run[0].tokens.size(), 3u);
   g.sampling.stop_token_ids = {free_run[0].tokens[2]};
-  const std::vector<Completion> stopped = generate(m, {g});
+  const std::vector<Completion> stopped = generate(m, {g}, opts());
   ASSERT_EQ(stopped[0].finish_reason, "stop");
   const auto first = std::find(free_run[0].tokens.begin(), free_run[0].tokens.end(), free_run[0].tokens[2]);
   EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(free_run[0].tokens.begin(), first + 1));
 }
 
-TEST(Engine, BadRequestsFailAloneNamingTheRequest) {
+TEST_P(EngineOn, BadRequestsFailAloneNamingTheRequest) {
   const Model m = Model::builtin(false);
-  Engine e(m, EngineOptions{Backend::cpu, 4, 256, 128, true});
+  Engine e(m, EngineOptions{GetParam(), 4, 256, 128, true});
   auto req = [](std::vector<int32_t> prompt, auto edit) {
     GenerationRequest g{std::move(prompt), {}};
     g.sampling.max_new_tokens = 4;
@@ -353,60 +376,73 @@ TEST(Sampling, FrequenciesFollowTheTemperedSoftmax) {
   }
 }
 
+// The rule's mass of the ids in `set`, written out: lane l sums ids l, l + 1024, … in turn; the
+// lanes meet in a pairwise tree (recursive halving of the 1024 lane sums).
+float reference_mass(const std::vector<float>& w, const std::vector<int32_t>& set) {
+  std::vector<float> lanes(1024, 0.0f);
+  std::vector<int32_t> asc = set;
+  std::sort(asc.begin(), asc.end());
+  for (int32_t i : asc) lanes[size_t(i % 1024)] += w[size_t(i)];
+  for (size_t n = 512; n >= 1; n /= 2)
+    for (size_t i = 0; i < n; ++i) lanes[i] = lanes[2 * i] + lanes[2 * i + 1];
+  return lanes[0];
+}
+
 TEST(Sampling, TruncationKeepsExactlyTheClaimedSet) {
   Rng r(8);
-  for (int trial = 0; trial < 200; ++trial) {
-    const int64_t V = r.integer(1, 300);
+  int ties_at_the_cut = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t V = trial % 3 == 0 ? r.integer(1000, 5000) : r.integer(1, 300);
     std::vector<double> logits;
     for (int64_t i = 0; i < V; ++i) logits.push_back(double(float(r.normal() * 3)));
     if (V > 4) logits[3] = logits[1];  // a tie
+    if (V > 9) logits[9] = -INFINITY;  // never drawn
     SamplingParams p;
     p.temperature = r.uniform(0.3, 2.0);
     p.top_k = r.uniform(0, 1) < 0.5 ? r.integer(1, V) : 0;
     p.top_p = r.uniform(0, 1) < 0.5 ? r.uniform(0.05, 1.0) : 1.0;
     p.min_p = r.uniform(0, 1) < 0.5 ? r.uniform(0.0, 0.5) : 0.0;
-    // The reference, written out: rank by (logit desc, id asc); cut k; cut the smallest prefix of
-    // probability mass ≥ top_p; keep p ≥ min_p · max.
-    std::vector<int32_t> order(static_cast<size_t>(V));
-    for (int64_t i = 0; i < V; ++i) order[size_t(i)] = int32_t(i);
+    // The reference, written out: rank by (logit desc, id asc); cut k; then whole groups of equal
+    // logits, largest first, until their mass reaches top_p of the mass left; keep w ≥ min_p.
+    std::vector<int32_t> order;
+    for (int64_t i = 0; i < V; ++i)
+      if (logits[size_t(i)] > -INFINITY) order.push_back(int32_t(i));
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)]; });
-    if (p.top_k > 0) order.resize(size_t(std::min<int64_t>(p.top_k, V)));
-    auto weight = [&](int32_t i) {  // z = logit / T, p = exp(z − max z): the documented arithmetic
-      return std::exp(logits[size_t(i)] / p.temperature - logits[size_t(order[0])] / p.temperature);
-    };
-    std::vector<double> w;
-    for (int32_t i : order) w.push_back(weight(i));
+    if (p.top_k > 0 && p.top_k < int64_t(order.size())) order.resize(size_t(p.top_k));
+    const float top = float(logits[size_t(order[0])]), inv_t = float(1.0 / p.temperature);
+    std::vector<float> w(size_t(V), 0.0f);
+    for (int32_t i : order) w[size_t(i)] = sampling_rule::weight_of(float(logits[size_t(i)]), top, inv_t);
     if (p.top_p < 1) {
-      std::vector<int32_t> asc = order;
-      std::sort(asc.begin(), asc.end());
-      double total = 0;
-      for (int32_t i : asc) total += weight(i);
-      double sum = 0;
+      const float goal = float(p.top_p * double(reference_mass(w, order)));
       size_t keep = 0;
       while (keep < order.size()) {
-        sum += w[keep++];
-        if (sum >= p.top_p * total) break;
+        const size_t group = keep;
+        while (keep < order.size() && logits[size_t(order[keep])] == logits[size_t(order[group])]) ++keep;
+        if (reference_mass(w, std::vector<int32_t>(order.begin(), order.begin() + keep)) >= goal) {
+          ties_at_the_cut += keep - group > 1;
+          break;
+        }
       }
       order.resize(keep);
-      w.resize(keep);
     }
     std::vector<int32_t> want;
-    for (size_t k = 0; k < order.size(); ++k)
-      if (p.min_p == 0 || w[k] >= p.min_p) want.push_back(order[k]);
+    for (int32_t i : order)
+      if (p.min_p == 0 || double(w[size_t(i)]) >= p.min_p) want.push_back(i);
     std::sort(want.begin(), want.end());
     EXPECT_EQ(sampling_candidates(logits, p), want) << "trial " << trial << " V " << V;
     const int32_t tok = sample_token(logits, p, 0, trial);
     EXPECT_TRUE(std::binary_search(want.begin(), want.end(), tok)) << "drew " << tok << " outside the kept set";
   }
+  EXPECT_GT(ties_at_the_cut, 0) << "no trial put a tie at the top-p cut";
 }
 
-TEST(Sampling, TheSameSeedDrawsTheSameTokensAndAnotherDoesNot) {
+TEST_P(EngineOn, TheSameSeedDrawsTheSameTokensAndAnotherDoesNot) {
   const Model m = Model::builtin(false);
   GenerationRequest g = target_request();
   g.sampling.n = 1;
-  const auto a = generate(m, {g}), b = generate(m, {g});
+  const auto a = generate(m, {g}, opts()), b = generate(m, {g}, opts());
   g.sampling.seed += 1;
-  const auto c = generate(m, {g});
+  const auto c = generate(m, {g}, opts());
   EXPECT_EQ(a[0].tokens, b[0].tokens);
   EXPECT_NE(a[0].tokens, c[0].tokens);
   EXPECT_EQ(sampling_uniform(1, 2, 3), sampling_uniform(1, 2, 3));

@@ -39,25 +39,39 @@ def test_a_prompts_bits_do_not_depend_on_the_others(model):
         assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
 
 
+def rule_mass(w, ids):
+    """The rule's mass of w over ids: lane l sums ids l, l + 1024, ... in turn (fp32), the 1024 lane
+    sums meet in a pairwise tree."""
+    lanes = np.zeros(1024, dtype=np.float32)
+    for i in sorted(ids):
+        lanes[i % 1024] = np.float32(lanes[i % 1024] + w[i])
+    while len(lanes) > 1:
+        lanes = (lanes[0::2] + lanes[1::2]).astype(np.float32)
+    return lanes[0]
+
+
 def reference_candidates(logits, temperature, top_k, top_p, min_p):
-    """NumPy's reading of samebits/sampling.hpp."""
-    z = logits / temperature
-    order = np.lexsort((np.arange(len(logits)), -logits))  # logit descending, id ascending
+    """NumPy's reading of samebits/sampling.hpp (fp32 weights; NumPy's exp in place of the rule's
+    polynomial, which differs in the last bit: a cut exactly at such a bit would show here)."""
+    z = logits.astype(np.float32)
+    order = [int(i) for i in np.lexsort((np.arange(len(z)), -z.astype(np.float64)))]  # logit descending, id ascending
     if top_k > 0:
         order = order[:top_k]
-    w = np.exp(z[order] - z[order[0]])
+    inv_t = np.float32(1.0 / temperature)
+    w = np.exp(((z - z[order[0]]) * inv_t).astype(np.float64)).astype(np.float32)
     if top_p < 1:
-        total = sum(np.exp(z[i] - z[order[0]]) for i in sorted(order))  # ascending id order
-        keep, acc = 0, 0.0
+        goal = np.float32(top_p * float(rule_mass(w, order)))
+        keep = 0
         while keep < len(order):
-            acc += w[keep]
-            keep += 1
-            if acc >= top_p * total:
+            first = keep
+            while keep < len(order) and z[order[keep]] == z[order[first]]:  # a group of equal logits goes together
+                keep += 1
+            if rule_mass(w, order[:keep]) >= goal:
                 break
-        order, w = order[:keep], w[:keep]
+        order = order[:keep]
     if min_p > 0:
-        order = order[w >= min_p]
-    return sorted(int(i) for i in order)
+        order = [i for i in order if float(w[i]) >= min_p]
+    return sorted(order)
 
 
 def test_truncation_sets_match_numpy():
@@ -65,6 +79,8 @@ def test_truncation_sets_match_numpy():
     for _ in range(200):
         v = int(rng.integers(1, 300))
         logits = (rng.standard_normal(v) * 3).astype(np.float32).astype(np.float64)
+        if v > 4:
+            logits[3] = logits[1]  # a tie
         t = float(rng.uniform(0.3, 2.0))
         k = int(rng.integers(1, v + 1)) if rng.random() < 0.5 else 0
         p = float(rng.uniform(0.05, 1.0)) if rng.random() < 0.5 else 1.0

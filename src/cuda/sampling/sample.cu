@@ -1,0 +1,315 @@
+// CUDA sampling: the token of each logits row, drawn on the device (no logits copy to the host).
+//
+// Why this shape. The rule (src/ops/sampling_rule.hpp) fixes one summation order by the vocab size
+// alone: 1024 lanes, lane ℓ adding the weights of ids ℓ, ℓ + 1024, … in turn, the lanes' sums meeting
+// in a pairwise tree. So a row is one CTA of 1024 threads, thread ℓ being lane ℓ: its loads are
+// coalesced (consecutive lanes read consecutive ids), the xor butterfly of a warp is the tree over
+// its 32 lanes and warp 0's butterfly over the 32 warp sums finishes it. Nothing is sorted: a cut
+// (top-k by count, top-p by mass) is the largest 32-bit logit key whose candidates' measure reaches
+// the goal, found 4 bits a pass (each pass measures the 15 thresholds of the next digit at once,
+// each lane keeping 15 sums in ascending id order, so every threshold's mass is the rule's sum).
+// Weights are recomputed from the logits each pass (a polynomial exp, cheaper than storing them);
+// the row stays in L2 between passes. A row's work never depends on its neighbours or the row count,
+// and the kernel has no atomics. Cost: greedy and plain temperature sampling read the row three
+// times; top-k adds 9 count passes, top-p 9 mass passes.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/runtime.cuh"
+#include "ops/registry.hpp"
+#include "ops/sampling_rule.hpp"
+#include "samebits/ops.hpp"
+
+namespace samebits::cuda {
+namespace {
+
+using namespace sampling_rule;
+
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int WARPS = LANES / 32;
+constexpr int TRIES = 15;  // thresholds a radix pass measures (digits 1 … 15)
+
+struct Shared {
+  float tree[2 * LANES];
+  float fsum[TRIES][WARPS];
+  int isum[TRIES][WARPS];
+  uint32_t best_key[WARPS];
+  int best_id[WARPS];
+  float draw_t;
+  int draw_lane;
+};
+
+// Every thread gets the pairwise-tree sums over the block of its N values (thread order = lane order).
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N], Shared& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) v[n] = __fadd_rn(v[n], __shfl_xor_sync(FULL, v[n], off));
+  if (lane == 0)
+#pragma unroll
+    for (int n = 0; n < N; ++n) s.fsum[n][warp] = v[n];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      float x = s.fsum[n][lane];
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) x = __fadd_rn(x, __shfl_xor_sync(FULL, x, off));
+      __syncwarp();
+      if (lane == 0) s.fsum[n][0] = x;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < N; ++n) v[n] = s.fsum[n][0];
+  __syncthreads();
+}
+
+template <int N>
+__device__ __forceinline__ void block_counts(int (&v)[N], Shared& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) v[n] += __shfl_xor_sync(FULL, v[n], off);
+  if (lane == 0)
+#pragma unroll
+    for (int n = 0; n < N; ++n) s.isum[n][warp] = v[n];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      int x = s.isum[n][lane];
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) x += __shfl_xor_sync(FULL, x, off);
+      __syncwarp();
+      if (lane == 0) s.isum[n][0] = x;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < N; ++n) v[n] = s.isum[n][0];
+  __syncthreads();
+}
+
+// The larger key, ties to the lower id (id −1: none).
+__device__ __forceinline__ void better(uint32_t& key, int& id, uint32_t k2, int id2) {
+  if (id2 >= 0 && (id < 0 || k2 > key || (k2 == key && id2 < id))) {
+    key = k2;
+    id = id2;
+  }
+}
+
+// What the row's candidates are after each cut: finite, then in the top k (key above tk, or equal
+// with an id ≤ tie_id), then at or above the top-p key, then weighing at least min_p.
+struct Cuts {
+  uint32_t tk = 0, tp = 0;
+  int tie_id;
+  double min_p = 0;
+  __device__ __forceinline__ bool topk(float x, uint32_t key, int i) const {
+    return x > -INFINITY && (key > tk || (key == tk && i <= tie_id));
+  }
+  __device__ __forceinline__ bool all(float x, uint32_t key, int i, float w) const {
+    return topk(x, key, i) && key >= tp && (min_p == 0 || double(w) >= min_p);
+  }
+};
+
+__global__ void __launch_bounds__(LANES, 1)
+    sample_rows(const float* __restrict__ logits, const double* __restrict__ params, int V, int32_t* tokens,
+                uint8_t* kept) {
+  __shared__ Shared s;
+  const int l = threadIdx.x, warp = l >> 5, lane = l & 31;
+  const float* z = logits + int64_t(blockIdx.x) * V;
+  uint8_t* kept_row = kept ? kept + int64_t(blockIdx.x) * V : nullptr;
+  const RowParams p = params_of(params + int64_t(blockIdx.x) * PARAMS);
+  auto finish_bad = [&](int32_t code) {
+    if (kept_row)
+      for (int i = l; i < V; i += LANES) kept_row[i] = 0;
+    if (l == 0) tokens[blockIdx.x] = code;
+  };
+  if (!params_ok(p)) return finish_bad(BAD_PARAMS);
+
+  // Pass 1: finiteness, the count of finite logits, the max (first id on ties).
+  int bad = 0, finite[1] = {0}, best_id = -1;
+  uint32_t best_key = 0;
+  for (int i = l; i < V; i += LANES) {
+    const float x = z[i];
+    if (isnan(x) || x == INFINITY) bad = 1;
+    else if (x > -INFINITY) {
+      ++finite[0];
+      better(best_key, best_id, key_of(x), i);
+    }
+  }
+  bad = __syncthreads_or(bad);
+  if (bad) return finish_bad(BAD_LOGITS);
+  block_counts(finite, s);
+  if (finite[0] == 0) return finish_bad(BAD_LOGITS);
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2)
+    better(best_key, best_id, __shfl_xor_sync(FULL, best_key, off), __shfl_xor_sync(FULL, best_id, off));
+  if (lane == 0) s.best_key[warp] = best_key, s.best_id[warp] = best_id;
+  __syncthreads();
+  if (warp == 0) {
+    best_key = s.best_key[lane];
+    best_id = s.best_id[lane];
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2)
+      better(best_key, best_id, __shfl_xor_sync(FULL, best_key, off), __shfl_xor_sync(FULL, best_id, off));
+    if (lane == 0) s.best_key[0] = best_key, s.best_id[0] = best_id;
+  }
+  __syncthreads();
+  const int arg = s.best_id[0];
+  const uint32_t max_key = s.best_key[0];
+  if (p.temperature == 0) {
+    if (kept_row)
+      for (int i = l; i < V; i += LANES) kept_row[i] = i == arg;
+    if (l == 0) tokens[blockIdx.x] = arg;
+    return;
+  }
+  const float max_logit = z[arg], inv_t = inverse_temperature(p.temperature);
+  Cuts cut;
+  cut.tie_id = V - 1;
+
+  // Top-k: the largest key t with count(key ≥ t) ≥ k, then the lowest ids among those tied at t.
+  const int k = int(p.top_k);
+  if (k > 0 && k < finite[0]) {
+    uint32_t t = 0;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+      int cnt[TRIES] = {};
+      for (int i = l; i < V; i += LANES) {
+        const float x = z[i];
+        if (!(x > -INFINITY)) continue;
+        const uint32_t key = key_of(x);
+#pragma unroll
+        for (int d = 0; d < TRIES; ++d) cnt[d] += key >= (t | (uint32_t(d + 1) << shift));
+      }
+      block_counts(cnt, s);
+      int digit = 0;
+#pragma unroll
+      for (int d = 0; d < TRIES; ++d)
+        if (cnt[d] >= k) digit = d + 1;
+      t |= uint32_t(digit) << shift;
+    }
+    int above_and_tied[2] = {0, 0};
+    for (int i = l; i < V; i += LANES) {
+      const float x = z[i];
+      if (!(x > -INFINITY)) continue;
+      const uint32_t key = key_of(x);
+      above_and_tied[0] += key > t;
+      above_and_tied[1] += key == t;
+    }
+    block_counts(above_and_tied, s);
+    cut.tk = t;
+    const int need = k - above_and_tied[0];
+    if (above_and_tied[1] > need) {  // the smallest id bound keeping `need` of the tied ids
+      int lo = 0, hi = V - 1;
+      while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        int c[1] = {0};
+        for (int i = l; i <= mid; i += LANES) {
+          const float x = z[i];
+          c[0] += x > -INFINITY && key_of(x) == t;
+        }
+        block_counts(c, s);
+        if (c[0] >= need) hi = mid;
+        else lo = mid + 1;
+      }
+      cut.tie_id = lo;
+    }
+  }
+
+  // Top-p: the largest key t whose candidates' mass (the rule's sum) reaches the goal.
+  if (p.top_p < 1) {
+    float total[1] = {0.0f};
+    for (int i = l; i < V; i += LANES) {
+      const float x = z[i];
+      const uint32_t key = key_of(x);
+      if (cut.topk(x, key, i)) total[0] += weight_of(x, max_logit, inv_t);
+    }
+    block_sums(total, s);
+    const float goal = top_p_goal(p.top_p, total[0]);
+    uint32_t t = 0;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+      float m[TRIES] = {};
+      for (int i = l; i < V; i += LANES) {
+        const float x = z[i];
+        const uint32_t key = key_of(x);
+        if (!cut.topk(x, key, i)) continue;
+        const float w = weight_of(x, max_logit, inv_t);
+#pragma unroll
+        for (int d = 0; d < TRIES; ++d) m[d] = __fadd_rn(m[d], key >= (t | (uint32_t(d + 1) << shift)) ? w : 0.0f);
+      }
+      block_sums(m, s);
+      int digit = 0;
+#pragma unroll
+      for (int d = 0; d < TRIES; ++d)
+        if (m[d] >= goal) digit = d + 1;
+      t |= uint32_t(digit) << shift;
+    }
+    cut.tp = t < max_key ? t : max_key;
+  }
+  cut.min_p = p.min_p;
+
+  // The draw: the lanes' sums into the tree, t walked down it, then along the chosen lane.
+  float acc = 0.0f;
+  for (int i = l; i < V; i += LANES) {
+    const float x = z[i];
+    const float w = weight_of(x, max_logit, inv_t);
+    const bool in = cut.all(x, key_of(x), i, w);
+    if (in) acc = __fadd_rn(acc, w);
+    if (kept_row) kept_row[i] = in;
+  }
+  s.tree[LANES + l] = acc;
+  __syncthreads();
+  for (int n = LANES / 2; n >= 1; n /= 2) {
+    if (l < n) s.tree[n + l] = __fadd_rn(s.tree[2 * (n + l)], s.tree[2 * (n + l) + 1]);
+    __syncthreads();
+  }
+  if (l == 0) {
+    float t = draw_target(p.u, s.tree[1]);
+    int node = 1;
+    while (node < LANES) {
+      const float left = s.tree[2 * node], right = s.tree[2 * node + 1];
+      if (t < left || !(right > 0.0f)) {
+        node = 2 * node;
+      } else {
+        t = __fsub_rn(t, left);
+        node = 2 * node + 1;
+      }
+    }
+    s.draw_t = t;
+    s.draw_lane = node - LANES;
+  }
+  __syncthreads();
+  if (l != s.draw_lane) return;
+  const float t = s.draw_t;
+  int token = -1;
+  acc = 0.0f;
+  for (int i = l; i < V; i += LANES) {
+    const float x = z[i];
+    const float w = weight_of(x, max_logit, inv_t);
+    if (!cut.all(x, key_of(x), i, w)) continue;
+    acc = __fadd_rn(acc, w);
+    if (w > 0.0f) token = i;
+    if (acc > t) break;
+  }
+  tokens[blockIdx.x] = token;
+}
+
+void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
+  const int64_t R = a.logits.shape[0], V = a.logits.shape[1];
+  if (R == 0) return;
+  sample_rows<<<unsigned(R), LANES, 0, stream_of(ctx.stream)>>>(
+      a.logits.as<const float>(), a.params.as<const double>(), int(V), a.tokens.as<int32_t>(),
+      a.kept.present() ? a.kept.as<uint8_t>() : nullptr);
+  check(cudaGetLastError(), "sample_tokens", "launch");
+}
+
+}  // namespace
+
+SAMEBITS_REGISTER_KERNEL(sample_tokens, Backend::cuda, SampleTokensArgs, sample_tokens);
+
+}  // namespace samebits::cuda

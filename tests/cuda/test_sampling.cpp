@@ -1,0 +1,135 @@
+// The CUDA sampling kernel against the CPU one (the rule's reference): the same token and the same
+// kept set from the same fp32 rows, for every setting and vocab shape; a row's token does not depend
+// on the rows beside it; bad rows are reported in their token; the draws follow the softmax.
+#include <cmath>
+#include <limits>
+
+#include "tests/cuda/cuda_test_util.hpp"
+#include "samebits/ops.hpp"
+#include "samebits/sampling.hpp"
+
+namespace {
+
+struct Rows {
+  HostTensor logits, params;
+};
+
+// R rows of V logits (normal · 3, with ties, −inf entries and a few exact duplicates of the max)
+// and random settings: greedy, temperature only, top-k, top-p, min-p, all of them.
+Rows random_rows(Rng& r, int64_t R, int64_t V) {
+  Rows rows{HostTensor(DType::f32, {R, V}), HostTensor(DType::f64, {R, 5})};
+  for (int64_t i = 0; i < R; ++i) {
+    float* z = static_cast<float*>(rows.logits.data()) + i * V;
+    const double scale = r.uniform(0.5, 6.0);
+    for (int64_t j = 0; j < V; ++j) z[j] = float(r.normal() * scale);
+    if (V > 8) {
+      z[5] = z[2];                                    // a tie anywhere
+      z[7] = -std::numeric_limits<float>::infinity();  // never drawn
+    }
+    if (V > 20 && i % 4 == 0)
+      for (int64_t j = 10; j < 20; ++j) z[j] = z[1];  // a block of ties: top-k / top-p cuts land in it
+    const int kind = int(i % 6);
+    double* p = static_cast<double*>(rows.params.data()) + i * 5;
+    p[0] = kind == 0 ? 0.0 : r.uniform(0.2, 2.0);
+    p[1] = (kind == 2 || kind == 5) ? double(r.integer(1, std::max<int64_t>(1, std::min<int64_t>(V, 200)))) : 0.0;
+    p[2] = (kind == 3 || kind == 5) ? r.uniform(0.05, 1.0) : 1.0;
+    p[3] = (kind == 4 || kind == 5) ? r.uniform(0.0, 0.3) : 0.0;
+    p[4] = r.uniform(0.0, 1.0);
+  }
+  return rows;
+}
+
+struct Drawn {
+  HostTensor tokens, kept;
+};
+
+Drawn draw(Backend b, const Rows& rows) {
+  const int64_t R = rows.logits.shape()[0], V = rows.logits.shape()[1];
+  Context ctx;
+  ctx.backend = b;
+  const DeviceTensor logits = DeviceTensor::from_host(b, rows.logits), params = DeviceTensor::from_host(b, rows.params);
+  DeviceTensor tokens(b, DType::i32, {R}), kept(b, DType::u8, {R, V});
+  sample_tokens(ctx, {logits.view(), params.view(), tokens.view(), kept.view()});
+  return {tokens.to_host(), kept.to_host()};
+}
+
+}  // namespace
+
+class CudaSampling : public CudaTest {};
+
+TEST_F(CudaSampling, DrawsTheCpuKernelsTokensAndSets) {
+  Rng r(41);
+  for (int64_t V : {1, 7, 1000, 1024, 1025, 2560, 4097, 151936}) {
+    const int64_t R = V > 10000 ? 48 : 96;
+    const Rows rows = random_rows(r, R, V);
+    const Drawn gpu = draw(Backend::cuda, rows), cpu = draw(Backend::cpu, rows);
+    for (int64_t i = 0; i < R; ++i) {
+      EXPECT_EQ(static_cast<const int32_t*>(gpu.tokens.data())[i], static_cast<const int32_t*>(cpu.tokens.data())[i])
+          << "V " << V << " row " << i;
+      EXPECT_GE(static_cast<const int32_t*>(gpu.tokens.data())[i], 0) << "V " << V << " row " << i;
+    }
+    expect_same_bits(gpu.kept, cpu.kept, "kept sets, V " + std::to_string(V));
+  }
+}
+
+TEST_F(CudaSampling, ARowsTokenDoesNotDependOnItsNeighbours) {
+  Rng r(42);
+  const int64_t R = 40, V = 32000;
+  const Rows rows = random_rows(r, R, V);
+  const Drawn all = draw(Backend::cuda, rows);
+  for (int64_t i : {0, 13, 39}) {
+    Rows one{HostTensor(DType::f32, {1, V}), HostTensor(DType::f64, {1, 5})};
+    std::memcpy(one.logits.data(), static_cast<const float*>(rows.logits.data()) + i * V, size_t(V) * 4);
+    std::memcpy(one.params.data(), static_cast<const double*>(rows.params.data()) + i * 5, 5 * 8);
+    const Drawn alone = draw(Backend::cuda, one);
+    EXPECT_EQ(static_cast<const int32_t*>(alone.tokens.data())[0], static_cast<const int32_t*>(all.tokens.data())[i]);
+    EXPECT_EQ(std::memcmp(alone.kept.data(), static_cast<const uint8_t*>(all.kept.data()) + i * V, size_t(V)), 0);
+  }
+  const Drawn again = draw(Backend::cuda, rows);
+  expect_same_bits(again.tokens, all.tokens, "a second launch");
+}
+
+TEST_F(CudaSampling, BadRowsAreReportedAndTheOthersDrawn) {
+  Rng r(43);
+  const int64_t R = 6, V = 3000;
+  Rows rows = random_rows(r, R, V);
+  float* z = static_cast<float*>(rows.logits.data());
+  double* p = static_cast<double*>(rows.params.data());
+  z[1 * V + 17] = std::numeric_limits<float>::quiet_NaN();
+  z[2 * V + 2999] = std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < V; ++j) z[3 * V + j] = -std::numeric_limits<float>::infinity();
+  p[4 * 5 + 2] = 0.0;  // top_p = 0
+  for (Backend b : {Backend::cuda, Backend::cpu}) {
+    const Drawn d = draw(b, rows);
+    const int32_t* t = static_cast<const int32_t*>(d.tokens.data());
+    EXPECT_GE(t[0], 0);
+    EXPECT_EQ(t[1], -1);
+    EXPECT_EQ(t[2], -1);
+    EXPECT_EQ(t[3], -1);
+    EXPECT_EQ(t[4], -2);
+    EXPECT_GE(t[5], 0);
+  }
+}
+
+TEST_F(CudaSampling, FrequenciesFollowTheTemperedSoftmax) {
+  const std::vector<float> logits{1.0f, -0.5f, 2.0f, 0.3f, 0.3f, -2.0f, 1.1f, 0.0f};
+  const int64_t N = 100000, V = int64_t(logits.size());
+  for (double T : {1.0, 0.7}) {
+    Rows rows{HostTensor(DType::f32, {N, V}), HostTensor(DType::f64, {N, 5})};
+    for (int64_t i = 0; i < N; ++i) {
+      std::memcpy(static_cast<float*>(rows.logits.data()) + i * V, logits.data(), size_t(V) * 4);
+      double* p = static_cast<double*>(rows.params.data()) + i * 5;
+      p[0] = T, p[1] = 0, p[2] = 1, p[3] = 0, p[4] = sampling_uniform(99, 0, i);
+    }
+    const Drawn d = draw(Backend::cuda, rows);
+    std::vector<int64_t> count(size_t(V), 0);
+    for (int64_t i = 0; i < N; ++i) ++count[size_t(static_cast<const int32_t*>(d.tokens.data())[i])];
+    double z = 0, chi2 = 0;
+    for (float l : logits) z += std::exp(double(l) / T);
+    for (int64_t j = 0; j < V; ++j) {
+      const double expected = double(N) * std::exp(double(logits[size_t(j)]) / T) / z;
+      chi2 += (double(count[size_t(j)]) - expected) * (double(count[size_t(j)]) - expected) / expected;
+    }
+    EXPECT_LT(chi2, 24.32) << "chi-square, 7 degrees of freedom, p = 0.001; T = " << T;
+  }
+}
