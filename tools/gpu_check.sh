@@ -82,7 +82,6 @@ families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBi
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'
 families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
 families+=':CudaSampling.BadRowsAreReportedAndTheOthersDrawn:CudaSampling.ARowsTokenDoesNotDependOnItsNeighbours'
-families+=':Backends/EngineOn.PreemptionUnderASmallKvPoolChangesNoBit/cuda'
 for tool in memcheck racecheck synccheck; do
   timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
     --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
