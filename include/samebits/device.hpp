@@ -25,5 +25,8 @@ size_t device_memory_peak(Backend backend, bool reset);
 // Returns the memory samebits keeps for reuse but does not use now to the device (synchronises it
 // first), for a process that shares the GPU with another allocator. Nothing on the CPU backend.
 void device_memory_release(Backend backend);
+// The device's free and total memory now (cudaMemGetInfo), plus what samebits' pool holds unused
+// in `free`. 0 and 0 on the CPU backend.
+void device_memory_info(Backend backend, size_t* free, size_t* total);
 
 }  // namespace samebits

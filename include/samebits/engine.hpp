@@ -31,7 +31,8 @@ struct EngineOptions {
   int64_t max_context = 0;          // tokens a slot holds (prompt + new); 0: min(max_position, 4096)
   bool share_prefix = true;         // false: every sample prefills its prompt itself (same bits)
   int64_t page_size = 64;           // KV-cache page, in tokens
-  int64_t kv_pages = 0;             // pages in the pool; 0: every slot's max_context. Fewer: requests
+  int64_t kv_pages = 0;             // pages in the pool; 0: every slot's max_context (on a GPU, no more
+                                    // than its free memory holds beside a step's activations). Fewer: requests
                                     // wait for pages, and a running one is preempted (recomputed
                                     // later, the same bits) when a decode row finds none
   int64_t kv_memory_bytes = 0;      // or: the pool's size in bytes (keys and values of every layer)

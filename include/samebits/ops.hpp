@@ -176,6 +176,9 @@ struct AttentionBackwardArgs {
 };
 void attention_forward(const Context&, const AttentionForwardArgs&);
 void attention_backward(const Context&, const AttentionBackwardArgs&);
+// The KV-cache page sizes a backend's paged attention takes: the CPU any ≥ 1; CUDA multiples of 8
+// that divide 128 or are multiples of it (a page is whole key tiles, or a tile holds whole pages).
+bool paged_attention_takes(Backend backend, int64_t page_size);
 
 // ---------------------------------------------------------------- selected logprob
 // logp[t] = logits[t, target[t]] - logsumexp(logits[t, :]) in fp32; entropy[t] = -Σ p log p.

@@ -20,6 +20,7 @@ void synchronize();
 size_t memory_peak(bool reset);
 size_t memory_in_use();
 void memory_release();
+void memory_info(size_t* free, size_t* total);
 }  // namespace cuda
 #define SAMEBITS_CUDA_OR_NOT_BUILT(expr) expr
 #else
@@ -73,6 +74,12 @@ void device_fill(Backend b, void* p, int byte, size_t bytes) {
 void device_memory_release(Backend b) {
   if (b == Backend::cpu) return;
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::memory_release());
+}
+
+void device_memory_info(Backend b, size_t* free, size_t* total) {
+  *free = *total = 0;
+  if (b == Backend::cpu) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::memory_info(free, total));
 }
 
 size_t device_memory_in_use(Backend b) {

@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 
 namespace samebits {
@@ -61,7 +62,24 @@ int64_t pool_pages(const Model& model, const EngineOptions& o, int64_t context, 
                                                            o.kv_memory_bytes, page_bytes, ps));
     return pages;
   }
-  return slots * ((context + ps - 1) / ps);
+  const int64_t every_slot = slots * ((context + ps - 1) / ps);
+  if (o.backend != Backend::cuda) return every_slot;
+  // On the GPU: no more than its free memory holds after a reserve for a step's activations (every
+  // layer's, over max_batch_tokens rows) and the logits of the drawing rows, and 5% of the card.
+  size_t free = 0, total = 0;
+  device_memory_info(o.backend, &free, &total);
+  const int64_t page_bytes = c.num_layers * 2 * ps * c.num_kv_heads * c.head_dim * dtype_size(act);
+  const int64_t step = std::max<int64_t>(o.max_batch_tokens, 1) * c.num_layers *
+                           (8 * c.hidden_size + 4 * c.intermediate_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) *
+                           dtype_size(act) +
+                       slots * c.vocab_size * 8;
+  const int64_t spare = int64_t(free) - step - int64_t(total / 20);
+  const int64_t fits = spare > 0 ? spare / page_bytes : 0;
+  if (fits < 1)
+    throw Error("Engine", "kv_memory_bytes", fmt::format("the GPU's free memory ({:.1f} GiB) leaves no room for a KV pool "
+                                                         "after a step's activations ({:.1f} GiB): lower max_batch_tokens",
+                                                         double(free) / (1 << 30), double(step) / (1 << 30)));
+  return std::min(every_slot, fits);
 }
 
 Context context_for(Backend backend) {

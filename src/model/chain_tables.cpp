@@ -2,6 +2,8 @@
 // KV cache and the gradient accumulators. The forward and backward that use them: chain.cpp.
 #include "model/chain_tables.hpp"
 
+#include "samebits/ops.hpp"
+
 #include <algorithm>
 #include <cstring>
 
@@ -172,6 +174,10 @@ KvCache KvCache::paged(const ModelConfig& c, int64_t slots, int64_t capacity, in
                        DType dtype, Backend backend) {
   if (pages < 1 || page_size < 1 || pages * page_size > (int64_t(1) << 31))
     throw Error("KvCache::paged", "pages", fmt::format("{} pages of {} tokens", pages, page_size));
+  if (!paged_attention_takes(backend, page_size))
+    throw Error("KvCache::paged", "page_size", fmt::format("the {} attention takes no pages of {} tokens: on CUDA a page is a "
+                                                           "multiple of 8 tokens that divides 128 or is a multiple of it",
+                                                           backend_name(backend), page_size));
   KvCache cache(c, slots, capacity, pages * page_size, dtype, backend);
   cache.page_size_ = page_size;
   cache.tables_.resize(size_t(slots));

@@ -142,6 +142,12 @@ static void check_out(const Validator& v, const char* name, const TensorView& t,
   v.same_shape(name, t, "its input", like);
 }
 
+bool paged_attention_takes(Backend backend, int64_t page_size) {
+  if (page_size < 1) return false;
+  if (backend != Backend::cuda) return true;
+  return page_size % 8 == 0 && (page_size % 128 == 0 || 128 % page_size == 0);
+}
+
 void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   auto v = begin_op<OpId::attention_forward>("attention_forward", ctx, a);
   if (a.scale < 0) v.fail("scale", "must be >= 0 (0 selects 1/sqrt(head_dim))");

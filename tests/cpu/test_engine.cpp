@@ -130,7 +130,7 @@ TEST_P(EngineOn, ARequestsBitsDoNotDependOnWhatElseRuns) {
   EngineOptions unshared = opts();
   unshared.share_prefix = false;
   expect_same(run_target(m, unshared, others(4, 6)), alone, "every sample prefilling its own prompt");
-  for (int64_t page : {1, 16, 64}) {
+  for (int64_t page : {GetParam() == Backend::cuda ? 8 : 1, 16, 64}) {  // CUDA pages: multiples of 8
     EngineOptions o = opts();
     o.page_size = page;
     expect_same(run_target(m, o, others(8, 7)), alone, "pages of " + std::to_string(page) + " tokens");
@@ -159,7 +159,7 @@ TEST_P(EngineOn, PreemptionUnderASmallKvPoolChangesNoBit) {
 }
 
 TEST_P(EngineOn, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
-  // A (40-token prompt, 44 new) and B (n = 2, 36 new) share 3 slots and a 22-page pool of 4-token
+  // A (40-token prompt, 44 new) and B (n = 2, 36 new) share 3 slots and an 11-page pool of 8-token
   // pages; B's sample 0 ends at its first token (its stop id), so when A's growth preempts B (about
   // step 22) B comes back needing one slot, not two. Then C (n = 3) must still find all three.
   const Model m = Model::builtin(false);
@@ -178,8 +178,8 @@ TEST_P(EngineOn, APreemptedRequestWithAnEndedSampleComesBackWithoutIt) {
     }
   }
   EngineOptions tight = opts();
-  tight.page_size = 4;
-  tight.kv_pages = 22;
+  tight.page_size = 8;
+  tight.kv_pages = 11;
   tight.max_slots = 3;
   Engine e(m, tight);
   e.submit(a);

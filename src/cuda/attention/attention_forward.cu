@@ -208,7 +208,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   const int64_t Tq = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2], Hkv = a.k.shape[1];
   attention::require_kernel_shapes(op, a.q, {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"out", &a.out}});
   if (a.out.dtype != a.q.dtype) throw Unsupported(op, "out", "the CUDA attention writes out in q's dtype");
-  if (a.block_table.present() && (a.page_size % 8 != 0 || (a.page_size % 128 != 0 && 128 % a.page_size != 0)))
+  if (a.block_table.present() && !paged_attention_takes(Backend::cuda, a.page_size))
     throw Unsupported(op, "page_size", "the CUDA attention takes page sizes that are multiples of 8 and divide 128 "
                                        "or are multiples of it (got " + std::to_string(a.page_size) + ")");
   const cudaStream_t stream = stream_of(ctx.stream);

@@ -49,6 +49,11 @@ void fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "
 size_t memory_peak(bool reset) { return size_t(scratch_peak_bytes(reset, "device_memory_peak")); }
 size_t memory_in_use() { return size_t(scratch_bytes_in_use("device_memory_in_use")); }
 void memory_release() { scratch_trim("device_memory_release"); }
+void memory_info(size_t* free, size_t* total) {
+  check(cudaMemGetInfo(free, total), "device_memory_info", "cudaMemGetInfo");
+  const uint64_t held = scratch_bytes_held("device_memory_info"), used = scratch_bytes_in_use("device_memory_info");
+  if (held > used) *free += size_t(held - used);
+}
 
 void synchronize() { check(cudaDeviceSynchronize(), "device_synchronize", "kernel"); }
 

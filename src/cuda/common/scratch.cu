@@ -53,6 +53,12 @@ uint64_t scratch_bytes_in_use(const char* op) {
   return used;
 }
 
+uint64_t scratch_bytes_held(const char* op) {
+  uint64_t held = 0;
+  check(cudaMemPoolGetAttribute(pool_of_current_device(op), cudaMemPoolAttrReservedMemCurrent, &held), op, "scratch pool");
+  return held;
+}
+
 uint64_t scratch_peak_bytes(bool reset, const char* op) {
   cudaMemPool_t pool = pool_of_current_device(op);
   uint64_t high = 0;

@@ -15,6 +15,8 @@ void scratch_free(void* p, cudaStream_t stream, const char* op);
 // Bytes of the pool in use now (samebits' tensors and temporaries), and the most in use since the
 // last reset (at least the current use); `reset` starts a new mark.
 uint64_t scratch_bytes_in_use(const char* op);
+// Bytes the pool holds from the device (in use or kept for reuse).
+uint64_t scratch_bytes_held(const char* op);
 // Hands the pool's unused memory back to the device (after the device is idle): for a process that
 // shares the GPU with another allocator (PyTorch's), between phases.
 void scratch_trim(const char* op);
