@@ -31,13 +31,16 @@ the GPU in bf16 with random weights (normal, std 0.02; norms 1); samebits reads 
 place (samebits.hf.model_of), so both sides run one copy of the weights. Markdown goes to stdout
 and to --out (default docs/bench/generate-<card>.md, card h100 / h200 from the device's name).
 
-Run status: written on a machine without GPU or torch: it compiles (python3 -m py_compile) and its
-APIs were read from the sources (samebits' Engine / hf, torch, transformers 5.x), but it has NOT
-been run yet. On the first GPU run check: the engine's first CUDA run (docs/engine.md lists it as
-untested); the time of the default invocation (~6 min on an H100 is the aim; while sampling runs on
-the host — a softmax over 151936 logits per drawn token in double — the rollout's samebits side
-alone can take far longer: use --quick, or --prompts / --new-tokens); the memory reserves below
-(--reserve-gib); transformers' generate arguments on the installed version.
+Run status: written on a machine without a GPU, torch or transformers; NOT run on a GPU yet. It
+compiles (python3 -m py_compile, pyflakes clean); decode_case (the submit / step loop and its
+all-decoding test), roofline and rescore ran on the CPU backend with the built-in model under
+Debian's torch 1.13 (CUDA synchronisation stubbed out); the model building, the bandwidth and
+memory measurements, the CUDA engine and transformers' generate are read from their sources, not
+run. On the first GPU run check: the engine's first CUDA run (docs/engine.md lists it as untested);
+the time of the default invocation (~6 min on an H100 is the aim; while sampling runs on the host —
+two passes over 151936 logits in double per drawn token — the rollout's samebits side alone can
+take far longer: use --quick, or --prompts / --new-tokens); the memory reserves (--reserve-gib);
+transformers' generate arguments on the installed version.
 """
 import argparse
 import math
