@@ -37,9 +37,8 @@ all-decoding test), roofline and rescore ran on the CPU backend with the built-i
 Debian's torch 1.13 (CUDA synchronisation stubbed out); the model building, the bandwidth and
 memory measurements, the CUDA engine and transformers' generate are read from their sources, not
 run. On the first GPU run check: the engine's first CUDA run (docs/engine.md lists it as untested);
-the time of the default invocation (~6 min on an H100 is the aim; while sampling runs on the host —
-two passes over 151936 logits in double per drawn token — the rollout's samebits side alone can
-take far longer: use --quick, or --prompts / --new-tokens); the memory reserves (--reserve-gib);
+the time of the default invocation (~6 min on an H100 is the aim, estimated, not measured: use
+--quick, or --prompts / --new-tokens, to scale down); the memory reserves (--reserve-gib);
 transformers' generate arguments on the installed version.
 """
 import argparse
@@ -400,7 +399,7 @@ def main():
           f"{cfg.num_key_value_heads} heads × {cfg.head_dim}, MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}), "
           f"random bf16 weights ({weight_bytes(hf) / 1e9:.2f} GB) made by transformers on the GPU; samebits reads the "
           f"same tensors in place. Copy bandwidth {bw / 1e12:.2f} TB/s (a device-to-device copy of 1 GiB, bytes read "
-          "+ written, median of 20). Host sampling: the engine draws tokens on the host (docs/engine.md).", ""]
+          "+ written, median of 20). The engine draws on the device (`Chain::sample_rows`: no logits to the host).", ""]
     ok = True
     if both or args.decode:
         md += decode_part(samebits, sb_model, hf, args, bw, memory, per_row) + [""]
