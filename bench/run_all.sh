@@ -5,7 +5,9 @@
 # card's only as an indication), and one line per benchmark says how it went.
 #
 # Usage: bench/run_all.sh BUILD_DIR OUT_DIR [NAME ...]
-#   NAME: norm logprob lm-head attention chain python gemm gemm-back-to-back gemm-graph (default: all)
+#   NAME: norm logprob lm-head attention chain python gemm gemm-back-to-back gemm-graph (default: all of
+#   these), and generate (bench_generate.py: the engine's decode step and a GRPO-like rollout against
+#   transformers; opt-in, run only when named, e.g. `bench/run_all.sh BUILD OUT generate`: ~6 min alone)
 # BUILD_DIR: built with the CUDA backend and the Python extension for this python3, e.g.
 #   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$(command -v python3) \
 #         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build-gpu
@@ -92,9 +94,13 @@ if [ -n "$transformers_version" ]; then
   bench chain docs/bench/chain-@.md 330 python3 bench/bench_chain.py "$build" --layers 4 --profile "${plot[@]}" --md {md}
   bench python docs/bench/python-@.md 200 env PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
     python3 bench/bench_torch.py --layers 2 --md {md}
+  # opt-in: named on the command line, never part of the default run
+  [[ "$only" == *" generate "* ]] && bench generate docs/bench/generate-@.md 560 python3 bench/bench_generate.py \
+    "$build" --out {md}
 else
   skip chain "python3 has no transformers"
   skip python "python3 has no transformers"
+  [[ "$only" == *" generate "* ]] && skip generate "python3 has no transformers"
 fi
 if [ -x "$build/bench_gemm" ]; then
   bench gemm docs/bench/gemm-@.md 120 "$build/bench_gemm" --quick --md {md} --csv "$out/gemm-$slug.csv"

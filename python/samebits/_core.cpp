@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -24,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <vector>
 
 #include "samebits/chain.hpp"
@@ -498,14 +500,54 @@ py::dict config_of(const Model& m) {
   return d;
 }
 
-// The generation engine: SamplingParams, Completion, Engine.generate (prompts -> completions per
-// prompt). A bad prompt gives one Completion with finish_reason "error" naming it; the others run.
+// The generation engine: SamplingParams, Completion, Engine — generate (prompts -> completions per
+// prompt) and the step-level door (submit / step / run) the benchmarks and custom loops drive. A bad
+// prompt gives one Completion with finish_reason "error" naming it; the others run. The GIL is
+// released while the engine steps.
 class PyEngine {
  public:
   PyEngine(const Model& model, const std::string& backend, int64_t max_slots, int64_t max_batch_tokens,
            int64_t max_context, bool share_prefix, int64_t page_size, int64_t kv_pages, int64_t kv_memory_bytes)
       : engine_(model, EngineOptions{choose_backend(backend.c_str(), "Engine", "backend"), max_slots, max_batch_tokens,
-                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes}) {}
+                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes}) {
+    // The engine's own counters, as it reports them after each step (no Python in the callback:
+    // it runs with the GIL released). The object is never moved (pybind11 holds it by pointer).
+    engine_.on_progress([this](int64_t generated, int64_t steps) {
+      generated_ = generated;
+      steps_ = steps;
+    });
+  }
+
+  int64_t submit(const std::vector<int64_t>& prompt, const SamplingParams& params) {
+    GenerationRequest r;
+    // An id int32 cannot hold becomes -1: the engine refuses it as outside the vocab, naming the request.
+    for (int64_t t : prompt) r.prompt.push_back(t < INT32_MIN || t > INT32_MAX ? -1 : int32_t(t));
+    r.sampling = params;
+    return engine_.submit(std::move(r));
+  }
+
+  bool step() {
+    py::gil_scoped_release unlocked;
+    return engine_.step();
+  }
+
+  // Every completion not returned before (also those of submitted requests that a generate() call
+  // ran to the end), ordered by (request, sample).
+  std::vector<Completion> run() {
+    std::vector<Completion> done;
+    {
+      py::gil_scoped_release unlocked;
+      done = engine_.run();
+    }
+    if (!kept_.empty()) {
+      done.insert(done.end(), std::make_move_iterator(kept_.begin()), std::make_move_iterator(kept_.end()));
+      kept_.clear();
+      std::sort(done.begin(), done.end(), [](const Completion& a, const Completion& b) {
+        return std::tie(a.request, a.sample) < std::tie(b.request, b.sample);
+      });
+    }
+    return done;
+  }
 
   std::vector<std::vector<Completion>> generate(const std::vector<std::vector<int64_t>>& prompts,
                                                 const py::object& params) {
@@ -515,32 +557,32 @@ class PyEngine {
     if (per.size() != prompts.size())
       throw Error("Engine.generate", "params", "one SamplingParams, or one per prompt (" + std::to_string(prompts.size()) +
                                                    "), got " + std::to_string(per.size()));
-    std::vector<int64_t> ids;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      GenerationRequest r;
-      for (int64_t t : prompts[i]) r.prompt.push_back(t < INT32_MIN || t > INT32_MAX ? -1 : int32_t(t));
-      r.sampling = per[i];
-      ids.push_back(engine_.submit(std::move(r)));
-    }
+    std::map<int64_t, size_t> index;  // request id -> prompt
+    for (size_t i = 0; i < prompts.size(); ++i) index[submit(prompts[i], per[i])] = i;
     std::vector<Completion> done;
     {
       py::gil_scoped_release unlocked;
       done = engine_.run();
     }
-    std::map<int64_t, size_t> index;
-    for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = i;
     std::vector<std::vector<Completion>> out(prompts.size());
-    for (Completion& c : done)
-      if (index.count(c.request)) out[index[c.request]].push_back(std::move(c));
+    for (Completion& c : done) {
+      const auto at = index.find(c.request);
+      if (at != index.end()) out[at->second].push_back(std::move(c));
+      else kept_.push_back(std::move(c));  // a submit()ted request's: the next run() returns it
+    }
     return out;
   }
 
   int64_t max_context() const { return engine_.max_context(); }
   int64_t preemptions() const { return engine_.preemptions(); }
   int64_t kv_pages() const { return engine_.kv_pages(); }
+  int64_t steps() const { return steps_; }
+  int64_t generated() const { return generated_; }
 
  private:
   Engine engine_;
+  int64_t steps_ = 0, generated_ = 0;
+  std::vector<Completion> kept_;
 };
 
 void bind_engine(py::module_& m) {
@@ -569,6 +611,8 @@ void bind_engine(py::module_& m) {
                ", seed=" + std::to_string(p.seed) + ")";
       });
   py::class_<Completion>(m, "Completion", "One sample of one prompt: tokens, their logprobs (the trainer's), why it ended.")
+      .def_readonly("request", &Completion::request,
+                    "The request id: what Engine.submit returned (generate() submits its prompts in order).")
       .def_readonly("sample", &Completion::sample)
       .def_readonly("tokens", &Completion::tokens)
       .def_property_readonly("logprobs", [](const Completion& c) {
@@ -577,7 +621,8 @@ void bind_engine(py::module_& m) {
       .def_readonly("finish_reason", &Completion::finish_reason)
       .def_readonly("error", &Completion::error)
       .def("__repr__", [](const Completion& c) {
-        return "Completion(sample=" + std::to_string(c.sample) + ", " + std::to_string(c.tokens.size()) +
+        return "Completion(request=" + std::to_string(c.request) + ", sample=" + std::to_string(c.sample) + ", " +
+               std::to_string(c.tokens.size()) +
                " tokens, finish_reason='" + c.finish_reason + "')";
       });
   py::class_<PyEngine>(m, "Engine",
@@ -590,9 +635,20 @@ void bind_engine(py::module_& m) {
       .def("generate", &PyEngine::generate, py::arg("prompts"), py::arg("params"),
            "Per prompt, its completions (n of them; one with finish_reason 'error' for a bad prompt). params: one "
            "SamplingParams for all, or one per prompt.")
+      .def("submit", &PyEngine::submit, py::arg("prompt"), py::arg("params"),
+           "Queues one prompt; returns its request id (0, 1, ... in submission order, generate() included). A bad "
+           "request is not queued: the next run() returns its error Completion.")
+      .def("step", &PyEngine::step,
+           "One scheduler step (decode rows, then prompt chunks, under max_batch_tokens); False when nothing is "
+           "left to run.")
+      .def("run", &PyEngine::run,
+           "Steps until every submitted request is done; returns every Completion not returned before, ordered by "
+           "(request, sample).")
       .def_property_readonly("max_context", &PyEngine::max_context)
       .def_property_readonly("preemptions", &PyEngine::preemptions)
-      .def_property_readonly("kv_pages", &PyEngine::kv_pages);
+      .def_property_readonly("kv_pages", &PyEngine::kv_pages)
+      .def_property_readonly("steps", &PyEngine::steps, "Scheduler steps run so far (each ran a batch).")
+      .def_property_readonly("generated", &PyEngine::generated, "Tokens drawn so far, over every request.");
   m.def("sampling_candidates", [](const std::vector<double>& logits, const SamplingParams& p) {
     return sampling_candidates(logits, p);
   }, py::arg("logits"), py::arg("params"), "The ids sampling may draw from a logits row under params (ascending).");

@@ -12,16 +12,24 @@ into calls. backward() adds the chain's own weight gradients (fp32 accumulators,
 `samebits.Chain.gradients` / `samebits grads` on the same weights and dlogp) into the parameters'
 .grad, rounded once to the parameter's dtype; `scorer.last_grads` keeps the fp32 ones.
 
+Rollouts on the same weights, whose logprobs are the scorer's bit for bit (samebits.Engine):
+
+    gen = samebits.hf.Generator(model, max_slots=64, kv_memory_bytes=8 << 30)
+    out = gen.generate(prompts, n=8, temperature=1.0, max_new_tokens=512, seed=step)
+    r = out[i][j]          # prompt i, sample j: r.tokens (int64), r.logprobs (float32), r.sequence
+
 Where the weights are read: a model on the GPU with the cuda backend is read in place (no copy; an
 optimizer's in-place update is seen by the next call). A CPU model on the CPU backend is read in
-place too. Any other combination copies the weights once, when the Scorer is made: make a new one
-after an optimizer step (a call on a stale copy, or after a parameter was replaced rather than
-updated in place, raises samebits.Error). The chain runs on the device's default stream; a caller on another stream
-is synchronized with it around each call.
+place too. Any other combination copies the weights once, when the Scorer / Generator is made: make
+a new one after an optimizer step (a call on a stale copy, or after a parameter was replaced rather
+than updated in place, raises samebits.Error). The chain runs on the device's default stream; a
+caller on another stream is synchronized with it around each call.
 """
 import contextlib
+import dataclasses
 import json
 
+import numpy as np
 import torch
 
 from . import _core
@@ -71,40 +79,43 @@ class _CudaArray:
         self.__cuda_array_interface__ = grads.cuda_array_interface(name)
 
 
-class Scorer:
-    """The samebits chain on a transformers model's weights, on `backend` ("auto": the GPU if any)."""
+class _OnModel:
+    """What Scorer and Generator share: a samebits Model over a transformers model's weights for
+    `backend` ("auto": the GPU if any), the device it runs on, and the check that the module still
+    holds the tensors that Model reads (read in place) or was copied from."""
 
-    def __init__(self, hf_model, backend: str = "auto"):
+    def __init__(self, hf_model, backend: str):
         if backend == "auto":
             backend = "cuda" if _core.cuda_available() else "cpu"
         weights = _weights(hf_model)
         first = next(iter(weights.values()))
+        self.backend = backend
         self.device = first.device if (backend == "cuda" and first.is_cuda) else \
             torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
         with self._on_device():
             self.model = model_of(hf_model, backend)
-            self.chain = _core.Chain(self.model, backend)
         # Whether the chain reads the module's own tensors (and so sees in-place updates).
         self.in_place = self.model.device == "cuda" or (backend == "cpu" and first.device.type == "cpu")
         self._module = hf_model
         self._params = [(n, p) for n, p in hf_model.named_parameters()]
         self._stamps = [(p.data_ptr(), p._version) for _, p in self._params]
-        self.last_grads = None
 
     def _check_weights(self):
         """The chain reads what it was given: the module's own memory (in place) or a copy. A
         parameter replaced by another tensor (model.to(...), a new nn.Parameter) is no longer that
         memory, and a copy does not see in-place updates: either is refused, never read stale."""
+        kind = type(self).__name__
         now = list(self._module.named_parameters())
         if [n for n, _ in now] != [n for n, _ in self._params]:
-            raise _core.Error("samebits.hf: the model's parameters changed since the Scorer was made: make a new Scorer")
+            raise _core.Error(f"samebits.hf: the model's parameters changed since the {kind} was made: "
+                              f"make a new {kind}")
         for (name, p), (_, current), (ptr, version) in zip(self._params, now, self._stamps):
             if current is not p or p.data_ptr() != ptr:
-                raise _core.Error(f"samebits.hf: parameter '{name}' was replaced since the Scorer was made "
-                                  "(not updated in place): make a new Scorer")
+                raise _core.Error(f"samebits.hf: parameter '{name}' was replaced since the {kind} was made "
+                                  f"(not updated in place): make a new {kind}")
             if not self.in_place and p._version != version:
-                raise _core.Error(f"samebits.hf: parameter '{name}' changed since the Scorer copied the weights "
-                                  "(this backend reads a copy): make a new Scorer")
+                raise _core.Error(f"samebits.hf: parameter '{name}' changed since the {kind} copied the weights "
+                                  f"(this backend reads a copy): make a new {kind}")
 
     # ------------------------------------------------------------ stream and device hygiene
     def _on_device(self):
@@ -121,6 +132,16 @@ class Scorer:
             if side:
                 torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
             return out
+
+
+class Scorer(_OnModel):
+    """The samebits chain on a transformers model's weights, on `backend` ("auto": the GPU if any)."""
+
+    def __init__(self, hf_model, backend: str = "auto"):
+        super().__init__(hf_model, backend)
+        with self._on_device():
+            self.chain = _core.Chain(self.model, self.backend)
+        self.last_grads = None
 
     # ------------------------------------------------------------ NumPy results (no autograd)
     def logprobs(self, sequences, entropy: bool = False):
@@ -164,7 +185,10 @@ class Scorer:
 
 
 def _lists(sequences):
-    return [list(map(int, s)) for s in sequences]
+    """Lists of ints from lists, 1-D tensors or a 2-D tensor (a tensor copied to the host once)."""
+    if isinstance(sequences, torch.Tensor):
+        sequences = sequences.tolist()
+    return [s.tolist() if isinstance(s, torch.Tensor) else list(map(int, s)) for s in sequences]
 
 
 class _ChainLogprobs(torch.autograd.Function):
@@ -193,9 +217,103 @@ class _ChainLogprobs(torch.autograd.Function):
         return tuple(out)
 
 
+@dataclasses.dataclass
+class Rollout:
+    """One sample of one prompt, as Generator.generate returns it. The tensors are on the model's
+    device (the Generator's `device`); `logprobs` are the trainer's: bit for bit the entries of
+    Scorer(model).token_logprobs([prompt + tokens])[0] that score the generated tokens."""
+    prompt: torch.Tensor  # int64 [P]: the prompt's tokens (padding removed); shared by the prompt's samples
+    tokens: torch.Tensor  # int64 [T]: the generated tokens (a stop token included)
+    logprobs: torch.Tensor  # float32 [T]: log p(tokens[t] | prompt, tokens[:t]), before temperature / truncation
+    finish_reason: str  # "stop", "length", or "error" (then tokens and logprobs are empty)
+    sample: int = 0  # which of the prompt's n samples
+    error: str = ""  # with "error": the message naming the request and the problem
+
+    @property
+    def sequence(self):
+        """prompt + tokens, int64 [P + T]: what the trainer scores."""
+        return torch.cat([self.prompt, self.tokens])
+
+
+class Generator(_OnModel):
+    """Rollouts from a transformers model through samebits.Engine, on the model's own weights.
+
+    Like Scorer, it builds the samebits Model over the module's tensors: on the GPU they are read in
+    place, so an optimizer's in-place update is what the next generate() samples from, with no new
+    Generator; a replaced parameter (or, on a backend that copied the weights, a changed one) is
+    refused with samebits.Error. `engine_options` are samebits.Engine's (max_slots,
+    max_batch_tokens, max_context, share_prefix, page_size, kv_pages, kv_memory_bytes); the engine
+    and its KV cache live as long as the Generator."""
+
+    def __init__(self, hf_model, backend: str = "auto", **engine_options):
+        super().__init__(hf_model, backend)
+        with self._on_device():
+            self.engine = _core.Engine(self.model, self.backend, **engine_options)
+
+    def generate(self, prompts, params=None, *, attention_mask=None, **sampling):
+        """Per prompt, its n Rollouts (in sample order).
+
+        prompts: lists of token ids, 1-D tensors, or a 2-D tensor [B, S]; attention_mask (a tensor
+        or lists of the same shape, 1 = token, 0 = padding, left or right) drops the padding.
+        params: one samebits.SamplingParams for all prompts or one per prompt; or, without params,
+        SamplingParams' keywords (n=8, temperature=1.0, top_p=..., max_new_tokens=..., seed=...).
+        A bad prompt gives one Rollout with finish_reason "error" and the message; the others run."""
+        if params is None:
+            params = _core.SamplingParams(**sampling)
+        elif sampling:
+            raise _core.Error(f"samebits.hf.Generator.generate: give params or SamplingParams keywords "
+                              f"({', '.join(sampling)}), not both")
+        lists = _prompts(prompts, attention_mask)
+        out = self._call(self.engine.generate, lists, params)
+        return self._rollouts(lists, out)
+
+    def _rollouts(self, lists, out):
+        """The engine's completions as Rollouts: one host-to-device copy for every prompt, token and
+        logprob, then views of it."""
+        if not lists:
+            return []
+        flat = [c for cs in out for c in cs]
+        prompt_ids = torch.tensor([t for p in lists for t in p], dtype=torch.long).to(self.device)
+        token_ids = torch.tensor([t for c in flat for t in c.tokens], dtype=torch.long).to(self.device)
+        logps = np.concatenate([c.logprobs for c in flat]) if flat else np.zeros(0)
+        logps = torch.from_numpy(logps).to(self.device, torch.float32)  # as Scorer.token_logprobs rounds them
+        prompts = prompt_ids.split([len(p) for p in lists])
+        lengths = [len(c.tokens) for c in flat]
+        tokens, lp = token_ids.split(lengths), logps.split(lengths)
+        result, k = [], 0
+        for i, cs in enumerate(out):
+            row = []
+            for c in cs:
+                row.append(Rollout(prompts[i], tokens[k], lp[k], c.finish_reason, c.sample, c.error))
+                k += 1
+            result.append(row)
+        return result
+
+
+def _prompts(prompts, attention_mask):
+    """Lists of token ids from lists / 1-D tensors / a 2-D tensor, without the masked-out padding."""
+    if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
+        raise _core.Error(f"samebits.hf.Generator.generate: argument 'prompts': a tensor of prompts is 2-D [batch, "
+                          f"length], got {prompts.dim()}-D (a list of 1-D tensors is taken too)")
+    rows = _lists(prompts)
+    if attention_mask is None:
+        return rows
+    mask = _lists(attention_mask)
+    if len(mask) != len(rows) or any(len(m) != len(r) for m, r in zip(mask, rows)):
+        raise _core.Error("samebits.hf.Generator.generate: argument 'attention_mask': its shape is not the prompts'")
+    out = []
+    for i, (r, m) in enumerate(zip(rows, mask)):
+        kept = [k for k, v in enumerate(m) if v]
+        if kept and kept[-1] - kept[0] + 1 != len(kept):
+            raise _core.Error(f"samebits.hf.Generator.generate: argument 'attention_mask': row {i} has padding "
+                              "between its tokens (only left or right padding is taken)")
+        out.append([r[k] for k in kept])
+    return out
+
+
 def logprobs(hf_model, sequences, entropy: bool = False, backend: str = "auto"):
     """One-off Scorer(hf_model, backend).logprobs(...)."""
     return Scorer(hf_model, backend).logprobs(sequences, entropy)
 
 
-__all__ = ["Scorer", "logprobs", "model_of"]
+__all__ = ["Generator", "Rollout", "Scorer", "logprobs", "model_of"]

@@ -113,3 +113,57 @@ def test_preemption_under_a_small_kv_pool_changes_no_bit(model):
     assert tight.preemptions > 0
     for a, b in zip(alone, out[8]):
         assert a.tokens == b.tokens and np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
+
+
+def same(a, b):
+    """Two completions, bit for bit: tokens, logprobs (raw bytes), why they ended."""
+    return (a.tokens == b.tokens and a.logprobs.tobytes() == b.logprobs.tobytes()
+            and a.finish_reason == b.finish_reason and a.error == b.error)
+
+
+def test_submit_step_run_gives_generates_completions_bit_for_bit(model):
+    ps = prompts(5, seed=21)
+    params = [samebits.SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6 + i, seed=5) for i in range(5)]
+    want = samebits.Engine(model, "cpu", max_batch_tokens=16).generate(ps, params)
+    engine = samebits.Engine(model, "cpu", max_batch_tokens=16)
+    assert (engine.steps, engine.generated) == (0, 0)
+    assert [engine.submit(p, q) for p, q in zip(ps, params)] == list(range(5))
+    steps = 0
+    while engine.step():
+        steps += 1
+    assert not engine.step() and engine.steps == steps > 0
+    got = engine.run()
+    assert [(c.request, c.sample) for c in got] == [(i, j) for i in range(5) for j in range(2)]
+    for c in got:
+        assert same(c, want[c.request][c.sample])
+    assert engine.generated == sum(len(c.tokens) for c in got) == sum(2 * (6 + i) for i in range(5))
+    assert engine.run() == []  # each completion is returned once
+
+
+def test_run_steps_to_the_end_and_requests_arrive_while_others_decode(model):
+    ps = prompts(4, seed=22)
+    params = samebits.SamplingParams(n=3, temperature=0.7, top_k=40, max_new_tokens=9, seed=8)
+    want = samebits.Engine(model, "cpu").generate(ps, params)
+    engine = samebits.Engine(model, "cpu")
+    engine.submit(ps[0], params)
+    for _ in range(4):  # the first request decodes when the others arrive
+        assert engine.step()
+    for p in ps[1:]:
+        engine.submit(p, params)
+    got = engine.run()
+    assert len(got) == 12 and all(same(c, want[c.request][c.sample]) for c in got)
+    assert engine.steps > 9
+
+
+def test_a_bad_submit_is_an_error_completion_and_generate_keeps_the_others(model):
+    engine = samebits.Engine(model, "cpu", max_context=64)
+    good = engine.submit([1, 2, 3], samebits.SamplingParams(max_new_tokens=4))
+    bad = engine.submit([5, 2**40], samebits.SamplingParams(max_new_tokens=4))
+    assert (good, bad) == (0, 1)
+    # generate runs every queued request to the end; the submitted ones' completions wait for run()
+    out = engine.generate([[7, 8]], samebits.SamplingParams(n=2, max_new_tokens=3))
+    assert [(c.request, c.sample, len(c.tokens)) for c in out[0]] == [(2, 0, 3), (2, 1, 3)]
+    got = engine.run()
+    assert [(c.request, c.finish_reason) for c in got] == [(0, "length"), (1, "error")]
+    assert "request 1" in got[1].error and "outside the vocab" in got[1].error and got[1].tokens == []
+    assert engine.run() == [] and "request=0" in repr(got[0])
