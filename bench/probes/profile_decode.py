@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Where a decode step of the Qwen3-8B-shaped engine goes: one step under torch.profiler, per case.
+
+    python3 bench/probes/profile_decode.py BUILD_DIR [--layers 36] [--cases 1x1024,64x1024]
+
+Prints, per (B, C): the step's wall time, its kernel time by family, the top kernels and the top
+CUDA host calls (the gap between wall and kernels is the host's). A probe, not a benchmark."""
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_chain  # noqa: E402
+import bench_generate as bg  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--cases", default="1x1024,64x1024")
+    args = ap.parse_args()
+    samebits = bg.samebits_from(args.build)
+    import samebits.hf  # noqa: F401
+    hf = bg.qwen3_8b(args.layers)
+    sb_model = samebits.hf.model_of(hf, "cuda")
+    cfg = hf.config
+    for case in args.cases.split(","):
+        B, C = (int(x) for x in case.split("x"))
+        context = C + 64
+        engine = samebits.Engine(sb_model, "cuda", max_slots=B, max_batch_tokens=2048, max_context=context,
+                                 page_size=bg.PAGE, kv_pages=B * math.ceil(context / bg.PAGE))
+        for i, p in enumerate(bg.random_prompts(B, C, cfg.vocab_size, seed=7 + B)):
+            engine.submit(p, samebits.SamplingParams(temperature=1.0, max_new_tokens=60, seed=i))
+        last = engine.generated
+        while True:
+            engine.step()
+            drew, last = engine.generated - last, engine.generated
+            if drew == B:
+                break
+        fam, top, api, wall = bench_chain.kernel_profile(engine.step, warm=True)
+        print(f"## B={B} C={C}: wall {wall:.2f} ms, kernels {sum(v[0] for v in fam.values()):.2f} ms")
+        for f, (ms, n) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
+            print(f"  family {f}: {ms:.2f} ms ({n} launches)")
+        for ms, n, k in top:
+            print(f"  kernel {ms:.2f} ms x{n}: {k[:140]}")
+        for ms, n, k in api:
+            print(f"  host {ms:.2f} ms x{n}: {k}")
+        del engine
+
+
+if __name__ == "__main__":
+    main()
