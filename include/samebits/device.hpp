@@ -3,6 +3,7 @@
 // on the current device (throwing NotBuilt when the CUDA backend was not compiled).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "samebits/context.hpp"
 
@@ -17,6 +18,11 @@ void copy_on_device(Backend backend, void* dst, const void* src, size_t bytes);
 void copy_blocks_on_device(Backend backend, void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                            size_t width, size_t height);
 void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
+// n rows of `row_bytes` bytes, in one launch: dst + dst_rows[i]·dst_pitch ← src + src_rows[i]·src_pitch
+// (the int32 index arrays on the backend's device; the destination rows distinct, never overlapping
+// the source). Asynchronous on the CUDA backend (the legacy default stream, like the ops).
+void copy_rows_indexed(Backend backend, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
 void device_synchronize(Backend backend);
 // Device memory samebits holds now (tensors and temporaries, from its own pool), and the most it
 // held at once since the last reset (`reset` starts a new mark). 0 on the CPU backend.

@@ -16,6 +16,8 @@ void copy(void* dst, const void* src, size_t bytes, bool to_device);
 void copy_on_device(void* dst, const void* src, size_t bytes);
 void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height);
 void fill(void* ptr, int byte, size_t bytes);
+void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
 void synchronize();
 size_t memory_peak(bool reset);
 size_t memory_in_use();
@@ -69,6 +71,17 @@ void copy_blocks_on_device(Backend b, void* dst, size_t dst_pitch, const void* s
 void device_fill(Backend b, void* p, int byte, size_t bytes) {
   if (b == Backend::cpu) { std::memset(p, byte, bytes); return; }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::fill(p, byte, bytes));
+}
+
+void copy_rows_indexed(Backend b, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n) {
+  if (b == Backend::cpu) {
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(static_cast<uint8_t*>(dst) + size_t(dst_rows[i]) * dst_pitch,
+                  static_cast<const uint8_t*>(src) + size_t(src_rows[i]) * src_pitch, row_bytes);
+    return;
+  }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed(dst, dst_pitch, src, src_pitch, row_bytes, dst_rows, src_rows, n));
 }
 
 void device_memory_release(Backend b) {

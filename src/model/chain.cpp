@@ -12,6 +12,7 @@
 
 #include "model/chain_tables.hpp"
 #include "ops/sampling_rule.hpp"
+#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 #include "samebits/validate.hpp"
 
@@ -115,6 +116,21 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
       for (size_t j = 0; j < pages.size(); ++j) block_table.set(int64_t(i * cols + j), pages[j]);
     }
   }
+  // A paged cache: where each of the step's key / value rows goes (the same rows in every layer):
+  // one map for the step, one indexed copy a layer for the keys and one for the values.
+  DeviceTensor kv_map;
+  int64_t kv_rows = 0;
+  if (cache && cache->is_paged()) {
+    for (const ChainSequence& s : batch.seqs) kv_rows += s.len;
+    HostTensor m(DType::i32, {2, std::max<int64_t>(kv_rows, 1)});  // row 0: the cache's rows, row 1: the step's
+    int64_t at = 0;
+    for (const ChainSequence& s : batch.seqs)
+      for (int64_t pos = s.cached; pos < s.cached + s.len; ++pos, ++at) {
+        m.set(at, double(cache->row_of(s.slot, pos)));
+        m.set(kv_rows + at, double(s.row + pos - s.cached));
+      }
+    kv_map = DeviceTensor::from_host(ctx_.backend, m);
+  }
 
   // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
   auto norm = [&](const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight, DeviceTensor& y,
@@ -169,13 +185,12 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     at.q = v3(qr, Hq, D);
     if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
       const int64_t ps = cache->page_size();
-      for (const ChainSequence& s : batch.seqs)
-        for (int64_t pos = s.cached; pos < s.cached + s.len;) {
-          const int64_t n = std::min(s.cached + s.len - pos, ps - pos % ps);  // the rest of this page
-          cache->k_[size_t(l)].copy_rows_from(kr, s.row + pos - s.cached, cache->row_of(s.slot, pos), n);
-          cache->v_[size_t(l)].copy_rows_from(v, s.row + pos - s.cached, cache->row_of(s.slot, pos), n);
-          pos += n;
-        }
+      const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
+      const auto* map = static_cast<const int32_t*>(kv_map.view().data);
+      copy_rows_indexed(ctx_.backend, cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes, row_bytes,
+                        map, map + kv_rows, kv_rows);
+      copy_rows_indexed(ctx_.backend, cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes, row_bytes,
+                        map, map + kv_rows, kv_rows);
       at.k = cache->k_[size_t(l)].view();
       at.v = cache->v_[size_t(l)].view();
       at.block_table = block_table.view();

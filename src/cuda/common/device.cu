@@ -44,6 +44,29 @@ void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t 
         "blocks, device to device");
 }
 
+// One CTA a row; 16-byte moves where the row, both pitches and both bases allow, else bytes.
+__global__ void copy_rows_kernel(uint8_t* dst, size_t dst_pitch, const uint8_t* src, size_t src_pitch, size_t row_bytes,
+                                 const int32_t* dst_rows, const int32_t* src_rows, bool wide) {
+  uint8_t* d = dst + size_t(dst_rows[blockIdx.x]) * dst_pitch;
+  const uint8_t* s = src + size_t(src_rows[blockIdx.x]) * src_pitch;
+  if (wide) {
+    for (size_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
+  } else {
+    for (size_t i = threadIdx.x; i < row_bytes; i += blockDim.x) d[i] = s[i];
+  }
+}
+
+void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n) {
+  if (n <= 0 || row_bytes == 0) return;
+  const bool wide = (row_bytes | dst_pitch | src_pitch | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 == 0;
+  copy_rows_kernel<<<unsigned(n), 128, 0, cudaStreamLegacy>>>(static_cast<uint8_t*>(dst), dst_pitch,
+                                                              static_cast<const uint8_t*>(src), src_pitch, row_bytes,
+                                                              dst_rows, src_rows, wide);
+  check(cudaGetLastError(), "device copy", "indexed rows");
+}
+
 void fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "device fill", "bytes"); }
 
 size_t memory_peak(bool reset) { return size_t(scratch_peak_bytes(reset, "device_memory_peak")); }
