@@ -6,12 +6,12 @@
 // coalesced (consecutive lanes read consecutive ids), the xor butterfly of a warp is the tree over
 // its 32 lanes and warp 0's butterfly over the 32 warp sums finishes it. Nothing is sorted: a cut
 // (top-k by count, top-p by mass) is the largest 32-bit logit key whose candidates' measure reaches
-// the goal, found 4 bits a pass (each pass measures the 15 thresholds of the next digit at once,
-// each lane keeping 15 sums in ascending id order, so every threshold's mass is the rule's sum).
+// the goal, found 3 bits a pass (each pass measures the 7 thresholds of the next digit at once,
+// each lane keeping 7 sums in ascending id order, so every threshold's mass is the rule's sum).
 // Weights are recomputed from the logits each pass (a polynomial exp, cheaper than storing them);
 // the row stays in L2 between passes. A row's work never depends on its neighbours or the row count,
 // and the kernel has no atomics. Cost: greedy and plain temperature sampling read the row three
-// times; top-k adds 9 count passes, top-p 9 mass passes.
+// times; top-k adds 12 count passes, top-p 12 mass passes.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,7 +28,8 @@ using namespace sampling_rule;
 
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int WARPS = LANES / 32;
-constexpr int TRIES = 15;  // thresholds a radix pass measures (digits 1 … 15)
+constexpr int DIGIT_BITS = 3, TRIES = (1 << DIGIT_BITS) - 1;  // a radix pass measures 7 thresholds (digits 1 … 7):
+                                                            // 11 passes for 32 bits, in 64 registers a thread
 
 struct Shared {
   float tree[2 * LANES];
@@ -177,7 +178,8 @@ __global__ void __launch_bounds__(LANES, 1)
   const int k = int(p.top_k);
   if (k > 0 && k < finite[0]) {
     uint32_t t = 0;
-    for (int shift = 28; shift >= 0; shift -= 4) {
+    for (int high = 32; high > 0; high -= DIGIT_BITS) {
+      const int shift = high > DIGIT_BITS ? high - DIGIT_BITS : 0, tries = (1 << (high - shift)) - 1;
       int cnt[TRIES] = {};
       for (int i = l; i < V; i += LANES) {
         const float x = z[i];
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(LANES, 1)
       int digit = 0;
 #pragma unroll
       for (int d = 0; d < TRIES; ++d)
-        if (cnt[d] >= k) digit = d + 1;
+        if (d < tries && cnt[d] >= k) digit = d + 1;
       t |= uint32_t(digit) << shift;
     }
     int above_and_tied[2] = {0, 0};
@@ -232,7 +234,8 @@ __global__ void __launch_bounds__(LANES, 1)
     block_sums(total, s);
     const float goal = top_p_goal(p.top_p, total[0]);
     uint32_t t = 0;
-    for (int shift = 28; shift >= 0; shift -= 4) {
+    for (int high = 32; high > 0; high -= DIGIT_BITS) {
+      const int shift = high > DIGIT_BITS ? high - DIGIT_BITS : 0, tries = (1 << (high - shift)) - 1;
       float m[TRIES] = {};
       for (int i = l; i < V; i += LANES) {
         const float x = z[i];
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(LANES, 1)
       int digit = 0;
 #pragma unroll
       for (int d = 0; d < TRIES; ++d)
-        if (m[d] >= goal) digit = d + 1;
+        if (d < tries && m[d] >= goal) digit = d + 1;
       t |= uint32_t(digit) << shift;
     }
     cut.tp = t < max_key ? t : max_key;
