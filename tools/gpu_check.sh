@@ -37,6 +37,9 @@ if [ $? -ne 0 ]; then
   exit 1
 fi
 note build PASS "$((SECONDS - t0)) s"
+# check_ptxas compiles on the CPU: it runs beside the GPU stages below.
+tools/check_ptxas.sh > "$out/ptxas.log" 2>&1 &
+ptxas_pid=$!
 
 # ---------------------------------------------------------------- tests
 "$build"/tests/samebits_tests > "$out/gtest.log" 2>&1
@@ -67,7 +70,7 @@ rc=$?
 note "verify --backend cuda" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^verify:' "$out/verify.txt")"
 tools/bits_fingerprint.sh "$build/samebits" /tmp/samebits_fingerprint > "$out/fingerprints.txt" 2>&1
 if diff -q "$out/fingerprints.txt" docs/status/fingerprints.txt > /dev/null; then
-  note "bits fingerprint" PASS "= docs/status/fingerprints.txt (3 models: logprobs, entropies, gradients)"
+  note "bits fingerprint" PASS "= docs/status/fingerprints.txt (3 models: logprobs, entropies, gradients, rollouts)"
 else
   note "bits fingerprint" FAIL "differs from docs/status/fingerprints.txt: $(diff "$out/fingerprints.txt" docs/status/fingerprints.txt | head -2 | tr '\n' ' ')"
 fi
@@ -82,10 +85,17 @@ families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBi
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'
 families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
 families+=':CudaSampling.BadRowsAreReportedAndTheOthersDrawn:CudaSampling.ARowsTokenDoesNotDependOnItsNeighbours'
+# The three tools run side by side (each is a process of its own on the one GPU).
+sanitizer_pids=()
 for tool in memcheck racecheck synccheck; do
-  timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
-    --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
-  rc=$?
+  ( timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
+      --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
+    echo $? > "$out/sanitizer-$tool.rc" ) &
+  sanitizer_pids+=($!)
+done
+wait "${sanitizer_pids[@]}"
+for tool in memcheck racecheck synccheck; do
+  rc=$(cat "$out/sanitizer-$tool.rc")
   ran=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/sanitizer-$tool.log" | grep -oE '[0-9]+$')
   line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -1 | sed 's/^========= //')
   note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${ran:-0} tests; ${line:-rc $rc}"
@@ -100,7 +110,7 @@ kernels=$(grep -c 'Function :' "$out/sass.txt")
 atomics=$(grep -cE "$op(ATOM|ATOMS|ATOMG|RED)[.[:space:]]" "$out/sass.txt")
 note "SASS atomics" "$([ "$kernels" -gt 0 ] && [ "$atomics" -eq 0 ] && echo PASS || echo FAIL)" \
   "$kernels kernels, $atomics ATOM/RED instructions"
-tools/check_ptxas.sh > "$out/ptxas.log" 2>&1
+wait $ptxas_pid
 note "check_ptxas" "$([ $? -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/ptxas.log")"
 
 {
