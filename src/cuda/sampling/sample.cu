@@ -41,58 +41,35 @@ struct Shared {
   int draw_lane;
 };
 
-// Every thread gets the pairwise-tree sums over the block of its N values (thread order = lane order).
-template <int N>
-__device__ __forceinline__ void block_sums(float (&v)[N], Shared& s) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) v[n] = __fadd_rn(v[n], __shfl_xor_sync(FULL, v[n], off));
-  if (lane == 0)
-#pragma unroll
-    for (int n = 0; n < N; ++n) s.fsum[n][warp] = v[n];
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-      float x = s.fsum[n][lane];
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) x = __fadd_rn(x, __shfl_xor_sync(FULL, x, off));
-      __syncwarp();
-      if (lane == 0) s.fsum[n][0] = x;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int n = 0; n < N; ++n) v[n] = s.fsum[n][0];
-  __syncthreads();
-}
+__device__ __forceinline__ float exact_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ int exact_add(int a, int b) { return a + b; }
 
-template <int N>
-__device__ __forceinline__ void block_counts(int (&v)[N], Shared& s) {
+// Every thread gets the pairwise-tree sums over the block of its N values (thread order = lane
+// order): the xor butterfly of each warp, then warp 0's over the warp sums (`scratch`: shared).
+template <class T, int N>
+__device__ __forceinline__ void block_sums(T (&v)[N], T (&scratch)[TRIES][WARPS]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int n = 0; n < N; ++n)
 #pragma unroll
-    for (int off = 1; off < 32; off *= 2) v[n] += __shfl_xor_sync(FULL, v[n], off);
+    for (int off = 1; off < 32; off *= 2) v[n] = exact_add(v[n], __shfl_xor_sync(FULL, v[n], off));
   if (lane == 0)
 #pragma unroll
-    for (int n = 0; n < N; ++n) s.isum[n][warp] = v[n];
+    for (int n = 0; n < N; ++n) scratch[n][warp] = v[n];
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
     for (int n = 0; n < N; ++n) {
-      int x = s.isum[n][lane];
+      T x = scratch[n][lane];
 #pragma unroll
-      for (int off = 1; off < 32; off *= 2) x += __shfl_xor_sync(FULL, x, off);
+      for (int off = 1; off < 32; off *= 2) x = exact_add(x, __shfl_xor_sync(FULL, x, off));
       __syncwarp();
-      if (lane == 0) s.isum[n][0] = x;
+      if (lane == 0) scratch[n][0] = x;
     }
   }
   __syncthreads();
 #pragma unroll
-  for (int n = 0; n < N; ++n) v[n] = s.isum[n][0];
+  for (int n = 0; n < N; ++n) v[n] = scratch[n][0];
   __syncthreads();
 }
 
@@ -146,7 +123,7 @@ __global__ void __launch_bounds__(LANES, 1)
   }
   bad = __syncthreads_or(bad);
   if (bad) return finish_bad(BAD_LOGITS);
-  block_counts(finite, s);
+  block_sums(finite, s.isum);
   if (finite[0] == 0) return finish_bad(BAD_LOGITS);
 #pragma unroll
   for (int off = 1; off < 32; off *= 2)
@@ -188,7 +165,7 @@ __global__ void __launch_bounds__(LANES, 1)
 #pragma unroll
         for (int d = 0; d < TRIES; ++d) cnt[d] += key >= (t | (uint32_t(d + 1) << shift));
       }
-      block_counts(cnt, s);
+      block_sums(cnt, s.isum);
       int digit = 0;
 #pragma unroll
       for (int d = 0; d < TRIES; ++d)
@@ -203,7 +180,7 @@ __global__ void __launch_bounds__(LANES, 1)
       above_and_tied[0] += key > t;
       above_and_tied[1] += key == t;
     }
-    block_counts(above_and_tied, s);
+    block_sums(above_and_tied, s.isum);
     cut.tk = t;
     const int need = k - above_and_tied[0];
     if (above_and_tied[1] > need) {  // the smallest id bound keeping `need` of the tied ids
@@ -215,7 +192,7 @@ __global__ void __launch_bounds__(LANES, 1)
           const float x = z[i];
           c[0] += x > -INFINITY && key_of(x) == t;
         }
-        block_counts(c, s);
+        block_sums(c, s.isum);
         if (c[0] >= need) hi = mid;
         else lo = mid + 1;
       }
@@ -231,7 +208,7 @@ __global__ void __launch_bounds__(LANES, 1)
       const uint32_t key = key_of(x);
       if (cut.topk(x, key, i)) total[0] += weight_of(x, max_logit, inv_t);
     }
-    block_sums(total, s);
+    block_sums(total, s.fsum);
     const float goal = top_p_goal(p.top_p, total[0]);
     uint32_t t = 0;
     for (int high = 32; high > 0; high -= DIGIT_BITS) {
@@ -245,7 +222,7 @@ __global__ void __launch_bounds__(LANES, 1)
 #pragma unroll
         for (int d = 0; d < TRIES; ++d) m[d] = __fadd_rn(m[d], key >= (t | (uint32_t(d + 1) << shift)) ? w : 0.0f);
       }
-      block_sums(m, s);
+      block_sums(m, s.fsum);
       int digit = 0;
 #pragma unroll
       for (int d = 0; d < TRIES; ++d)
