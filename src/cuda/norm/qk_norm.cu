@@ -295,6 +295,11 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   p.rstd_out = a.rstd.present() ? a.rstd.as<float>() : nullptr;
   p.eps = float(a.eps);
   const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
+  // A step of no more tokens than there are (rounded up to the fewest that fill the slots): a
+  // decode step's one token walks 2 rows a slot, not the 32 of a full step. Which thread takes a
+  // row never changes its bits (a row's sum runs over its own slot's lanes, fixed by D).
+  const int64_t slots = QK_THREADS / p.lanes, base = slots / std::gcd(p.heads, slots);
+  p.tokens_per_step = int(std::min<int64_t>(p.tokens_per_step, (T + base - 1) / base * base));
   const int64_t steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
   const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y);
   with_shape(1, all_bf16, [&](auto fmt, auto) {
