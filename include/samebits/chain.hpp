@@ -125,7 +125,9 @@ class Chain {
   // Scores a batch in one call; keys are the batch's own rows (training / rescoring).
   ChainForward forward(const ChainBatch& batch) const;
   // Runs a step against the cache: each sequence's rows are appended to its slot (after `cached`
-  // tokens, which must equal the slot's length) and attend to everything cached before them.
+  // tokens, which must equal the slot's length) and attend to everything cached before them. A step
+  // keeps no activations for a backward: a layer's are freed as the next begins, and the result's
+  // trace holds only the final norm's (final.x_in, final.n1, final.rstd1) and the LM head's.
   // `last_logits` (optional) receives each sequence's last-row logits (fp32 / fp64), for sampling.
   // score_rows = false skips the LM head over the batch's rows (logp / entropy stay 0): a generation
   // step that needs only some rows' logits and logprobs (row_logits, row_logprobs) saves a rows ×

@@ -64,12 +64,13 @@ int64_t pool_pages(const Model& model, const EngineOptions& o, int64_t context, 
   }
   const int64_t every_slot = slots * ((context + ps - 1) / ps);
   if (o.backend != Backend::cuda) return every_slot;
-  // On the GPU: no more than its free memory holds after a reserve for a step's activations (every
-  // layer's, over max_batch_tokens rows) and the logits of the drawing rows, and 5% of the card.
+  // On the GPU: no more than its free memory holds after a reserve for a step's activations (two
+  // layers' over max_batch_tokens rows: a cached step frees each layer's as the next begins) and the
+  // logits of the drawing rows, and 5% of the card.
   size_t free = 0, total = 0;
   device_memory_info(o.backend, &free, &total);
   const int64_t page_bytes = c.num_layers * 2 * ps * c.num_kv_heads * c.head_dim * dtype_size(act);
-  const int64_t step = std::max<int64_t>(o.max_batch_tokens, 1) * c.num_layers *
+  const int64_t step = std::max<int64_t>(o.max_batch_tokens, 1) * 2 *
                            (8 * c.hidden_size + 4 * c.intermediate_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) *
                            dtype_size(act) +
                        slots * c.vocab_size * 8;

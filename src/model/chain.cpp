@@ -239,6 +239,8 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     rstd1 = &acc(next + "rstd1", {T});
     norm(d, &x_mid, last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1), *n1,
          x_in, *rstd1);
+    if (cache)  // a cached step keeps no activation for a backward: this layer's go (stream-ordered frees)
+      while (f.trace.front().first != next + "x_in") f.trace.pop_front();
   }
   if (cache)
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;

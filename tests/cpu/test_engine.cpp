@@ -246,6 +246,15 @@ TEST_P(EngineOn, PagedCacheHoldsTheContiguousBits) {
   paged.reset(0);
   EXPECT_EQ(paged.free_pages(), 12);
   EXPECT_FALSE(paged.reserve(0, 97));       // past the slot's capacity
+  // A cached step keeps no layer's activations (only the final norm's and the LM head's).
+  KvCache fresh = KvCache::paged(c, 1, 96, 6, 16, chain.act_dtype(), GetParam());
+  ChainBatch step = ChainBatch::packed({seq});
+  step.seqs[0].slot = 0;
+  ASSERT_TRUE(fresh.reserve(0, 70));
+  const ChainForward f = chain.forward_cached(step, fresh);
+  for (const auto& [name, t] : f.trace) EXPECT_TRUE(name.rfind("final.", 0) == 0 || name.rfind("head.", 0) == 0) << name;
+  EXPECT_NO_THROW(f.at("final.n1"));
+  EXPECT_GT(chain.forward(ChainBatch::packed({seq})).trace.size(), 4 * f.trace.size()) << "forward() keeps them all";
 }
 
 TEST_P(EngineOn, GeneratedLogprobsAreTheTrainersBitForBit) {
