@@ -222,8 +222,8 @@ void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);
 // ---------------------------------------------------------------- sampling
 // tokens[r] = the token drawn from logits[r, :] (fp32 [R, V]) under row r's settings, params fp64
 // [R, 5] = {temperature (0: greedy), top_k (0: off), top_p ((0, 1]; 1: off), min_p ([0, 1); 0: off),
-// u (the row's uniform number in [0, 1))}; tokens int32 [R]; kept (optional) uint8 [R, V]: 1 where
-// the token could have been drawn. A row's result depends only on its logits and params: the
+// u (the row's uniform number in [0, 1))}; tokens int32 [R]; kept (optional) uint8 [R, V]: 1 for the
+// candidates left by the cuts (one whose fp32 weight underflowed to 0 is kept but never drawn). A row's result depends only on its logits and params: the
 // rule (samebits/sampling.hpp) sums in an order fixed by V, and both backends give the same token.
 // A row with a NaN / +Inf logit (or only −Inf) gets token −1; a setting out of range, −2 (the
 // values live on the device, so they are reported per row, not thrown).
