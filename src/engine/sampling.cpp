@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cfloat>
 #include <cstdint>
 
 #include <fmt/format.h>
@@ -53,6 +54,9 @@ int32_t draw(const std::vector<double>& logits, const SamplingParams& p, double 
   for (int64_t i = 0; i < V; ++i)
     if (std::isnan(logits[size_t(i)]) || logits[size_t(i)] == INFINITY)
       throw Error("sample", "logits", fmt::format("value {} at id {} is not a finite logit", logits[size_t(i)], i));
+    else if (std::isfinite(logits[size_t(i)]) && std::fabs(logits[size_t(i)]) > double(FLT_MAX))
+      throw Error("sample", "logits", fmt::format("value {} at id {} is outside fp32's range (logits are fp32)",
+                                                  logits[size_t(i)], i));
   p.validate("sample", V);
   std::vector<float> z(logits.begin(), logits.end());
   double params[sampling_rule::PARAMS] = {p.temperature, double(std::min<int64_t>(p.top_k, INT32_MAX)), p.top_p, p.min_p, u};

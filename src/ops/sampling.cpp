@@ -1,5 +1,7 @@
 // Sampling entry point: shapes and dtypes here; the values (logits, settings) are checked per row
 // by the kernels, which report a bad row in its token (they may live on the device).
+#include <cstdint>
+
 #include "ops/common.hpp"
 #include "ops/registry.hpp"
 #include "ops/sampling_rule.hpp"
@@ -13,7 +15,9 @@ void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
   v.required("logits", a.logits, 2);
   v.dtype("logits", a.logits, DType::f32);
   v.nonempty("logits", a.logits);
-  if (a.logits.shape[1] > (int64_t(1) << 31) - 1) v.fail("logits", "a vocab of more than 2^31 - 1 ids");
+  if (a.logits.shape[1] > INT32_MAX - sampling_rule::LANES)  // the kernels index ids in 32 bits
+    v.fail("logits", "a vocab of more than 2^31 - 1025 ids");
+  if (a.logits.shape[0] > INT32_MAX) v.fail("logits", "more than 2^31 - 1 rows in one call");
   const int64_t R = a.logits.shape[0], V = a.logits.shape[1];
   v.required("params", a.params, 2);
   v.dtype("params", a.params, DType::f64);

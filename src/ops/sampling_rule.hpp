@@ -88,7 +88,7 @@ SAMEBITS_HD RowParams params_of(const double* p) { return {p[0], p[1], p[2], p[3
 // A row's settings are in range: T finite ≥ 0, top_k a whole number ≥ 0, top_p in (0, 1], min_p in
 // [0, 1), u in [0, 1).
 SAMEBITS_HD bool params_ok(const RowParams& p) {
-  return p.temperature >= 0 && p.temperature <= 1.0e300 && p.top_k >= 0 && p.top_k <= 2147483647.0 &&
+  return p.temperature >= 0 && p.temperature <= 1.7976931348623157e308 /* finite */ && p.top_k >= 0 && p.top_k <= 2147483647.0 &&
          p.top_k == double(int64_t(p.top_k)) && p.top_p > 0 && p.top_p <= 1 && p.min_p >= 0 && p.min_p < 1 &&
          p.u >= 0 && p.u < 1;
 }

@@ -15,6 +15,7 @@
 #include "samebits/device.hpp"
 #include "samebits/engine.hpp"
 #include "samebits/error.hpp"
+#include "samebits/ops.hpp"
 #include "samebits/rng.hpp"
 #include "tools/logprobs_io.hpp"
 
@@ -443,6 +444,36 @@ TEST(Sampling, TruncationKeepsExactlyTheClaimedSet) {
     EXPECT_TRUE(std::binary_search(want.begin(), want.end(), tok)) << "drew " << tok << " outside the kept set";
   }
   EXPECT_GT(ties_at_the_cut, 0) << "no trial put a tie at the top-p cut";
+}
+
+TEST(Sampling, ExtremeSettingsAndValuesAreDrawnOrNamed) {
+  const std::vector<double> logits{1.0, 2.0, 3.0};
+  SamplingParams p;
+  p.temperature = 1e301;  // finite: accepted by validate, so by the kernels (every weight 1)
+  EXPECT_NO_THROW(sample_token(logits, p, 0, 0));
+  p.temperature = 1e-40;  // 1/T overflows fp32: the max alone can be drawn
+  for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(sample_token(logits, p, 0, i), 2);
+  p.temperature = 1.0;
+  try {
+    sample_token({1.0, 1e39, 0.0}, p, 0, 0);
+    ADD_FAILURE() << "a logit past fp32's range was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32's range"), std::string::npos) << e.what();
+  }
+  // The kernels index ids in 32 bits: a vocab past that is refused before anything is read.
+  float z = 0;
+  double params[5] = {1, 0, 1, 0, 0.5};
+  int32_t token = 0;
+  SampleTokensArgs a;
+  a.logits = TensorView::of(&z, DType::f32, {1, int64_t(INT32_MAX)});
+  a.params = TensorView::of(params, DType::f64, {1, 5});
+  a.tokens = TensorView::of(&token, DType::i32, {1});
+  try {
+    sample_tokens(Context{}, a);
+    ADD_FAILURE() << "a vocab of 2^31 - 1 ids was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("vocab of more than"), std::string::npos) << e.what();
+  }
 }
 
 TEST_P(EngineOn, TheSameSeedDrawsTheSameTokensAndAnotherDoesNot) {

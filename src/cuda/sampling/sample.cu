@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(LANES, 1)
     for (int i = l; i < V; i += LANES) {
       const float x = z[i];
       const uint32_t key = key_of(x);
-      if (cut.topk(x, key, i)) total[0] += weight_of(x, max_logit, inv_t);
+      if (cut.topk(x, key, i)) total[0] = __fadd_rn(total[0], weight_of(x, max_logit, inv_t));
     }
     block_sums(total, s.fsum);
     const float goal = top_p_goal(p.top_p, total[0]);
