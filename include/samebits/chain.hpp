@@ -169,6 +169,9 @@ class Chain {
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
                    bool score_rows = true) const;
   TensorView weight(const std::string& name) const;
+  TensorView head_weight() const;  // lm_head.weight, or the embedding when tied
+  // The LM head's logits [rows, vocab] (in `dtype`) at rows of a forward: one gather, one GEMM.
+  DeviceTensor logits_at(const ChainForward& f, const std::vector<int64_t>& rows, DType dtype, const char* op) const;
   DeviceTensor activation(DType dtype, std::vector<int64_t> shape) const;  // poisoned if ctx asks
   const Model& model_;
   Context ctx_;

@@ -18,6 +18,7 @@
 //   to a lane, whose ids are then walked in order until their running sum exceeds t; u =
 //   uniform(seed, sample, position) in [0, 1).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -39,6 +40,10 @@ struct SamplingParams {
   // max_new_tokens < 1, a stop id outside the vocab).
   void validate(const std::string& op, int64_t vocab) const;
 };
+
+// The op sample_tokens' settings row of a draw under `p` with uniform u: {temperature, top_k (at
+// most 2^31 − 1: any more is off), top_p, min_p, u}.
+std::array<double, 5> sampling_row(const SamplingParams& p, double u);
 
 // u in [0, 1) with 53 random bits, a pure function of (seed, sample, position).
 double sampling_uniform(uint64_t seed, int64_t sample, int64_t position);

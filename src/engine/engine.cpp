@@ -54,8 +54,8 @@ int64_t pool_pages(const Model& model, const EngineOptions& o, int64_t context, 
   if (o.kv_pages < 0 || o.kv_memory_bytes < 0) throw Error("Engine", "kv_pages", "must be ≥ 0");
   if (o.kv_pages > 0 && o.kv_memory_bytes > 0) throw Error("Engine", "kv_pages", "give kv_pages or kv_memory_bytes, not both");
   if (o.kv_pages > 0) return o.kv_pages;
+  const int64_t page_bytes = c.num_layers * 2 * ps * c.num_kv_heads * c.head_dim * dtype_size(act);
   if (o.kv_memory_bytes > 0) {
-    const int64_t page_bytes = c.num_layers * 2 * ps * c.num_kv_heads * c.head_dim * dtype_size(act);
     const int64_t pages = o.kv_memory_bytes / page_bytes;
     if (pages < 1)
       throw Error("Engine", "kv_memory_bytes", fmt::format("{} bytes hold no page ({} bytes a page of {} tokens)",
@@ -69,7 +69,6 @@ int64_t pool_pages(const Model& model, const EngineOptions& o, int64_t context, 
   // logits of the drawing rows, and 5% of the card.
   size_t free = 0, total = 0;
   device_memory_info(o.backend, &free, &total);
-  const int64_t page_bytes = c.num_layers * 2 * ps * c.num_kv_heads * c.head_dim * dtype_size(act);
   const int64_t step = std::max<int64_t>(o.max_batch_tokens, 1) * 2 *
                            (8 * c.hidden_size + 4 * c.intermediate_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) *
                            dtype_size(act) +
@@ -312,8 +311,8 @@ bool Engine::step() {
     const SamplingParams& sp = d.r->req.sampling;
     const int64_t position = d.r->prompt_len() + int64_t(d.s->tokens.size());
     draw_rows.push_back(d.row);
-    params.insert(params.end(), {sp.temperature, double(std::min<int64_t>(sp.top_k, INT32_MAX)), sp.top_p, sp.min_p,
-                                 sampling_uniform(sp.seed, d.s->index, position)});
+    const auto row = sampling_row(sp, sampling_uniform(sp.seed, d.s->index, position));
+    params.insert(params.end(), row.begin(), row.end());
   }
   const Chain::RowDraws drawn = chain_.sample_rows(f, draw_rows, params);
   for (size_t i = 0; i < draws.size(); ++i) {

@@ -45,6 +45,10 @@ double sampling_uniform(uint64_t seed, int64_t sample, int64_t position) {
   return double(x >> 11) * 0x1.0p-53;
 }
 
+std::array<double, 5> sampling_row(const SamplingParams& p, double u) {
+  return {p.temperature, double(std::min<int64_t>(p.top_k, INT32_MAX)), p.top_p, p.min_p, u};
+}
+
 namespace {
 
 // One row through the sampling op on the CPU backend (the rule's reference kernel).
@@ -59,12 +63,12 @@ int32_t draw(const std::vector<double>& logits, const SamplingParams& p, double 
                                                   logits[size_t(i)], i));
   p.validate("sample", V);
   std::vector<float> z(logits.begin(), logits.end());
-  double params[sampling_rule::PARAMS] = {p.temperature, double(std::min<int64_t>(p.top_k, INT32_MAX)), p.top_p, p.min_p, u};
+  std::array<double, sampling_rule::PARAMS> params = sampling_row(p, u);
   int32_t token = 0;
   if (kept) kept->assign(size_t(V), 0);
   SampleTokensArgs a;
   a.logits = TensorView::of(z.data(), DType::f32, {1, V});
-  a.params = TensorView::of(params, DType::f64, {1, sampling_rule::PARAMS});
+  a.params = TensorView::of(params.data(), DType::f64, {1, sampling_rule::PARAMS});
   a.tokens = TensorView::of(&token, DType::i32, {1});
   if (kept) a.kept = TensorView::of(kept->data(), DType::u8, {1, V});
   Context ctx;

@@ -245,7 +245,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   if (cache)
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
 
-  const TensorView head = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  const TensorView head = head_weight();
   if (!score_rows) {
     f.logp.assign(size_t(T), 0.0);
     f.entropy.assign(size_t(T), 0.0);
@@ -322,7 +322,7 @@ std::vector<double> Chain::row_logprobs(const ChainForward& f, const std::vector
   DeviceTensor logp(ctx_.backend, acc_, {S}), entropy(ctx_.backend, acc_, {S}), lse(ctx_.backend, acc_, {S});
   LmHeadLogprobForwardArgs lh;
   lh.hidden = hidden.view();
-  lh.weight = weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  lh.weight = head_weight();
   lh.targets = d_targets.view();
   lh.loss_mask = d_mask.view();
   lh.logp = logp.view();
@@ -335,55 +335,55 @@ std::vector<double> Chain::row_logprobs(const ChainForward& f, const std::vector
   return out;
 }
 
+TensorView Chain::head_weight() const {
+  return weight(model_.config().tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+}
+
+DeviceTensor Chain::logits_at(const ChainForward& f, const std::vector<int64_t>& rows, DType dtype, const char* op) const {
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, op);
+  DeviceTensor logits(ctx_.backend, dtype, {int64_t(rows.size()), model_.config().vocab_size});
+  linear_forward(ctx_, {hidden.view(), head_weight(), {}, logits.view()});
+  return logits;
+}
+
 std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const std::vector<int64_t>& rows) const {
-  const ModelConfig& c = model_.config();
-  const int64_t S = int64_t(rows.size());
+  const int64_t S = int64_t(rows.size()), V = model_.config().vocab_size;
   if (S == 0) return {};
-  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::row_logits");
-  DeviceTensor logits(ctx_.backend, acc_, {S, c.vocab_size});
-  linear_forward(ctx_, {hidden.view(), weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"),
-                        {}, logits.view()});
-  const HostTensor host = logits.to_host();
-  std::vector<std::vector<double>> out(size_t(S), std::vector<double>(size_t(c.vocab_size)));
+  const HostTensor host = logits_at(f, rows, acc_, "Chain::row_logits").to_host();
+  std::vector<std::vector<double>> out(static_cast<size_t>(S), std::vector<double>(static_cast<size_t>(V)));
   for (int64_t i = 0; i < S; ++i)
-    for (int64_t j = 0; j < c.vocab_size; ++j) out[size_t(i)][size_t(j)] = host.get(i * c.vocab_size + j);
+    for (int64_t j = 0; j < V; ++j) out[size_t(i)][size_t(j)] = host.get(i * V + j);
   return out;
 }
 
 Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int64_t>& rows,
                                    const std::vector<double>& params) const {
-  const ModelConfig& c = model_.config();
+  constexpr int64_t P = sampling_rule::PARAMS;
   const int64_t S = int64_t(rows.size());
-  if (int64_t(params.size()) != S * 5) throw Error("Chain::sample_rows", "params", "needs five settings a row");
+  if (int64_t(params.size()) != S * P) throw Error("Chain::sample_rows", "params", "needs five settings a row");
   if (S == 0) return {};
   if (acc_ != DType::f32) throw Error("Chain::sample_rows", "precision", "sampling reads fp32 logits (not the fp64 truth mode)");
-  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::sample_rows");
-  DeviceTensor logits(ctx_.backend, DType::f32, {S, c.vocab_size});
-  linear_forward(ctx_, {hidden.view(), weight(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"),
-                        {}, logits.view()});
-  HostTensor p(DType::f64, {S, 5});
+  for (int64_t i = 0; i < S; ++i)  // checked here, so that the only bad token is a bad row's −1
+    if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
+      throw Error("Chain::sample_rows", "params", fmt::format("row {}'s settings are out of range", i));
+  const DeviceTensor logits = logits_at(f, rows, DType::f32, "Chain::sample_rows");
+  HostTensor p(DType::f64, {S, P});
   std::memcpy(p.data(), params.data(), params.size() * sizeof(double));
   const DeviceTensor d_params = DeviceTensor::from_host(ctx_.backend, p);
-  DeviceTensor d_tokens(ctx_.backend, DType::i32, {S});
+  DeviceTensor tokens(ctx_.backend, DType::i32, {S}), logp(ctx_.backend, DType::f32, {S});
   Context quiet = ctx_;
   quiet.check_finite_inputs = false;
-  sample_tokens(quiet, {logits.view(), d_params.view(), d_tokens.view(), {}});
-  const HostTensor tokens = d_tokens.to_host();
+  sample_tokens(quiet, {logits.view(), d_params.view(), tokens.view(), {}});
+  // The drawn tokens are the targets as they lie; a row whose logits hold NaN / Inf drew −1 and is ignored.
+  LogprobForwardArgs lp{logits.view(), tokens.view(), {}, logp.view(), {}, {}};
+  lp.ignore_index = sampling_rule::BAD_LOGITS;
+  logprob_forward(quiet, lp);
+  const HostTensor t = tokens.to_host(), l = logp.to_host();
   RowDraws out;
-  HostTensor targets(DType::i32, {S}), mask(DType::u8, {S});
   for (int64_t i = 0; i < S; ++i) {
-    const int32_t t = int32_t(tokens.get(i));
-    if (t == sampling_rule::BAD_PARAMS)
-      throw Error("Chain::sample_rows", "params", fmt::format("row {}'s settings are out of range", i));
-    out.tokens.push_back(t);
-    targets.set(i, t < 0 ? 0 : t);
-    mask.set(i, t < 0 ? 0 : 1);
+    out.tokens.push_back(int32_t(t.get(i)));
+    out.logprobs.push_back(out.tokens.back() < 0 ? NAN : l.get(i));
   }
-  const DeviceTensor d_targets = DeviceTensor::from_host(ctx_.backend, targets), d_mask = DeviceTensor::from_host(ctx_.backend, mask);
-  DeviceTensor logp(ctx_.backend, DType::f32, {S});
-  logprob_forward(quiet, {logits.view(), d_targets.view(), d_mask.view(), logp.view(), {}, {}});
-  const HostTensor lp = logp.to_host();
-  for (int64_t i = 0; i < S; ++i) out.logprobs.push_back(out.tokens[size_t(i)] < 0 ? NAN : lp.get(i));
   return out;
 }
 
@@ -422,7 +422,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
   {
     LmHeadLogprobBackwardArgs a;
     a.hidden = A("final.n1");
-    a.weight = W(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+    a.weight = head_weight();
     a.targets = r.targets;
     a.loss_mask = r.loss_mask;
     a.lse = A("head.lse");
