@@ -73,6 +73,8 @@ class Engine {
 
   const EngineOptions& options() const { return options_; }
   int64_t preemptions() const { return preemptions_; }
+  int64_t steps() const { return steps_; }          // steps run so far
+  int64_t generated() const { return generated_; }  // tokens drawn so far
   // Preemptions of a request some of whose samples had ended (they need no slot on readmission).
   int64_t preemptions_with_finished_samples() const { return preempted_with_done_; }
   int64_t kv_pages() const { return cache_.pages(); }

@@ -509,14 +509,7 @@ class PyEngine {
   PyEngine(const Model& model, const std::string& backend, int64_t max_slots, int64_t max_batch_tokens,
            int64_t max_context, bool share_prefix, int64_t page_size, int64_t kv_pages, int64_t kv_memory_bytes)
       : engine_(model, EngineOptions{choose_backend(backend.c_str(), "Engine", "backend"), max_slots, max_batch_tokens,
-                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes}) {
-    // The engine's own counters, as it reports them after each step (no Python in the callback:
-    // it runs with the GIL released). The object is never moved (pybind11 holds it by pointer).
-    engine_.on_progress([this](int64_t generated, int64_t steps) {
-      generated_ = generated;
-      steps_ = steps;
-    });
-  }
+                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes}) {}
 
   int64_t submit(const std::vector<int64_t>& prompt, const SamplingParams& params) {
     GenerationRequest r;
@@ -576,12 +569,11 @@ class PyEngine {
   int64_t max_context() const { return engine_.max_context(); }
   int64_t preemptions() const { return engine_.preemptions(); }
   int64_t kv_pages() const { return engine_.kv_pages(); }
-  int64_t steps() const { return steps_; }
-  int64_t generated() const { return generated_; }
+  int64_t steps() const { return engine_.steps(); }
+  int64_t generated() const { return engine_.generated(); }
 
  private:
   Engine engine_;
-  int64_t steps_ = 0, generated_ = 0;
   std::vector<Completion> kept_;
 };
 
