@@ -135,8 +135,9 @@ def random_prompts(count, length, vocab, seed):
 
 
 # ---------------------------------------------------------------------------------------- decode
-def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temperature):
-    """One (B, C) case: the median decode step in seconds, or a string saying why it was skipped."""
+def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temperature, graphs):
+    """One (B, C) case: the median decode step in seconds, or a string saying why it was skipped;
+    decode steps replayed from CUDA graphs or run eagerly."""
     warm = 2
     prefill_steps = math.ceil(B * C / max(1, mbt - B)) + 2  # an upper bound: decode rows share each step's budget
     max_new = prefill_steps + warm + steps + 8  # the first request decodes while the others prefill
@@ -148,7 +149,7 @@ def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temp
         return (f"skipped: its KV cache ({B} × {context} tokens, {kv / GIB:.1f} GiB) and the step's reserve "
                 f"({reserve / GIB:.1f} GiB) do not fit the free {free / GIB:.1f} GiB")
     engine = samebits.Engine(sb_model, "cuda", max_slots=B, max_batch_tokens=mbt, max_context=context,
-                             page_size=PAGE, kv_pages=pages)
+                             page_size=PAGE, kv_pages=pages, cuda_graphs=graphs)
     for i, p in enumerate(random_prompts(B, C, cfg.vocab_size, seed=1000 + B + C)):
         engine.submit(p, samebits.SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=i))
     t0, last, n = time.perf_counter(), engine.generated, 0
@@ -174,8 +175,10 @@ def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temp
             raise SystemExit(f"decode B={B} C={C}: a timed step drew {drew} tokens, not {B}")
         if i >= warm:
             times.append(dt)
-    print(f"decode B={B} C={C}: prefill {n} steps in {prefill_s:.1f} s; step median {statistics.median(times) * 1e3:.2f} ms "
-          f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f})", flush=True)
+    if graphs and engine.graph_steps < steps:
+        raise SystemExit(f"decode B={B} C={C}: {engine.graph_steps} of the timed steps replayed a graph")
+    print(f"decode B={B} C={C} ({'graphs' if graphs else 'eager'}): prefill {n} steps in {prefill_s:.1f} s; step median "
+          f"{statistics.median(times) * 1e3:.2f} ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f})", flush=True)
     del engine
     return statistics.median(times)
 
@@ -187,23 +190,26 @@ def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
     for C in args.contexts:
         for B in args.batches:
             reserve = int(per_row * max(args.max_batch_tokens, B) * 1.1) + int(args.reserve_gib * GIB)
-            t = decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens, reserve, memory,
-                            args.temperature)
+            t, eager = (decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens, reserve, memory,
+                                    args.temperature, graphs) for graphs in (True, False))
             if isinstance(t, str):
                 print(f"decode B={B} C={C}: {t}", flush=True)
                 notes.append(f"- B = {B}, C = {C}: {t}.")
                 continue
             bound = (W + B * C * kvb) / bw
-            rows.append(f"| {B} | {C} | {t * 1e3:.2f} | {bound * 1e3:.2f} | {100 * bound / t:.0f}% | {B / t:,.0f} |")
+            rows.append(f"| {B} | {C} | {t * 1e3:.2f} | {eager * 1e3:.2f} | {bound * 1e3:.2f} | {100 * bound / t:.0f}% | "
+                        f"{100 * bound / eager:.0f}% | {B / t:,.0f} |")
             print(rows[-1], flush=True)
     out = ["## Decode step", "",
            f"B prompts of C random tokens submitted to one engine (`Engine.submit`), stepped until every request "
            f"decodes, then the median of {args.steps} decode steps (wall clock around `Engine.step()` and a device "
-           f"synchronisation), temperature {args.temperature}, `max_batch_tokens` {args.max_batch_tokens}, pages of "
+           f"synchronisation), each step one CUDA graph replay (`cuda_graphs=True`, the default) and, in an engine of "
+           f"its own, eager (`cuda_graphs=False`); temperature {args.temperature}, `max_batch_tokens` {args.max_batch_tokens}, pages of "
            f"{PAGE} tokens. bound = (weights {W / 1e9:.2f} GB + B × C × {cfg.num_hidden_layers} layers × 2 × "
            f"{cfg.num_key_value_heads} kv heads × {cfg.head_dim} × 2 bytes of KV) / {bw / 1e12:.2f} TB/s (the "
            "measured copy bandwidth); the embedding table counts in full although a step gathers B of its rows.", "",
-           "| B | C | step ms | bound ms | % of bound | tokens/s |", "| --- | --- | --- | --- | --- | --- |"] + rows
+           "| B | C | step ms (graphs) | step ms (eager) | bound ms | % of bound (graphs) | % of bound (eager) | tokens/s (graphs) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"] + rows
     return out + ([""] + notes if notes else [])
 
 

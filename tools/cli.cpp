@@ -166,6 +166,8 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
   generate_cmd->add_option("--kv-pages", gen.kv_pages, "Pages in the KV pool (0: every slot's max_context)")
       ->capture_default_str();
   generate_cmd->add_option("--kv-memory-mib", gen.kv_memory_mib, "Or: the KV pool's size in MiB")->capture_default_str();
+  generate_cmd->add_flag("--no-cuda-graphs", gen.no_cuda_graphs,
+                         "Run every decode step eagerly (by default a Hopper GPU replays one CUDA graph a step; same bits)");
   add_progress(generate_cmd, gen_quiet, gen_progress);
 
   ExportRequest exported;

@@ -61,6 +61,7 @@ struct GenerateRequest {
   std::string input, output, backend = "auto";
   SamplingParams sampling;  // the defaults a line may override
   int64_t max_slots = 64, max_batch_tokens = 2048, max_context = 0, page_size = 64, kv_pages = 0, kv_memory_mib = 0;
+  bool no_cuda_graphs = false;
   ProgressMode progress = ProgressMode::automatic;
 };
 

@@ -173,6 +173,7 @@ int run(const GenerateRequest& r) {
   opt.page_size = r.page_size;
   opt.kv_pages = r.kv_pages;
   opt.kv_memory_bytes = r.kv_memory_mib << 20;
+  opt.cuda_graphs = !r.no_cuda_graphs;
   const Model model = load_model(r.model);
   doing = "reading " + (r.input == "-" ? std::string("standard input") : r.input);
   std::ifstream file;

@@ -8,7 +8,8 @@
 // as an unfused bf16 model stores it). Activations are in the model dtype (fp64 in truth mode);
 // weight gradients go to fp32 accumulators that micro-batches add into, in token order. On the CUDA
 // backend every activation, the KV cache, the accumulators and a copy of the weights live in device
-// memory; only the sequence tables and the per-row logprobs cross to the host.
+// memory; only the sequence tables and the per-row logprobs cross to the host. Its device work is
+// ordered on Context::stream (null: the legacy default stream).
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -53,6 +54,8 @@ struct ChainBatch {
 // paged (a pool of pages of `page_size` token rows; a slot takes pages as it grows and gives them
 // back when reset; the attention reads keys through the slot's block table). Either holds the same
 // bits for the same tokens: where a key lives never changes a reduction.
+class DecodeGraphs;
+
 class KvCache {
  public:
   KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, DType dtype, Backend backend = Backend::cpu);
@@ -82,6 +85,7 @@ class KvCache {
 
  private:
   friend class Chain;
+  friend class DecodeGraphs;
   KvCache(const ModelConfig& config, int64_t slots, int64_t capacity, int64_t rows, DType dtype, Backend backend);
   int64_t capacity_, page_size_ = 0;
   std::vector<int64_t> lengths_;
@@ -166,8 +170,19 @@ class Chain {
   Backend backend() const { return ctx_.backend; }
 
  private:
+  friend class DecodeGraphs;
+  // A step's tables already in device memory (a captured graph's inputs): run() uploads none of
+  // them and leaves the cache's lengths to the caller.
+  struct StepTables {
+    void* rows = nullptr;    // the row tables (chain_tables::rows_in's layout) for the batch's rows
+    TensorView kv_map;       // int32 [2, rows]: each row's cache row, then its batch row
+    TensorView block_table;  // int32 [seqs, cols]: a copy of the block table run() builds (cols wide)
+  };
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
-                   bool score_rows = true) const;
+                   bool score_rows = true, const StepTables* given = nullptr) const;
+  // Sampling on the device: for every row of `hidden` [S, hidden] (final-norm rows), the token drawn
+  // under params [S, 5] (f64) into tokens [S] (i32) and its fused LM-head logprob into logp [S] (f32).
+  void draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const;
   TensorView weight(const std::string& name) const;
   TensorView head_weight() const;  // lm_head.weight, or the embedding when tied
   // The LM head's logits [rows, vocab] (in `dtype`) at rows of a forward: one gather, one GEMM.

@@ -1,6 +1,8 @@
 // samebits/device.hpp — the little of device memory that callers and the harness need.
-// On Backend::cpu these are plain host operations; on Backend::cuda they are cudaMalloc / cudaMemcpy
-// on the current device (throwing NotBuilt when the CUDA backend was not compiled).
+// On Backend::cpu these are plain host operations; on Backend::cuda they are stream-ordered
+// allocations and copies on the current device (throwing NotBuilt when the CUDA backend was not
+// compiled), ordered on this thread's device stream: the legacy default stream unless a
+// DeviceStreamScope names another.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -20,10 +22,64 @@ void copy_blocks_on_device(Backend backend, void* dst, size_t dst_pitch, const v
 void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
 // n rows of `row_bytes` bytes, in one launch: dst + dst_rows[i]·dst_pitch ← src + src_rows[i]·src_pitch
 // (the int32 index arrays on the backend's device; the destination rows distinct, never overlapping
-// the source). Asynchronous on the CUDA backend (the legacy default stream, like the ops).
+// the source). Asynchronous on the CUDA backend (on this thread's device stream, below).
 void copy_rows_indexed(Backend backend, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
 void device_synchronize(Backend backend);
+
+// The stream this thread's device memory work (allocations, frees, copies, fills) is ordered on
+// while the scope lives (null: the legacy default stream); scopes nest. A DeviceTensor frees its
+// memory on the stream it was allocated on, whatever scope its destructor runs in.
+class DeviceStreamScope {
+ public:
+  explicit DeviceStreamScope(void* stream);
+  ~DeviceStreamScope();
+  DeviceStreamScope(const DeviceStreamScope&) = delete;
+  DeviceStreamScope& operator=(const DeviceStreamScope&) = delete;
+
+ private:
+  void* previous_;
+};
+void* current_device_stream();
+// Waits for the work on `stream` (null: the legacy default stream). Nothing on the CPU backend.
+void device_stream_synchronize(Backend backend, void* stream);
+
+// An owned CUDA stream (null on the CPU backend), blocking: its work is ordered with the legacy
+// default stream's (PyTorch's default stream), unlike which it can be captured into a CUDA graph.
+// Destroyed after its work is done.
+class DeviceStream {
+ public:
+  explicit DeviceStream(Backend backend);
+  ~DeviceStream();
+  DeviceStream(const DeviceStream&) = delete;
+  DeviceStream& operator=(const DeviceStream&) = delete;
+  void* get() const { return stream_; }
+  void synchronize() const;
+
+ private:
+  Backend backend_;
+  void* stream_ = nullptr;
+};
+
+// Page-locked host memory (plain memory on the CPU backend): what asynchronous copies stage through.
+class PinnedBuffer {
+ public:
+  PinnedBuffer(Backend backend, size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Backend backend_;
+  size_t bytes_;
+  void* data_ = nullptr;
+};
+
+// Any direction, ordered on this thread's device stream and not waited for (the caller keeps both
+// sides alive and unchanged until the stream has run it); a plain copy on the CPU backend.
+void copy_async(Backend backend, void* dst, const void* src, size_t bytes);
 // Device memory samebits holds now (tensors and temporaries, from its own pool), and the most it
 // held at once since the last reset (`reset` starts a new mark). 0 on the CPU backend.
 size_t device_memory_in_use(Backend backend);

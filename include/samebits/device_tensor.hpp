@@ -48,12 +48,13 @@ class DeviceTensor {
   DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte);  // < 0: not filled
   struct Free {
     Backend backend;
+    void* stream;  // the device stream it was allocated on (samebits/device.hpp)
     void operator()(void* p) const;
   };
   Backend backend_ = Backend::cpu;
   DType dtype_ = DType::f32;
   std::vector<int64_t> shape_;
-  std::unique_ptr<void, Free> data_{nullptr, Free{Backend::cpu}};
+  std::unique_ptr<void, Free> data_{nullptr, Free{Backend::cpu, nullptr}};
 };
 
 }  // namespace samebits

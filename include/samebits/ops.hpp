@@ -166,6 +166,10 @@ struct AttentionForwardArgs {
   double scale = 0.0;  // 0: 1/sqrt(D)
   TensorView block_table;
   int64_t page_size = 0;
+  // Optional: a copy of block_table already in q's device memory, which the CUDA kernels read instead
+  // of uploading block_table themselves (one upload for every layer of a step; the only way inside a
+  // captured CUDA graph). Ignored on the CPU. The caller keeps the two equal.
+  TensorView block_table_device;
 };
 // dq, dk, dv: same shapes as q, k, v. Key rows covered by no sequence get dk = dv = 0; key ranges
 // of different sequences must not overlap. dk/dv sum over the query heads of their group in

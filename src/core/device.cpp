@@ -10,15 +10,22 @@ namespace samebits {
 
 #if SAMEBITS_WITH_CUDA
 namespace cuda {
-void* alloc(size_t bytes);
-void free(void* ptr);
-void copy(void* dst, const void* src, size_t bytes, bool to_device);
-void copy_on_device(void* dst, const void* src, size_t bytes);
-void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height);
-void fill(void* ptr, int byte, size_t bytes);
+void* alloc(size_t bytes, void* stream);
+void free(void* ptr, void* stream);
+void copy(void* dst, const void* src, size_t bytes, bool to_device, void* stream);
+void copy_async(void* dst, const void* src, size_t bytes, void* stream);
+void copy_on_device(void* dst, const void* src, size_t bytes, void* stream);
+void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                           void* stream);
+void fill(void* ptr, int byte, size_t bytes, void* stream);
 void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
-                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n, void* stream);
 void synchronize();
+void* stream_create();
+void stream_destroy(void* stream);
+void stream_synchronize(void* stream);
+void* pinned_alloc(size_t bytes);
+void pinned_free(void* p);
 size_t memory_peak(bool reset);
 size_t memory_in_use();
 void memory_release();
@@ -29,33 +36,91 @@ void memory_info(size_t* free, size_t* total);
 #define SAMEBITS_CUDA_OR_NOT_BUILT(expr) throw NotBuilt("device memory", "cuda")
 #endif
 
+namespace {
+thread_local void* current_stream = nullptr;  // this thread's stream for device memory work; null: legacy
+}
+
+DeviceStreamScope::DeviceStreamScope(void* stream) : previous_(current_stream) { current_stream = stream; }
+DeviceStreamScope::~DeviceStreamScope() { current_stream = previous_; }
+void* current_device_stream() { return current_stream; }
+
+DeviceStream::DeviceStream(Backend backend) : backend_(backend) {
+  if (backend == Backend::cpu) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(stream_ = cuda::stream_create());
+}
+
+DeviceStream::~DeviceStream() {
+  if (!stream_) return;
+#if SAMEBITS_WITH_CUDA
+  try {
+    cuda::stream_synchronize(stream_);
+  } catch (...) {  // a destructor must not throw
+  }
+  cuda::stream_destroy(stream_);
+#endif
+}
+
+void DeviceStream::synchronize() const {
+  if (stream_) device_stream_synchronize(backend_, stream_);
+}
+
+void device_stream_synchronize(Backend b, void* stream) {
+  if (b == Backend::cpu) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::stream_synchronize(stream));
+}
+
+PinnedBuffer::PinnedBuffer(Backend backend, size_t bytes) : backend_(backend), bytes_(bytes) {
+  if (backend == Backend::cpu) {
+    data_ = std::malloc(bytes ? bytes : 1);
+    if (!data_) throw Error("PinnedBuffer", "bytes", "out of host memory");
+    return;
+  }
+  SAMEBITS_CUDA_OR_NOT_BUILT(data_ = cuda::pinned_alloc(bytes));
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (!data_) return;
+  if (backend_ == Backend::cpu) {
+    std::free(data_);
+    return;
+  }
+#if SAMEBITS_WITH_CUDA
+  cuda::pinned_free(data_);
+#endif
+}
+
+void copy_async(Backend b, void* dst, const void* src, size_t bytes) {
+  if (b == Backend::cpu) { std::memcpy(dst, src, bytes); return; }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_async(dst, src, bytes, current_stream));
+}
+
 void* device_alloc(Backend b, size_t bytes) {
   if (b == Backend::cpu) {
     void* p = std::malloc(bytes ? bytes : 1);
     if (!p) throw Error("device_alloc", "bytes", "out of host memory");
     return p;
   }
-  SAMEBITS_CUDA_OR_NOT_BUILT(return cuda::alloc(bytes));
+  SAMEBITS_CUDA_OR_NOT_BUILT(return cuda::alloc(bytes, current_stream));
 }
 
 void device_free(Backend b, void* p) {
   if (b == Backend::cpu) return std::free(p);
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::free(p));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::free(p, current_stream));
 }
 
 void copy_to_device(Backend b, void* dst, const void* src, size_t bytes) {
   if (b == Backend::cpu) { std::memcpy(dst, src, bytes); return; }
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, true));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, true, current_stream));
 }
 
 void copy_to_host(Backend b, void* dst, const void* src, size_t bytes) {
   if (b == Backend::cpu) { std::memcpy(dst, src, bytes); return; }
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, false));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy(dst, src, bytes, false, current_stream));
 }
 
 void copy_on_device(Backend b, void* dst, const void* src, size_t bytes) {
   if (b == Backend::cpu) { std::memmove(dst, src, bytes); return; }
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_on_device(dst, src, bytes));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_on_device(dst, src, bytes, current_stream));
 }
 
 void copy_blocks_on_device(Backend b, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
@@ -65,12 +130,12 @@ void copy_blocks_on_device(Backend b, void* dst, size_t dst_pitch, const void* s
       std::memmove(static_cast<uint8_t*>(dst) + i * dst_pitch, static_cast<const uint8_t*>(src) + i * src_pitch, width);
     return;
   }
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_blocks_on_device(dst, dst_pitch, src, src_pitch, width, height));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_blocks_on_device(dst, dst_pitch, src, src_pitch, width, height, current_stream));
 }
 
 void device_fill(Backend b, void* p, int byte, size_t bytes) {
   if (b == Backend::cpu) { std::memset(p, byte, bytes); return; }
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::fill(p, byte, bytes));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::fill(p, byte, bytes, current_stream));
 }
 
 void copy_rows_indexed(Backend b, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
@@ -81,7 +146,7 @@ void copy_rows_indexed(Backend b, void* dst, size_t dst_pitch, const void* src, 
                   static_cast<const uint8_t*>(src) + size_t(src_rows[i]) * src_pitch, row_bytes);
     return;
   }
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed(dst, dst_pitch, src, src_pitch, row_bytes, dst_rows, src_rows, n));
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed(dst, dst_pitch, src, src_pitch, row_bytes, dst_rows, src_rows, n, current_stream));
 }
 
 void device_memory_release(Backend b) {

@@ -10,7 +10,9 @@ namespace samebits {
 
 
 void DeviceTensor::Free::operator()(void* p) const {
-  if (p) device_free(backend, p);
+  if (!p) return;
+  DeviceStreamScope on(stream);  // freed in the order of the stream that allocated it
+  device_free(backend, p);
 }
 
 DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape)
@@ -18,7 +20,7 @@ DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> sh
 
 DeviceTensor::DeviceTensor(Backend backend, DType dtype, std::vector<int64_t> shape, int fill_byte)
     : backend_(backend), dtype_(dtype), shape_(std::move(shape)),
-      data_(device_alloc(backend, bytes()), Free{backend}) {
+      data_(device_alloc(backend, bytes()), Free{backend, current_device_stream()}) {
   if (fill_byte >= 0) device_fill(backend_, data_.get(), fill_byte, bytes());
 }
 

@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <tuple>
 
 #include <fmt/format.h>
 
+#include "core/captured_graph.hpp"
+#include "model/decode_graphs.hpp"
 #include "samebits/device.hpp"
 #include "samebits/error.hpp"
 
@@ -82,9 +85,10 @@ int64_t pool_pages(const Model& model, const EngineOptions& o, int64_t context, 
   return std::min(every_slot, fits);
 }
 
-Context context_for(Backend backend) {
+Context context_for(Backend backend, void* stream) {
   Context ctx;
   ctx.backend = backend;
+  ctx.stream = stream;
   return ctx;
 }
 
@@ -94,7 +98,8 @@ Engine::Engine(const Model& model, EngineOptions options)
     : model_(model),
       options_(options),
       context_(context_of(model, options)),
-      chain_(model, context_for(options.backend)),
+      stream_(options.backend),
+      chain_(model, context_for(options.backend, stream_.get())),
       cache_(KvCache::paged(model.config(), std::max<int64_t>(options.max_slots, 1), context_,
                             pool_pages(model, options, context_, chain_.act_dtype()),
                             std::max<int64_t>(options.page_size, 1), chain_.act_dtype(), options.backend)) {
@@ -103,9 +108,13 @@ Engine::Engine(const Model& model, EngineOptions options)
   if (options.max_batch_tokens < 1)
     throw Error("Engine", "max_batch_tokens", fmt::format("must be at least 1, got {}", options.max_batch_tokens));
   for (int64_t s = options.max_slots - 1; s >= 0; --s) free_slots_.push_back(s);  // the lowest slot first
+  if (options.cuda_graphs && DecodeGraphs::available(chain_))
+    graphs_ = std::make_unique<DecodeGraphs>(chain_, cache_, options.max_slots);
 }
 
 Engine::~Engine() = default;
+
+int64_t Engine::captured_graphs() const { return graphs_ ? int64_t(graphs_->captured()) : 0; }
 
 int64_t Engine::submit(GenerationRequest request) {
   const int64_t id = next_id_++;
@@ -277,7 +286,15 @@ bool Engine::step() {
     if (preempt_latest_after(0)) return true;
     throw Error("Engine", "kv_pages", "the first running request cannot get a page (cannot happen: submit checks)");
   }
-  const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);  // logits: drawing rows only
+  // A decode step (every row a sample's next token) replays its bucket's CUDA graph: forward, LM
+  // head and draw in one launch. Any other runs eagerly: the forward (logits of the drawing rows only), then the draws.
+  const DeviceStreamScope on(stream_.get());
+  std::vector<char> decode(parts.size());
+  for (size_t k = 0; k < parts.size(); ++k) decode[k] = parts[k].r->decoding(*parts[k].s);
+  const bool graphed = graphs_ && std::all_of(decode.begin(), decode.end(), [](char d) { return d != 0; }) &&
+                       graphs_->takes(b);
+  std::optional<ChainForward> f;
+  if (!graphed) f.emplace(chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false));
 
   // Draws: a decode row, or the end of a prompt (for the sample itself, or for every sample
   // sharing the prompt). Each draw's token and its logprob come from one LM-head GEMM over the
@@ -290,9 +307,8 @@ bool Engine::step() {
   std::vector<Draw> draws;
   for (size_t k = 0; k < parts.size(); ++k) {
     Part& p = parts[k];
-    const bool decode = p.r->decoding(*p.s);
     p.s->cached += b.seqs[k].len;
-    if (!decode && !p.draws_first) continue;
+    if (!decode[k] && !p.draws_first) continue;
     const int64_t row = b.seqs[k].row + b.seqs[k].len - 1;
     draws.push_back({p.r, p.s, row});
     if (p.draws_first)
@@ -314,7 +330,8 @@ bool Engine::step() {
     const auto row = sampling_row(sp, sampling_uniform(sp.seed, d.s->index, position));
     params.insert(params.end(), row.begin(), row.end());
   }
-  const Chain::RowDraws drawn = chain_.sample_rows(f, draw_rows, params);
+  const Chain::RowDraws drawn = graphed ? graphs_->run(b, params) : chain_.sample_rows(*f, draw_rows, params);
+  graph_steps_ += graphed ? 1 : 0;
   for (size_t i = 0; i < draws.size(); ++i) {
     Sample& s = *draws[i].s;
     if (drawn.tokens[i] < 0) {  // the model's logits hold NaN / Inf here: this sample ends, the rest run on

@@ -38,10 +38,6 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
   acc_ = truth ? DType::f64 : DType::f32;
   if (truth && model.weight("model.embed_tokens.weight").dtype != DType::f64)
     throw Error("Chain", "model", "the truth mode runs a widened (fp64) model: pass model.widened()");
-  // Off the CPU the chain's tensors are ordered on the device's legacy default stream (their
-  // allocations, copies and frees), so its ops must run there too.
-  if (ctx.backend != Backend::cpu && ctx.stream != nullptr)
-    throw Error("Chain", "context.stream", "the chain runs on the default stream: pass a null stream");
   if (model.device() == Device::cuda && ctx.backend != Backend::cuda)
     throw Error("Chain", "model", "its weights are in GPU memory: run it on the cuda backend");
   // A NaN or Inf weight would poison every logprob: refused here, once, naming the tensor (an op
@@ -58,6 +54,9 @@ Chain::Chain(const Model& model, Context ctx) : model_(model), ctx_(ctx) {
                     fmt::format("this model weight holds a non-finite value (NaN or Inf) at flat index {}", bad[i]));
   }
   // The weights, once, into the backend's memory (unless they are there already: read in place).
+  // Every device operation of the chain (its tensors' allocations, copies and frees, its ops) is
+  // ordered on ctx.stream.
+  const DeviceStreamScope on(ctx.stream);
   if (ctx.backend != Backend::cpu && model.device() == Device::cpu)
     for (auto& [name, w] : model.weights()) device_weights_.emplace(name, DeviceTensor::from_host(ctx.backend, w));
 }
@@ -82,11 +81,12 @@ ChainForward Chain::forward_cached(const ChainBatch& batch, KvCache& cache,
 }
 
 ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
-                        bool score_rows) const {
+                        bool score_rows, const StepTables* given) const {
+  const DeviceStreamScope on(ctx_.stream);
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
-  const Rows r = rows_of(batch, c, ctx_.backend);
+  const Rows r = given ? rows_in(given->rows, T, Device::cuda) : rows_of(batch, c, ctx_.backend);
   const auto W = [&](const std::string& n) { return weight(n); };
   ChainForward f;
   f.model = &model_;
@@ -107,20 +107,27 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   const HostTensor seqs = attention_table(batch, cache, cache ? cache->capacity() : 0, cache ? &cache->lengths_ : nullptr);
   // A paged cache: each sequence's pages (its block table row; unused columns repeat page 0).
   HostTensor block_table;
+  DeviceTensor block_table_uploaded;  // the kernels' copy, once for every layer
+  TensorView block_table_device = given ? given->block_table : TensorView{};
   if (cache && cache->is_paged()) {
-    size_t cols = 1;
+    size_t cols = given ? size_t(given->block_table.shape[1]) : 1;
     for (auto& s : batch.seqs) cols = std::max(cols, cache->block_table(s.slot).size());
     block_table = HostTensor(DType::i32, {int64_t(batch.seqs.size()), int64_t(cols)});
     for (size_t i = 0; i < batch.seqs.size(); ++i) {
       const auto& pages = cache->block_table(batch.seqs[i].slot);
       for (size_t j = 0; j < pages.size(); ++j) block_table.set(int64_t(i * cols + j), pages[j]);
     }
+    if (!given && ctx_.backend == Backend::cuda) {
+      block_table_uploaded = DeviceTensor::from_host(ctx_.backend, block_table);
+      block_table_device = block_table_uploaded.view();
+    }
   }
   // A paged cache: where each of the step's key / value rows goes (the same rows in every layer):
   // one map for the step, one indexed copy a layer for the keys and one for the values.
-  DeviceTensor kv_map;
+  DeviceTensor kv_map_uploaded;
+  const int32_t* kv_map = given ? given->kv_map.as<const int32_t>() : nullptr;
   int64_t kv_rows = 0;
-  if (cache && cache->is_paged()) {
+  if (cache && cache->is_paged() && !given) {
     for (const ChainSequence& s : batch.seqs) kv_rows += s.len;
     HostTensor m(DType::i32, {2, std::max<int64_t>(kv_rows, 1)});  // row 0: the cache's rows, row 1: the step's
     int64_t at = 0;
@@ -129,7 +136,10 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
         m.set(at, double(cache->row_of(s.slot, pos)));
         m.set(kv_rows + at, double(s.row + pos - s.cached));
       }
-    kv_map = DeviceTensor::from_host(ctx_.backend, m);
+    kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, m);
+    kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
+  } else if (given) {
+    kv_rows = given->kv_map.shape[1];
   }
 
   // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
@@ -186,14 +196,14 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
       const int64_t ps = cache->page_size();
       const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
-      const auto* map = static_cast<const int32_t*>(kv_map.view().data);
       copy_rows_indexed(ctx_.backend, cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes, row_bytes,
-                        map, map + kv_rows, kv_rows);
+                        kv_map, kv_map + kv_rows, kv_rows);
       copy_rows_indexed(ctx_.backend, cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes, row_bytes,
-                        map, map + kv_rows, kv_rows);
+                        kv_map, kv_map + kv_rows, kv_rows);
       at.k = cache->k_[size_t(l)].view();
       at.v = cache->v_[size_t(l)].view();
       at.block_table = block_table.view();
+      at.block_table_device = block_table_device;
       at.page_size = ps;
     } else if (cache) {  // append this step's keys / values to each sequence's slot, a run of like sequences a copy
       const int64_t cap = cache->capacity();
@@ -242,7 +252,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     if (cache)  // a cached step keeps no activation for a backward: this layer's go (stream-ordered frees)
       while (f.trace.front().first != next + "x_in") f.trace.pop_front();
   }
-  if (cache)
+  if (cache && !given)
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
 
   const TensorView head = head_weight();
@@ -305,6 +315,7 @@ DeviceTensor gather_rows(const DeviceTensor& from, const std::vector<int64_t>& r
 
 std::vector<double> Chain::row_logprobs(const ChainForward& f, const std::vector<int64_t>& rows,
                                         const std::vector<int32_t>& tokens) const {
+  const DeviceStreamScope on(ctx_.stream);
   const ModelConfig& c = model_.config();
   const int64_t S = int64_t(rows.size());
   if (int64_t(tokens.size()) != S) throw Error("Chain::row_logprobs", "tokens", "needs one token per row");
@@ -347,6 +358,7 @@ DeviceTensor Chain::logits_at(const ChainForward& f, const std::vector<int64_t>&
 }
 
 std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const std::vector<int64_t>& rows) const {
+  const DeviceStreamScope on(ctx_.stream);
   const int64_t S = int64_t(rows.size()), V = model_.config().vocab_size;
   if (S == 0) return {};
   const HostTensor host = logits_at(f, rows, acc_, "Chain::row_logits").to_host();
@@ -358,6 +370,7 @@ std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const 
 
 Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int64_t>& rows,
                                    const std::vector<double>& params) const {
+  const DeviceStreamScope on(ctx_.stream);
   constexpr int64_t P = sampling_rule::PARAMS;
   const int64_t S = int64_t(rows.size());
   if (int64_t(params.size()) != S * P) throw Error("Chain::sample_rows", "params", "needs five settings a row");
@@ -366,18 +379,12 @@ Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int6
   for (int64_t i = 0; i < S; ++i)  // checked here, so that the only bad token is a bad row's −1
     if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
       throw Error("Chain::sample_rows", "params", fmt::format("row {}'s settings are out of range", i));
-  const DeviceTensor logits = logits_at(f, rows, DType::f32, "Chain::sample_rows");
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::sample_rows");
   HostTensor p(DType::f64, {S, P});
   std::memcpy(p.data(), params.data(), params.size() * sizeof(double));
   const DeviceTensor d_params = DeviceTensor::from_host(ctx_.backend, p);
   DeviceTensor tokens(ctx_.backend, DType::i32, {S}), logp(ctx_.backend, DType::f32, {S});
-  Context quiet = ctx_;
-  quiet.check_finite_inputs = false;
-  sample_tokens(quiet, {logits.view(), d_params.view(), tokens.view(), {}});
-  // The drawn tokens are the targets as they lie; a row whose logits hold NaN / Inf drew −1 and is ignored.
-  LogprobForwardArgs lp{logits.view(), tokens.view(), {}, logp.view(), {}, {}};
-  lp.ignore_index = sampling_rule::BAD_LOGITS;
-  logprob_forward(quiet, lp);
+  draw(hidden.view(), d_params.view(), tokens.view(), logp.view());
   const HostTensor t = tokens.to_host(), l = logp.to_host();
   RowDraws out;
   for (int64_t i = 0; i < S; ++i) {
@@ -387,9 +394,22 @@ Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int6
   return out;
 }
 
+void Chain::draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const {
+  DeviceTensor logits(ctx_.backend, DType::f32, {hidden.shape[0], model_.config().vocab_size});
+  linear_forward(ctx_, {hidden, head_weight(), {}, logits.view()});
+  Context quiet = ctx_;
+  quiet.check_finite_inputs = false;
+  sample_tokens(quiet, {logits.view(), params, tokens, {}});
+  // The drawn tokens are the targets as they lie; a row whose logits hold NaN / Inf drew −1 and is ignored.
+  LogprobForwardArgs lp{logits.view(), tokens, {}, logp, {}, {}};
+  lp.ignore_index = sampling_rule::BAD_LOGITS;
+  logprob_forward(quiet, lp);
+}
+
 // ---------------------------------------------------------------- backward
 DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, const std::vector<double>& dlogp,
                              ModelGrads& grads) const {
+  const DeviceStreamScope on(ctx_.stream);
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;

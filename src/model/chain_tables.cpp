@@ -15,8 +15,8 @@ namespace samebits {
 
 namespace chain_tables {
 
-// The batch's row tables, checked on the host and placed in the backend's memory.
-Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend) {
+// The batch's row tables, checked on the host and packed as rows_of uploads them.
+HostTensor packed_rows(const ChainBatch& b, const ModelConfig& config) {
   const int64_t vocab = config.vocab_size, max_position = config.rope.max_position;
   const int64_t T = b.rows();
   if (T == 0) throw Error("chain", "batch", "empty batch: no rows");
@@ -53,21 +53,31 @@ Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend) {
     const bool scored = r.row_mask.get(i) != 0 && (b.loss_mask.empty() || b.loss_mask[size_t(i)] != 0);
     r.loss_mask.set(i, scored ? 1 : 0);
   }
-  HostTensor packed(DType::u8, {14 * T});
+  HostTensor packed(DType::u8, {ROW_TABLE_BYTES * T});
   auto* bytes = static_cast<uint8_t*>(packed.data());
   size_t at = 0;
   for (const HostTensor* t : {&r.ids, &r.pos, &r.targets, &r.loss_mask, &r.row_mask}) {
     std::memcpy(bytes + at, t->data(), t->bytes());
     at += t->bytes();
   }
-  Rows out{DeviceTensor::from_host(backend, packed), {}, {}, {}, {}, {}};
-  auto* base = static_cast<uint8_t*>(out.storage.view().data);
-  const Device device = out.storage.view().device;
+  return packed;
+}
+
+Rows rows_in(void* base_ptr, int64_t T, Device device) {
+  auto* base = static_cast<uint8_t*>(base_ptr);
+  Rows out;
   out.ids = TensorView::of(base, DType::i32, {T}, device);
   out.pos = TensorView::of(base + 4 * T, DType::i32, {T}, device);
   out.targets = TensorView::of(base + 8 * T, DType::i32, {T}, device);
   out.loss_mask = TensorView::of(base + 12 * T, DType::u8, {T}, device);
   out.row_mask = TensorView::of(base + 13 * T, DType::u8, {T}, device);
+  return out;
+}
+
+Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend) {
+  DeviceTensor storage = DeviceTensor::from_host(backend, packed_rows(b, config));
+  Rows out = rows_in(storage.view().data, b.rows(), storage.view().device);
+  out.storage = std::move(storage);
   return out;
 }
 

@@ -18,6 +18,11 @@ struct Rows {
 // The batch's row tables, checked on the host (ids in the vocab, positions below the model's
 // max_position_embeddings, no row in two sequences) and placed in the backend's memory.
 Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend);
+// The same checks and the same bytes (ROW_TABLE_BYTES a row), on the host; and the five views over
+// such bytes at `base` (rows_of's layout, `storage` left empty).
+constexpr int64_t ROW_TABLE_BYTES = 14;
+HostTensor packed_rows(const ChainBatch& b, const ModelConfig& config);
+Rows rows_in(void* base, int64_t rows, Device device);
 
 // The attention sequence table {q_row, q_len, k_row, k_len}: keys are the batch's own rows, or,
 // with a cache, the sequence's slot holding its `cached` earlier tokens and this step's.

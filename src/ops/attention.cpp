@@ -155,6 +155,14 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   if (!paged && a.page_size != 0) v.fail("page_size", "is set but no block_table was given");
   check_attention(v, a.q, a.k, a.v, a.seqs, paged ? KeyRanges::paged : KeyRanges::inside);
   if (paged) check_pages(v, a.block_table, a.page_size, a.seqs, a.k, a.v);
+  if (a.block_table_device.present()) {
+    if (!paged) v.fail("block_table_device", "is given but no block_table (the host table it copies) was");
+    if (a.block_table_device.device != a.q.device)
+      v.fail("block_table_device", "must live on the device of q (it is the kernels' copy of block_table)");
+    v.dtype("block_table_device", a.block_table_device, DType::i32);
+    v.same_shape("block_table_device", a.block_table_device, "block_table", a.block_table);
+    if (!a.block_table_device.is_contiguous()) v.fail("block_table_device", "must be contiguous");
+  }
   check_out(v, "out", a.out, a.q);
   v.no_alias("out", a.out, "q", a.q);
   check_lse(v, a.lse, a.q, false);

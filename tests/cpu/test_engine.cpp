@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "ops/sampling_rule.hpp"
+#include "core/captured_graph.hpp"
+#include "model/decode_graphs.hpp"
 #include "samebits/device.hpp"
 #include "samebits/engine.hpp"
 #include "samebits/error.hpp"
@@ -88,28 +90,41 @@ GenerationRequest greedy(uint64_t seed, int64_t prompt_len, int64_t max_new_toke
   return g;
 }
 
-// The engine tests run on every backend: the CPU (the reference, CI) and CUDA where a GPU is present.
-class EngineOn : public ::testing::TestWithParam<Backend> {
+// Where an engine test runs: the CPU (the reference, CI), and CUDA where a GPU is present, every
+// step eager or decode steps replayed from CUDA graphs (where the device has them).
+struct EngineRun {
+  Backend backend;
+  bool graphs;
+};
+
+class EngineOn : public ::testing::TestWithParam<EngineRun> {
  protected:
   void SetUp() override {
-    if (GetParam() == Backend::cuda && !cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+    if (backend() == Backend::cuda && !cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+    if (GetParam().graphs && !captured_graphs_available(backend())) GTEST_SKIP() << "no CUDA graphs on this device";
   }
+  Backend backend() const { return GetParam().backend; }
   EngineOptions opts() const {
     EngineOptions o;
-    o.backend = GetParam();
+    o.backend = backend();
+    o.cuda_graphs = GetParam().graphs;
     return o;
   }
   Context ctx() const {
     Context c;
-    c.backend = GetParam();
+    c.backend = backend();
     return c;
   }
 };
 
 }  // namespace
 
-INSTANTIATE_TEST_SUITE_P(Backends, EngineOn, ::testing::Values(Backend::cpu, Backend::cuda),
-                         [](const ::testing::TestParamInfo<Backend>& i) { return std::string(backend_name(i.param)); });
+INSTANTIATE_TEST_SUITE_P(Backends, EngineOn,
+                         ::testing::Values(EngineRun{Backend::cpu, false}, EngineRun{Backend::cuda, false},
+                                           EngineRun{Backend::cuda, true}),
+                         [](const ::testing::TestParamInfo<EngineRun>& i) {
+                           return std::string(backend_name(i.param.backend)) + (i.param.graphs ? "_graphs" : "");
+                         });
 
 TEST_P(EngineOn, ARequestsBitsDoNotDependOnWhatElseRuns) {
   const Model m = Model::builtin(false);
@@ -131,7 +146,7 @@ TEST_P(EngineOn, ARequestsBitsDoNotDependOnWhatElseRuns) {
   EngineOptions unshared = opts();
   unshared.share_prefix = false;
   expect_same(run_target(m, unshared, others(4, 6)), alone, "every sample prefilling its own prompt");
-  for (int64_t page : {GetParam() == Backend::cuda ? 8 : 1, 16, 64}) {  // CUDA pages: multiples of 8
+  for (int64_t page : {backend() == Backend::cuda ? 8 : 1, 16, 64}) {  // CUDA pages: multiples of 8
     EngineOptions o = opts();
     o.page_size = page;
     expect_same(run_target(m, o, others(8, 7)), alone, "pages of " + std::to_string(page) + " tokens");
@@ -217,7 +232,7 @@ TEST_P(EngineOn, PagedCacheHoldsTheContiguousBits) {
   const ModelConfig& c = m.config();
   Rng r(12);
   const std::vector<int32_t> seq = random_prompt(r, 70, c.vocab_size);
-  KvCache flat(c, 2, 96, chain.act_dtype(), GetParam()), paged = KvCache::paged(c, 2, 96, 12, 16, chain.act_dtype(), GetParam());
+  KvCache flat(c, 2, 96, chain.act_dtype(), backend()), paged = KvCache::paged(c, 2, 96, 12, 16, chain.act_dtype(), backend());
   std::vector<double> a, b;
   for (KvCache* cache : {&flat, &paged}) {
     std::vector<double>& out = cache == &flat ? a : b;
@@ -248,7 +263,7 @@ TEST_P(EngineOn, PagedCacheHoldsTheContiguousBits) {
   EXPECT_EQ(paged.free_pages(), 12);
   EXPECT_FALSE(paged.reserve(0, 97));       // past the slot's capacity
   // A cached step keeps no layer's activations (only the final norm's and the LM head's).
-  KvCache fresh = KvCache::paged(c, 1, 96, 6, 16, chain.act_dtype(), GetParam());
+  KvCache fresh = KvCache::paged(c, 1, 96, 6, 16, chain.act_dtype(), backend());
   ChainBatch step = ChainBatch::packed({seq});
   step.seqs[0].slot = 0;
   ASSERT_TRUE(fresh.reserve(0, 70));
@@ -281,7 +296,7 @@ TEST_P(EngineOn, GeneratedLogprobsAreTheTrainersBitForBit) {
     const ChainBatch packed = ChainBatch::packed(full);
     const ChainForward f = chain.forward(packed);
     std::stringstream scored;
-    tools::write_logprobs(m, GetParam(), jsonl, scored, false);
+    tools::write_logprobs(m, backend(), jsonl, scored, false);
     for (size_t k = 0; k < out.size(); ++k) {
       const int64_t P = int64_t(reqs[size_t(out[k].request)].prompt.size());
       const int64_t first = packed.seqs[k].row + P - 1;  // row scoring the first generated token
@@ -330,7 +345,11 @@ TEST_P(EngineOn, StopTokensEndASampleAndAreKept) {
 
 TEST_P(EngineOn, BadRequestsFailAloneNamingTheRequest) {
   const Model m = Model::builtin(false);
-  Engine e(m, EngineOptions{GetParam(), 4, 256, 128, true});
+  EngineOptions bad_opts = opts();
+  bad_opts.max_slots = 4;
+  bad_opts.max_batch_tokens = 256;
+  bad_opts.max_context = 128;
+  Engine e(m, bad_opts);
   auto req = [](std::vector<int32_t> prompt, auto edit) {
     GenerationRequest g{std::move(prompt), {}};
     g.sampling.max_new_tokens = 4;
@@ -488,4 +507,51 @@ TEST_P(EngineOn, TheSameSeedDrawsTheSameTokensAndAnotherDoesNot) {
   EXPECT_EQ(sampling_uniform(1, 2, 3), sampling_uniform(1, 2, 3));
   EXPECT_NE(sampling_uniform(1, 2, 3), sampling_uniform(1, 3, 2));
   EXPECT_NE(sampling_uniform(1, 2, 3), sampling_uniform(2, 2, 3));
+}
+
+TEST(EngineGraphs, EveryBatchSizeHasABucketThatHoldsIt) {
+  const std::map<int64_t, int64_t> want = {{1, 1},   {2, 2},   {3, 4},   {5, 8},   {8, 8},     {9, 16},   {17, 24},
+                                           {63, 64}, {64, 64}, {65, 96}, {250, 256}, {257, 320}, {500, 512}};
+  for (auto [n, b] : want) EXPECT_EQ(DecodeGraphs::bucket_of(n, 512), b) << n << " sequences";
+  EXPECT_EQ(DecodeGraphs::bucket_of(5, 6), 6) << "never past the most sequences";
+  for (int64_t n = 1; n <= 600; ++n) EXPECT_GE(DecodeGraphs::bucket_of(n, 600), n);
+}
+
+// The proof that graphs change no bit: the same requests with decode steps replayed from graphs and
+// run eagerly give the same tokens and logprobs, while batch sizes shrink through several buckets
+// and one prompt's samples cross 1024 keys (where a decode's keys split into two spans and the
+// captured combine kernel switches on).
+TEST(EngineGraphs, DecodeStepsReplayedFromGraphsGiveTheEagerBits) {
+  if (!cuda_device_present() || !captured_graphs_available(Backend::cuda)) GTEST_SKIP() << "no CUDA graphs here";
+  const Model m = Model::builtin(false);
+  std::vector<GenerationRequest> reqs = others(10, 21);
+  Rng r(22);
+  GenerationRequest longer{random_prompt(r, 1010, 2560), {}};
+  longer.sampling.n = 2;
+  longer.sampling.temperature = 0.8;
+  longer.sampling.top_p = 0.9;
+  longer.sampling.max_new_tokens = 30;
+  longer.sampling.seed = 99;
+  reqs.push_back(longer);
+  reqs.push_back(target_request());
+  auto run = [&](bool graphs, int64_t* graph_steps, int64_t* captured) {
+    EngineOptions o;
+    o.backend = Backend::cuda;
+    o.cuda_graphs = graphs;
+    o.page_size = 16;
+    Engine e(m, o);
+    for (auto& q : reqs) e.submit(q);
+    std::vector<Completion> got = e.run();
+    *graph_steps = e.graph_steps();
+    *captured = e.captured_graphs();
+    return got;
+  };
+  int64_t eager_steps = 0, eager_graphs = 0, graph_steps = 0, graphs = 0;
+  const std::vector<Completion> eager = run(false, &eager_steps, &eager_graphs);
+  const std::vector<Completion> replayed = run(true, &graph_steps, &graphs);
+  EXPECT_EQ(eager_steps, 0);
+  EXPECT_GT(graph_steps, 20) << "decode steps should replay graphs";
+  EXPECT_GE(graphs, 3) << "the batch shrinks through several buckets";
+  expect_same(replayed, eager, "graphs vs eager");
+  for (auto& c : replayed) EXPECT_NE(c.finish_reason, "error") << c.error;
 }

@@ -4,7 +4,11 @@
 // (tied and untied) and Llama-3 models; and the chain's errors for memory on the wrong backend.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <map>
+
 #include "samebits/chain.hpp"
+#include "samebits/device.hpp"
 #include "samebits/chain_gate.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
@@ -41,18 +45,29 @@ TEST_F(CudaChain, GatePassesOnALlamaModelInFp16) {
   expect_gate_passes(Model::random(c, 21), "llama-fp16", opt);
 }
 
-TEST(Chain, ACudaChainOnAStreamIsRejectedBeforeAnyDeviceWork) {
-  Context ctx;
-  ctx.backend = Backend::cuda;
-  int not_a_stream = 0;
-  ctx.stream = &not_a_stream;  // never used: the check comes first
+// A chain on a stream of its own (the engine's, the one a decode graph is captured on) gives the
+// default stream's bits: logprobs and every weight gradient.
+TEST_F(CudaChain, AChainOnAStreamOfItsOwnGivesTheDefaultStreamsBits) {
   const Model m = Model::builtin(false);
-  try {
+  const ChainBatch b = ChainBatch::packed({{1, 2, 3, 4, 5, 6, 7}, {9, 8, 7}, {4, 4, 4, 4, 4}});
+  DeviceStream stream(Backend::cuda);
+  std::vector<std::vector<double>> logp;
+  std::vector<std::map<std::string, HostTensor>> grads;
+  for (void* s : {static_cast<void*>(nullptr), stream.get()}) {
+    Context ctx;
+    ctx.backend = Backend::cuda;
+    ctx.stream = s;
     const Chain chain(m, ctx);
-    ADD_FAILURE() << "a CUDA chain accepted a stream";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("stream"), std::string::npos) << e.what();
+    const ChainForward f = chain.forward(b);
+    logp.push_back(f.logp);
+    ModelGrads g(m, DType::f32, Backend::cuda);
+    chain.backward(b, f, std::vector<double>(size_t(b.rows()), 1.0), g);
+    grads.emplace_back();
+    for (const std::string& n : g.names()) grads.back().emplace(n, g.gradient(n));
   }
+  EXPECT_EQ(std::memcmp(logp[0].data(), logp[1].data(), logp[0].size() * sizeof(double)), 0) << "logprob bits differ";
+  for (auto& [name, t] : grads[0])
+    EXPECT_EQ(std::memcmp(t.data(), grads[1].at(name).data(), t.bytes()), 0) << name << ": gradient bits differ";
 }
 
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {

@@ -228,8 +228,11 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   // A paged cache: the kernels read a device copy of the block table.
   attention::KeyPages pages;
   const bool paged = a.block_table.present();
-  ScratchBuffer table_buf(paged ? size_t(a.block_table.numel()) * sizeof(int32_t) : 0, stream, op);
-  if (paged) {
+  const bool uploaded = paged && a.block_table_device.present();
+  ScratchBuffer table_buf(paged && !uploaded ? size_t(a.block_table.numel()) * sizeof(int32_t) : 0, stream, op);
+  if (uploaded) {
+    pages = {a.block_table_device.as<const int32_t>(), int(a.block_table.shape[1]), int(a.page_size)};
+  } else if (paged) {
     check(cudaMemcpyAsync(table_buf.as<int32_t>(), a.block_table.data, size_t(a.block_table.numel()) * sizeof(int32_t),
                           cudaMemcpyHostToDevice, stream),
           op, "block table");

@@ -32,7 +32,9 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <memory>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -391,16 +393,23 @@ __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const __grid_c
   if (p.lse && threadIdx.x == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
 }
 
-template <class T, int D>
-void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t stream, const char* op) {
-  const int64_t Hq = a.q.shape[1], Hkv = a.k.shape[1];
-  const int G = int(Hq / Hkv);
-  const bool packable = G <= 64 && 64 % G == 0;
-  const auto* s = a.seqs.as<const int32_t>();
+// The work of one call: items (longest first), the split-KV combines and their partial rows, and
+// how many CTAs share an item's O columns. Planned from the sequence table alone, the same for an
+// eager call and a graph replay (so the same bits).
+struct Plan {
   std::vector<Item> items;
   std::vector<Combine> combines;
   int64_t part_rows = 0;
-  for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
+  int parts = 1;
+  int32_t most_rows = 0;  // the most rows of a combine
+};
+
+Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D, int sms) {
+  const int G = int(Hq / Hkv);
+  const bool packable = G <= 64 && 64 % G == 0;
+  Plan w;
+  auto& items = w.items;
+  for (int64_t b = 0; b < n_seqs; ++b) {
     const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
     const int32_t first = k_len - q_len, blocks = (k_len - 1) / BN + 1;
     if (packable && int64_t(q_len) * G <= BM) {  // decode-sized: a GQA group's heads share the rows
@@ -410,11 +419,12 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
           items.push_back({q_row, rows, k_row, k_len, first, h, G, 0, blocks, -1, int32_t(b)});
           continue;
         }
-        combines.push_back({q_row, rows, G, h * G, int32_t(part_rows), spans});
+        w.combines.push_back({q_row, rows, G, h * G, int32_t(w.part_rows), spans});
+        w.most_rows = std::max(w.most_rows, rows);
         for (int32_t sp = 0; sp < spans; ++sp)
           items.push_back({q_row, rows, k_row, k_len, first, h, G, sp * SPLIT_BLOCKS,
-                           std::min(blocks, (sp + 1) * SPLIT_BLOCKS), int32_t(part_rows + int64_t(sp) * rows), int32_t(b)});
-        part_rows += int64_t(spans) * rows;
+                           std::min(blocks, (sp + 1) * SPLIT_BLOCKS), int32_t(w.part_rows + int64_t(sp) * rows), int32_t(b)});
+        w.part_rows += int64_t(spans) * rows;
       }
       continue;
     }
@@ -424,23 +434,20 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
         items.push_back({q_row + t0, rows, k_row, k_len, pos, h, 1, 0, (pos + rows - 1) / BN + 1, -1, int32_t(b)});
     }
   }
-  if (items.empty()) return;
   // A grid of one-span items that leaves most SMs idle (a small decode): each item as `parts` CTAs,
   // one a part of O's columns (at least 32), while the grid stays within half the SMs (measured on
   // the H100: B = 1, C = 1k 19.7 → 17.4 µs with four parts; C = 4k, 128 CTAs of four parts, 22.5 →
   // 24.0 µs, so not there). Which CTA computes an element never changes its arithmetic.
-  int parts = 1;
-  const int sms = current_sm_count(op);
   if (std::all_of(items.begin(), items.end(), [](const Item& x) { return x.part >= 0 || x.block_end <= SPLIT_BLOCKS; }))
     for (int k : {4, 2})
       if (D / k >= 32 && items.size() * k * 2 <= size_t(sms)) {
-        parts = k;
+        w.parts = k;
         break;
       }
-  if (parts > 1) {
+  if (w.parts > 1) {
     std::vector<Item> split;
     for (Item x : items)
-      for (int k = 1; k <= parts; ++k) {
+      for (int k = 1; k <= w.parts; ++k) {
         x.d_split = k;
         split.push_back(x);
       }
@@ -451,22 +458,114 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
     return x.block_end - x.block_begin > y.block_end - y.block_begin;
   });
+  return w;
+}
+
+// The forward kernel of each O-column split (index 0, 1, 2: parts 1, 2, 4; null where D / 4 is too
+// narrow), each opted into its shared memory once per device.
+template <class T, int D>
+std::array<void*, 3> forward_kernels(const char* op) {
+  static std::atomic<int> allowed[3][64] = {};
+  std::array<void*, 3> k{reinterpret_cast<void*>(attention_forward_sm90_kernel<T, D, 1>),
+                         reinterpret_cast<void*>(attention_forward_sm90_kernel<T, D, 2>), nullptr};
+  allow_dynamic_smem(attention_forward_sm90_kernel<T, D, 1>, Smem<D>::BYTES, allowed[0], op);
+  allow_dynamic_smem(attention_forward_sm90_kernel<T, D, 2>, Smem<D>::BYTES, allowed[1], op);
+  if constexpr (D / 4 >= 32) {
+    k[2] = reinterpret_cast<void*>(attention_forward_sm90_kernel<T, D, 4>);
+    allow_dynamic_smem(attention_forward_sm90_kernel<T, D, 4>, Smem<D>::BYTES, allowed[2], op);
+  }
+  return k;
+}
+
+int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- graphs
+// One recorded call: its two graph nodes and the parameters they were captured with (the tensor maps
+// and pointers of its layer; the work table and partials are the recording's, the same every step).
+struct RecordedCall {
+  cudaGraphNode_t forward = nullptr, combine = nullptr;
+  std::unique_ptr<Params> params;
+  std::array<void*, 3> kernels{};
+  void* combine_kernel = nullptr;
+  int D = 0;
+};
+
+struct GraphRecording {
+  int64_t Hq = 0, Hkv = 0, D = 0, max_items = 0, max_combines = 0, max_part_rows = 0;
+  void* table = nullptr;     // device: items [max_items], then combines [max_combines]
+  void* staging = nullptr;   // page-locked host copy of it, written by replan
+  float* partials = nullptr; // device: part_o [max_part_rows, D], then part_ml [max_part_rows, 2]
+  cudaEvent_t uploaded = nullptr;  // the last upload of `staging` (written again only after it)
+  std::vector<RecordedCall> calls;
+  size_t items_bytes() const { return size_t(max_items) * sizeof(Item); }
+  size_t table_bytes() const { return items_bytes() + size_t(max_combines) * sizeof(Combine); }
+  ~GraphRecording() {
+    if (uploaded) cudaEventSynchronize(uploaded), cudaEventDestroy(uploaded);
+    cudaFree(table);
+    cudaFree(partials);
+    cudaFreeHost(staging);
+  }
+};
+
+void RecordingDeleter::operator()(GraphRecording* r) const { delete r; }
+
+namespace {
+thread_local GraphRecording* active_recording = nullptr;
+
+// The recording this launch belongs to: the active one while `stream` is being captured.
+GraphRecording* recording_for(cudaStream_t stream, const char* op) {
+  if (!active_recording) return nullptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &status), op, "stream capture status");
+  return status == cudaStreamCaptureStatusActive ? active_recording : nullptr;
+}
+
+// The node the capture of `stream` added last (the launch just made).
+cudaGraphNode_t last_captured_node(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraphNode_t* deps = nullptr;
+  size_t n = 0;
+  check(cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n), op, "capture info");
+  if (status != cudaStreamCaptureStatusActive || n != 1 || !deps)
+    throw Error(op, "graph", "the captured attention launch is not the capture's last node (cannot happen)");
+  return deps[0];
+}
+
+template <class T, int D>
+void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t stream, const char* op) {
+  const int64_t Hq = a.q.shape[1], Hkv = a.k.shape[1];
+  const int G = int(Hq / Hkv);
+  const bool packable = G <= 64 && 64 % G == 0;
+  GraphRecording* rec = recording_for(stream, op);
+  const Plan w = plan_work(a.seqs.as<const int32_t>(), a.seqs.shape[0], Hq, Hkv, D, current_sm_count(op));
+  if (w.items.empty()) return;
   Params p{};
-  const bool inline_tables = items.size() <= size_t(INLINE_ITEMS) && combines.size() <= size_t(INLINE_COMBINES);
-  const size_t item_bytes = items.size() * sizeof(Item), combine_bytes = combines.size() * sizeof(Combine);
-  ScratchBuffer tables(inline_tables ? 0 : item_bytes + combine_bytes, stream, op);
-  if (inline_tables) {
-    std::copy(items.begin(), items.end(), p.inline_items);
-    std::copy(combines.begin(), combines.end(), p.inline_combines);
+  const size_t item_bytes = w.items.size() * sizeof(Item), combine_bytes = w.combines.size() * sizeof(Combine);
+  // Work tables: in the parameters when small, else uploaded; in a graph, the recording's (replan
+  // writes them before every replay).
+  const bool inline_tables = !rec && w.items.size() <= size_t(INLINE_ITEMS) && w.combines.size() <= size_t(INLINE_COMBINES);
+  ScratchBuffer tables(inline_tables || rec ? 0 : item_bytes + combine_bytes, stream, op);
+  if (rec) {
+    if (rec->Hq != Hq || rec->Hkv != Hkv || rec->D != D)
+      throw Error(op, "graph", "a captured attention of other heads than the graph was sized for");
+    p.items = static_cast<const Item*>(rec->table);
+    p.combines = reinterpret_cast<const Combine*>(static_cast<uint8_t*>(rec->table) + rec->items_bytes());
+  } else if (inline_tables) {
+    std::copy(w.items.begin(), w.items.end(), p.inline_items);
+    std::copy(w.combines.begin(), w.combines.end(), p.inline_combines);
   } else {
     std::vector<uint8_t> host(item_bytes + combine_bytes);
-    std::copy_n(reinterpret_cast<const uint8_t*>(items.data()), item_bytes, host.data());
-    std::copy_n(reinterpret_cast<const uint8_t*>(combines.data()), combine_bytes, host.data() + item_bytes);
+    std::copy_n(reinterpret_cast<const uint8_t*>(w.items.data()), item_bytes, host.data());
+    std::copy_n(reinterpret_cast<const uint8_t*>(w.combines.data()), combine_bytes, host.data() + item_bytes);
     check(cudaMemcpyAsync(tables.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice, stream), op, "work table");
     p.items = tables.as<const Item>();
     p.combines = reinterpret_cast<const Combine*>(tables.as<uint8_t>() + item_bytes);
   }
-  ScratchBuffer partials(size_t(part_rows) * (D + 2) * sizeof(float), stream, op);
+  const int64_t part_rows = rec ? rec->max_part_rows : w.part_rows;
+  ScratchBuffer partials(rec ? 0 : size_t(part_rows) * (D + 2) * sizeof(float), stream, op);
+  float* part = rec ? rec->partials : partials.as<float>();
 
   const T* q = a.q.as<const T>();
   const T* k = a.k.as<const T>();
@@ -478,31 +577,32 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.v = sm90::tma_map_3d(a.v.as<const T>(), a.v.shape[0], Hkv, D, 1, p.kv_box);
   p.out = a.out.data;
   p.lse = a.lse.present() ? a.lse.as<float>() : nullptr;
-  p.part_o = partials.as<float>();
-  p.part_ml = partials.as<float>() + part_rows * D;
+  p.part_o = part;
+  p.part_ml = part + part_rows * D;
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
-  auto run = [&](auto parts) {
-    constexpr int PARTS = decltype(parts)::value;
-    static std::atomic<int> smem_allowed[64] = {};
-    allow_dynamic_smem(attention_forward_sm90_kernel<T, D, PARTS>, Smem<D>::BYTES, smem_allowed, op);
-    attention_forward_sm90_kernel<T, D, PARTS><<<unsigned(items.size()), THREADS, Smem<D>::BYTES, stream>>>(p);
-  };
-  if (parts == 4) {
-    if constexpr (D / 4 >= 32) run(std::integral_constant<int, 4>{});
-  } else if (parts == 2) {
-    run(std::integral_constant<int, 2>{});
-  } else {
-    run(std::integral_constant<int, 1>{});
-  }
-  check(cudaGetLastError(), op, "kernel launch");
-  if (!combines.empty()) {
-    int32_t most_rows = 0;
-    for (const Combine& cb : combines) most_rows = std::max(most_rows, cb.rows);
-    attention_combine_kernel<T, D><<<dim3(unsigned(combines.size()), unsigned(most_rows)), D / 2, 0, stream>>>(p);
+  const auto kernels = forward_kernels<T, D>(op);
+  void* args[] = {&p};
+  check(cudaLaunchKernel(kernels[size_t(kernel_index(w.parts))], dim3(unsigned(w.items.size())), dim3(THREADS), args,
+                         Smem<D>::BYTES, stream),
+        op, "kernel launch");
+  RecordedCall call;
+  if (rec) call.forward = last_captured_node(stream, op);
+  // A graph always holds the combine (replan enables it when a step splits spans).
+  if (!w.combines.empty() || rec) {
+    attention_combine_kernel<T, D><<<dim3(unsigned(std::max<size_t>(w.combines.size(), 1)),
+                                          unsigned(std::max(w.most_rows, 1))), D / 2, 0, stream>>>(p);
     check(cudaGetLastError(), op, "combine launch");
+  }
+  if (rec) {
+    call.combine = last_captured_node(stream, op);
+    call.params = std::make_unique<Params>(p);
+    call.kernels = kernels;
+    call.combine_kernel = reinterpret_cast<void*>(attention_combine_kernel<T, D>);
+    call.D = D;
+    rec->calls.push_back(std::move(call));
   }
   // The tables and partials must outlive the kernels: ScratchBuffer frees them in stream order.
 }
@@ -513,6 +613,66 @@ void attention_forward_sm90(const AttentionForwardArgs& a, const KeyPages& pages
   dispatch_type_and_head_dim(a.q.dtype, a.q.shape[2], [&](auto t, auto d) {
     launch<decltype(t), decltype(d)::value>(a, pages, stream, op);
   });
+}
+
+std::unique_ptr<GraphRecording, RecordingDeleter> make_graph_recording(int64_t max_seqs, int64_t max_k_len, int64_t Hq,
+                                                                       int64_t Hkv, int64_t D, DType dtype) {
+  const char* op = "attention graph";
+  dispatch_type_and_head_dim(dtype, D, [&](auto t, auto d) { forward_kernels<decltype(t), decltype(d)::value>(op); });
+  std::unique_ptr<GraphRecording, RecordingDeleter> r(new GraphRecording);
+  const int64_t spans = ((std::max<int64_t>(max_k_len, 1) - 1) / BN + SPLIT_BLOCKS) / SPLIT_BLOCKS;
+  r->Hq = Hq, r->Hkv = Hkv, r->D = D;
+  r->max_items = std::max<int64_t>(max_seqs * std::max(Hkv * spans, Hq), current_sm_count(op));
+  r->max_combines = max_seqs * Hkv;
+  r->max_part_rows = max_seqs * Hq * spans;
+  check(cudaMalloc(&r->table, r->table_bytes()), op, "work table");
+  check(cudaMallocHost(&r->staging, r->table_bytes()), op, "work table staging");
+  check(cudaMalloc(reinterpret_cast<void**>(&r->partials), size_t(r->max_part_rows) * size_t(D + 2) * sizeof(float)), op,
+        "split-KV partials");
+  check(cudaEventCreateWithFlags(&r->uploaded, cudaEventDisableTiming), op, "event");
+  return r;
+}
+
+RecordingScope::RecordingScope(GraphRecording* r) : previous_(active_recording) { active_recording = r; }
+RecordingScope::~RecordingScope() { active_recording = previous_; }
+
+size_t recorded_calls(const GraphRecording& r) { return r.calls.size(); }
+
+void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, int64_t n_seqs, cudaStream_t stream) {
+  const char* op = "attention graph";
+  if (r.calls.empty()) return;
+  const Plan w = plan_work(seqs, n_seqs, r.Hq, r.Hkv, int(r.D), current_sm_count(op));
+  if (w.items.empty() || int64_t(w.items.size()) > r.max_items || int64_t(w.combines.size()) > r.max_combines ||
+      w.part_rows > r.max_part_rows)
+    throw Error(op, "seqs", "the step's attention work does not fit the tables its graph was made with (cannot happen)");
+  check(cudaEventSynchronize(r.uploaded), op, "the last table upload");
+  auto* staging = static_cast<uint8_t*>(r.staging);
+  std::copy_n(reinterpret_cast<const uint8_t*>(w.items.data()), w.items.size() * sizeof(Item), staging);
+  std::copy_n(reinterpret_cast<const uint8_t*>(w.combines.data()), w.combines.size() * sizeof(Combine),
+              staging + r.items_bytes());
+  check(cudaMemcpyAsync(r.table, staging, r.table_bytes(), cudaMemcpyHostToDevice, stream), op, "work table");
+  check(cudaEventRecord(r.uploaded, stream), op, "event");
+  for (RecordedCall& c : r.calls) {
+    void* args[] = {c.params.get()};
+    cudaKernelNodeParams k{};
+    k.func = c.kernels[size_t(kernel_index(w.parts))];
+    k.gridDim = dim3(unsigned(w.items.size()));
+    k.blockDim = dim3(THREADS);
+    k.sharedMemBytes = c.D == 64 ? unsigned(Smem<64>::BYTES) : unsigned(Smem<128>::BYTES);
+    k.kernelParams = args;
+    check(cudaGraphExecKernelNodeSetParams(exec, c.forward, &k), op, "update the forward node");
+    if (w.combines.empty()) {
+      check(cudaGraphNodeSetEnabled(exec, c.combine, 0), op, "disable the combine node");
+      continue;
+    }
+    cudaKernelNodeParams m{};
+    m.func = c.combine_kernel;
+    m.gridDim = dim3(unsigned(w.combines.size()), unsigned(w.most_rows));
+    m.blockDim = dim3(unsigned(c.D / 2));
+    m.kernelParams = args;
+    check(cudaGraphExecKernelNodeSetParams(exec, c.combine, &m), op, "update the combine node");
+    check(cudaGraphNodeSetEnabled(exec, c.combine, 1), op, "enable the combine node");
+  }
 }
 
 }  // namespace samebits::cuda::attention

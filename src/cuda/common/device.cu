@@ -17,31 +17,60 @@ bool device_present() {
   return count > 0;
 }
 
-// Device memory from samebits' stream-ordered pool (scratch.cuh), ordered on the legacy default
-// stream: the model chain allocates every activation of a step, and cudaMalloc / cudaFree would
-// synchronise the device at each one. Memory freed here is reused by later work on that stream
-// (and on every blocking stream, which the legacy stream waits for).
-void* alloc(size_t bytes) { return scratch_alloc(bytes ? bytes : 1, cudaStreamLegacy, "device_alloc"); }
+// Device memory from samebits' stream-ordered pool (scratch.cuh), ordered on the caller's stream
+// (the legacy default stream unless a DeviceStreamScope names another): the model chain allocates
+// every activation of a step, and cudaMalloc / cudaFree would synchronise the device at each one.
+// Memory freed here is reused by later work on that stream (and on every blocking stream, which the
+// legacy stream waits for). Inside a stream capture the allocation becomes the graph's own.
+namespace {
+cudaStream_t or_legacy(void* s) { return s ? static_cast<cudaStream_t>(s) : cudaStreamLegacy; }
 
-void free(void* p) {
+bool is_pinned(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+}  // namespace
+
+void* alloc(size_t bytes, void* stream) { return scratch_alloc(bytes ? bytes : 1, or_legacy(stream), "device_alloc"); }
+
+void free(void* p, void* stream) {
   try {
-    scratch_free(p, cudaStreamLegacy, "device_free");
+    scratch_free(p, or_legacy(stream), "device_free");
   } catch (...) {  // freeing must not throw (destructors); the pool keeps the memory
   }
 }
 
-void copy(void* dst, const void* src, size_t bytes, bool to_device) {
-  check(cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost), "device copy",
-        to_device ? "host to device" : "device to host");
+// On the legacy stream as before (cudaMemcpy). On another stream, ordered on it without draining it:
+// to the device from pageable memory the copy is staged before the call returns; from pinned memory,
+// which the caller may reuse at once, the call waits for the copy. To the host it waits (the caller
+// reads the bytes next).
+void copy(void* dst, const void* src, size_t bytes, bool to_device, void* stream) {
+  const char* what = to_device ? "host to device" : "device to host";
+  if (!stream) {
+    check(cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost), "device copy", what);
+    return;
+  }
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  check(cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, s), "device copy", what);
+  if (!to_device || is_pinned(src)) check(cudaStreamSynchronize(s), "device copy", what);
 }
 
-void copy_on_device(void* dst, const void* src, size_t bytes) {
-  check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "device copy", "device to device");
+void copy_async(void* dst, const void* src, size_t bytes, void* stream) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, or_legacy(stream)), "device copy", "asynchronous");
 }
 
-void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height) {
-  check(cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDeviceToDevice), "device copy",
-        "blocks, device to device");
+void copy_on_device(void* dst, const void* src, size_t bytes, void* stream) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, or_legacy(stream)), "device copy", "device to device");
+}
+
+void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                           void* stream) {
+  check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDeviceToDevice, or_legacy(stream)),
+        "device copy", "blocks, device to device");
 }
 
 // One CTA a row; 16-byte moves where the row, both pitches and both bases allow, else bytes.
@@ -58,16 +87,18 @@ __global__ void copy_rows_kernel(uint8_t* dst, size_t dst_pitch, const uint8_t* 
 }
 
 void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
-                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n) {
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n, void* stream) {
   if (n <= 0 || row_bytes == 0) return;
   const bool wide = (row_bytes | dst_pitch | src_pitch | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 == 0;
-  copy_rows_kernel<<<unsigned(n), 128, 0, cudaStreamLegacy>>>(static_cast<uint8_t*>(dst), dst_pitch,
+  copy_rows_kernel<<<unsigned(n), 128, 0, or_legacy(stream)>>>(static_cast<uint8_t*>(dst), dst_pitch,
                                                               static_cast<const uint8_t*>(src), src_pitch, row_bytes,
                                                               dst_rows, src_rows, wide);
   check(cudaGetLastError(), "device copy", "indexed rows");
 }
 
-void fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "device fill", "bytes"); }
+void fill(void* p, int byte, size_t bytes, void* stream) {
+  check(cudaMemsetAsync(p, byte, bytes, or_legacy(stream)), "device fill", "bytes");
+}
 
 size_t memory_peak(bool reset) { return size_t(scratch_peak_bytes(reset, "device_memory_peak")); }
 size_t memory_in_use() { return size_t(scratch_bytes_in_use("device_memory_in_use")); }
@@ -79,5 +110,30 @@ void memory_info(size_t* free, size_t* total) {
 }
 
 void synchronize() { check(cudaDeviceSynchronize(), "device_synchronize", "kernel"); }
+
+// A blocking stream: its work is ordered with the legacy default stream's (PyTorch's default), so
+// a caller's tensors written there are ready for it, and it for them; unlike the legacy stream it
+// can be captured into a graph.
+void* stream_create() {
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamDefault), "device_stream", "create");
+  return s;
+}
+
+void stream_destroy(void* s) {
+  if (s) cudaStreamDestroy(static_cast<cudaStream_t>(s));
+}
+
+void stream_synchronize(void* s) { check(cudaStreamSynchronize(or_legacy(s)), "device_stream", "synchronise"); }
+
+void* pinned_alloc(size_t bytes) {
+  void* p = nullptr;
+  check(cudaMallocHost(&p, bytes ? bytes : 1), "pinned_host_alloc", "page-locked host memory");
+  return p;
+}
+
+void pinned_free(void* p) {
+  if (p) cudaFreeHost(p);
+}
 
 }  // namespace samebits::cuda

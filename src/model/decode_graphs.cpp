@@ -1,0 +1,151 @@
+// Decode steps as CUDA graph replays (src/model/decode_graphs.hpp says why they are shaped so).
+#include "model/decode_graphs.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "model/chain_tables.hpp"
+#include "ops/sampling_rule.hpp"
+#include "samebits/error.hpp"
+
+namespace samebits {
+
+namespace {
+constexpr const char* OP = "DecodeGraphs";
+int64_t aligned(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+}  // namespace
+
+bool DecodeGraphs::available(const Chain& chain) {
+  const DType act = chain.act_dtype();
+  const int64_t D = chain.model().config().head_dim;
+  return captured_graphs_available(chain.backend()) && (act == DType::bf16 || act == DType::f16) && (D == 64 || D == 128);
+}
+
+DecodeGraphs::DecodeGraphs(const Chain& chain, KvCache& cache, int64_t max_seqs)
+    : chain_(chain), cache_(cache), max_seqs_(max_seqs), cols_(cache.pages_for(cache.capacity())) {
+  if (!available(chain))
+    throw Error(OP, "backend", "decode graphs need the CUDA backend on a Hopper GPU and a bf16 / fp16 model of head_dim 64 or 128");
+  if (!chain.ctx_.stream) throw Error(OP, "context.stream", "graphs are captured on a stream of the chain's own");
+  if (!cache.is_paged()) throw Error(OP, "cache", "decode graphs run against a paged cache");
+  if (max_seqs < 1) throw Error(OP, "max_seqs", fmt::format("must be at least 1, got {}", max_seqs));
+}
+
+DecodeGraphs::~DecodeGraphs() {
+  const DeviceStreamScope on(chain_.ctx_.stream);  // the buffers go back in the stream's order
+  buckets_.clear();
+}
+
+int64_t DecodeGraphs::bucket_of(int64_t n, int64_t max_seqs) {
+  int64_t b = 1;
+  while (b < n && b < 8) b *= 2;
+  if (n > 8) {
+    const int64_t step = n <= 64 ? 8 : n <= 256 ? 32 : 64;
+    b = (n + step - 1) / step * step;
+  }
+  return std::min(b, max_seqs);
+}
+
+bool DecodeGraphs::takes(const ChainBatch& batch) const {
+  const int64_t n = int64_t(batch.seqs.size());
+  if (n < 1 || n > max_seqs_ || batch.rows() != n) return false;
+  for (int64_t i = 0; i < n; ++i)
+    if (batch.seqs[size_t(i)].row != i || batch.seqs[size_t(i)].len != 1) return false;
+  return true;
+}
+
+DecodeGraphs::Bucket& DecodeGraphs::bucket(int64_t seqs) {
+  auto it = buckets_.find(seqs);
+  if (it != buckets_.end()) return it->second;
+  Bucket& b = buckets_[seqs];
+  b.seqs = seqs;
+  b.at.rows = 0;
+  b.at.kv_map = aligned(seqs * chain_tables::ROW_TABLE_BYTES);
+  b.at.block_table = b.at.kv_map + aligned(2 * seqs * 4);
+  b.at.params = b.at.block_table + aligned(seqs * cols_ * 4);
+  b.at.bytes = b.at.params + seqs * sampling_rule::PARAMS * 8;
+  const Backend be = chain_.backend();
+  b.inputs = DeviceTensor::uninitialized(be, DType::u8, {b.at.bytes});
+  b.outputs = DeviceTensor::uninitialized(be, DType::u8, {aligned(seqs * 4) + seqs * 4});
+  b.staging = std::make_unique<PinnedBuffer>(be, size_t(b.at.bytes));
+  b.results = std::make_unique<PinnedBuffer>(be, size_t(b.outputs.bytes()));
+  return b;
+}
+
+void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
+  const ModelConfig& c = chain_.model().config();
+  auto* in = static_cast<uint8_t*>(b.inputs.view().data);
+  auto* out = static_cast<uint8_t*>(b.outputs.view().data);
+  const int64_t n = b.seqs;
+  Chain::StepTables t;
+  t.rows = in + b.at.rows;
+  t.kv_map = TensorView::of(in + b.at.kv_map, DType::i32, {2, n}, Device::cuda);
+  t.block_table = TensorView::of(in + b.at.block_table, DType::i32, {n, cols_}, Device::cuda);
+  const TensorView params = TensorView::of(in + b.at.params, DType::f64, {n, sampling_rule::PARAMS}, Device::cuda);
+  const TensorView tokens = TensorView::of(out, DType::i32, {n}, Device::cuda);
+  const TensorView logp = TensorView::of(out + aligned(n * 4), DType::f32, {n}, Device::cuda);
+  const GraphAttentionShape shape{n, cache_.capacity(), c.num_heads, c.num_kv_heads, c.head_dim, chain_.act_dtype()};
+  b.graph = std::make_unique<CapturedGraph>(chain_.ctx_.stream, [&] {
+    const ChainForward f = chain_.run(padded, &cache_, nullptr, /*score_rows=*/false, &t);
+    chain_.draw(f.at("final.n1").view(), params, tokens, logp);
+  }, shape);
+}
+
+Chain::RowDraws DecodeGraphs::run(const ChainBatch& batch, const std::vector<double>& params) {
+  constexpr int64_t P = sampling_rule::PARAMS;
+  if (!takes(batch)) throw Error(OP, "batch", "is not a decode step of at most max_seqs sequences (cannot happen)");
+  const int64_t B = int64_t(batch.seqs.size());
+  if (int64_t(params.size()) != B * P) throw Error(OP, "params", "needs five settings a row");
+  for (int64_t i = 0; i < B; ++i)
+    if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
+      throw Error(OP, "params", fmt::format("row {}'s settings are out of range", i));
+  const DeviceStreamScope on(chain_.ctx_.stream);
+  Bucket& b = bucket(bucket_of(B, max_seqs_));
+  const int64_t n = b.seqs;
+  // The bucket's batch: rows past B repeat sequence 0.
+  ChainBatch padded = batch;
+  for (int64_t i = B; i < n; ++i) {
+    ChainSequence s = batch.seqs[0];
+    s.row = i;
+    padded.seqs.push_back(s);
+    padded.tokens.push_back(batch.tokens[0]);
+    padded.positions.push_back(batch.positions[0]);
+    padded.targets.push_back(batch.targets[0]);
+    padded.loss_mask.push_back(batch.loss_mask.empty() ? 0 : batch.loss_mask[0]);
+  }
+  // The host's checks (ids, positions, slots, pages) and the step's tables, staged.
+  const HostTensor rows = chain_tables::packed_rows(padded, chain_.model().config());
+  const HostTensor seqs = chain_tables::attention_table(padded, &cache_, cache_.capacity(), &cache_.lengths_);
+  auto* st = static_cast<uint8_t*>(b.staging->data());
+  std::memcpy(st + b.at.rows, rows.data(), rows.bytes());
+  auto* kv_map = reinterpret_cast<int32_t*>(st + b.at.kv_map);
+  auto* table = reinterpret_cast<int32_t*>(st + b.at.block_table);
+  auto* settings = reinterpret_cast<double*>(st + b.at.params);
+  std::fill(table, table + n * cols_, 0);  // unused columns: page 0, as the eager step's table
+  for (int64_t i = 0; i < n; ++i) {
+    const ChainSequence& s = padded.seqs[size_t(i)];
+    kv_map[i] = int32_t(cache_.row_of(s.slot, s.cached));
+    kv_map[n + i] = int32_t(i);
+    const auto& pages = cache_.block_table(s.slot);
+    std::copy(pages.begin(), pages.end(), table + i * cols_);
+    std::memcpy(settings + i * P, params.data() + (i < B ? i : 0) * P, P * sizeof(double));
+  }
+  if (!b.graph) capture(b, padded);
+  copy_async(chain_.backend(), b.inputs.view().data, st, size_t(b.at.bytes));
+  b.graph->replay(static_cast<const int32_t*>(seqs.data()), n);
+  copy_async(chain_.backend(), b.results->data(), b.outputs.view().data, b.outputs.bytes());
+  device_stream_synchronize(chain_.backend(), chain_.ctx_.stream);
+  for (const ChainSequence& s : batch.seqs) cache_.lengths_[size_t(s.slot)] = s.cached + s.len;
+  const auto* tok = static_cast<const int32_t*>(b.results->data());
+  const auto* lp = reinterpret_cast<const float*>(static_cast<const uint8_t*>(b.results->data()) + aligned(n * 4));
+  Chain::RowDraws drawn;
+  for (int64_t i = 0; i < B; ++i) {
+    drawn.tokens.push_back(tok[i]);
+    drawn.logprobs.push_back(tok[i] < 0 ? NAN : double(lp[i]));
+  }
+  return drawn;
+}
+
+}  // namespace samebits

@@ -1,0 +1,56 @@
+// Decode steps replayed from CUDA graphs (the engine's steady state: every running sample feeds its
+// last token and draws the next). A step of B sequences runs the graph of its bucket — the least
+// of 1, 2, 4, 8, then multiples of 8 to 64, of 32 to 256, of 64 beyond, that holds B (and never more
+// than the most sequences asked for) — captured the first time a step needs it. Rows past B repeat
+// sequence 0 (its token, position, slot and settings): a row's bits never depend on its neighbours,
+// so they write into the cache exactly the bytes sequence 0 writes there and draw what it draws,
+// and are dropped. Before a replay the step's tables (rows, cache rows, block table, sampling
+// settings) go to the graph's device buffer in one copy from page-locked memory, the recorded
+// attention calls are re-planned, and after it one copy brings the tokens and logprobs back.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "core/captured_graph.hpp"
+#include "samebits/chain.hpp"
+#include "samebits/device.hpp"
+
+namespace samebits {
+
+class DecodeGraphs {
+ public:
+  // The chain's context names the stream the graphs are captured on and replayed in; the cache is paged.
+  DecodeGraphs(const Chain& chain, KvCache& cache, int64_t max_seqs);
+  ~DecodeGraphs();
+  // Whether the chain's steps can be captured: CUDA on a Hopper GPU, a bf16 / fp16 model, head_dim 64 or 128.
+  static bool available(const Chain& chain);
+  // Whether run() takes the batch: 1 … max_seqs sequences, sequence i one row at row i.
+  bool takes(const ChainBatch& batch) const;
+  // forward_cached(batch, cache) and sample_rows at every row under params (five a row), as one
+  // graph replay: the same tokens and logprobs, bit for bit, and the cache as they leave it.
+  Chain::RowDraws run(const ChainBatch& batch, const std::vector<double>& params);
+  size_t captured() const { return buckets_.size(); }
+  static int64_t bucket_of(int64_t seqs, int64_t max_seqs);
+
+ private:
+  struct Layout {  // byte offsets in a bucket's input buffer
+    int64_t rows = 0, kv_map = 0, block_table = 0, params = 0, bytes = 0;
+  };
+  struct Bucket {
+    int64_t seqs = 0;
+    Layout at;
+    DeviceTensor inputs, outputs;  // u8: the layout above; tokens (i32) then logprobs (f32)
+    std::unique_ptr<PinnedBuffer> staging, results;
+    std::unique_ptr<CapturedGraph> graph;
+  };
+  Bucket& bucket(int64_t seqs);
+  void capture(Bucket& b, const ChainBatch& padded);
+  const Chain& chain_;
+  KvCache& cache_;
+  int64_t max_seqs_, cols_;
+  std::map<int64_t, Bucket> buckets_;
+};
+
+}  // namespace samebits
