@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decode step of the Qwen3-8B-shaped engine goes: one step under torch.profiler, per case.
 
-    python3 bench/probes/profile_decode.py BUILD_DIR [--layers 36] [--cases 1x1024,64x1024]
+    python3 bench/probes/profile_decode.py BUILD_DIR [--layers 36] [--cases 1x1024,64x1024] [--eager]
 
 Prints, per (B, C): the step's wall time, its kernel time by family, the top kernels and the top
 CUDA host calls (the gap between wall and kernels is the host's). A probe, not a benchmark."""
@@ -20,6 +20,7 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--cases", default="1x1024,64x1024")
+    ap.add_argument("--eager", action="store_true", help="every step eager (default: decode steps replay CUDA graphs)")
     args = ap.parse_args()
     samebits = bg.samebits_from(args.build)
     import samebits.hf  # noqa: F401
@@ -30,7 +31,8 @@ def main():
         B, C = (int(x) for x in case.split("x"))
         context = C + 64
         engine = samebits.Engine(sb_model, "cuda", max_slots=B, max_batch_tokens=2048, max_context=context,
-                                 page_size=bg.PAGE, kv_pages=B * math.ceil(context / bg.PAGE))
+                                 page_size=bg.PAGE, kv_pages=B * math.ceil(context / bg.PAGE),
+                                 cuda_graphs=not args.eager)
         for i, p in enumerate(bg.random_prompts(B, C, cfg.vocab_size, seed=7 + B)):
             engine.submit(p, samebits.SamplingParams(temperature=1.0, max_new_tokens=60, seed=i))
         last = engine.generated
@@ -40,7 +42,8 @@ def main():
             if drew == B:
                 break
         fam, top, api, wall = bench_chain.kernel_profile(engine.step, warm=True)
-        print(f"## B={B} C={C}: wall {wall:.2f} ms, kernels {sum(v[0] for v in fam.values()):.2f} ms")
+        mode = "eager" if args.eager else f"graphs ({engine.graph_steps} steps replayed)"
+        print(f"## B={B} C={C}, {mode}: wall {wall:.2f} ms, kernels {sum(v[0] for v in fam.values()):.2f} ms")
         for f, (ms, n) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
             print(f"  family {f}: {ms:.2f} ms ({n} launches)")
         for ms, n, k in top:
