@@ -76,7 +76,8 @@ else
 fi
 
 # ---------------------------------------------------------------- sanitizers
-# Each kernel family's small tests, and the chain (every family in one forward, backward and decode).
+# Each kernel family's small tests, the chain (every family in one forward, backward and decode), and
+# the engine's decode steps replayed from CUDA graphs.
 families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
 families+=':CudaLinear.BadInputIsAClearErrorOrACorrectSlowerPath:CudaAttention.PagedCacheGivesTheSameBits'
 families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecodeEqualsPrefillAcrossSpans'
@@ -85,6 +86,7 @@ families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBi
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'
 families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
 families+=':CudaSampling.BadRowsAreReportedAndTheOthersDrawn:CudaSampling.ARowsTokenDoesNotDependOnItsNeighbours'
+families+=':EngineGraphs.DecodeStepsReplayedFromGraphsGiveTheEagerBits'  # decode steps as graph replays
 # The three tools run side by side (each is a process of its own on the one GPU).
 sanitizer_pids=()
 for tool in memcheck racecheck synccheck; do

@@ -225,6 +225,14 @@ def test_generate_reports_the_trainers_logprobs_and_fails_bad_prompts_alone():
     assert len(good[2]["tokens"]) == 4 and good[0]["finish_reason"] == "length"
 
 
+def test_generate_with_or_without_cuda_graphs_gives_the_same_lines():
+    lines = '{"tokens": [1, 2, 3], "n": 3, "seed": 5}\n{"tokens": [7, 8, 9, 10], "temperature": 0.7}\n'
+    with_graphs = run("generate", "--input", "-", "--max-new-tokens", "6", input=lines)
+    without = run("generate", "--input", "-", "--max-new-tokens", "6", "--no-cuda-graphs", input=lines)
+    assert with_graphs.returncode == 0 and without.returncode == 0, (with_graphs.stderr, without.stderr)
+    assert with_graphs.stdout == without.stdout and len(with_graphs.stdout.splitlines()) == 4
+
+
 def test_generate_progress_and_output_file(tmp_path):
     out = tmp_path / "g.jsonl"
     p = run("generate", "--input", "-", "--output", out, "--progress", input='{"tokens": [1, 2]}\n')

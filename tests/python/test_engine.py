@@ -167,3 +167,20 @@ def test_a_bad_submit_is_an_error_completion_and_generate_keeps_the_others(model
     assert [(c.request, c.finish_reason) for c in got] == [(0, "length"), (1, "error")]
     assert "request 1" in got[1].error and "outside the vocab" in got[1].error and got[1].tokens == []
     assert engine.run() == [] and "request=0" in repr(got[0])
+
+
+def test_cuda_graphs_on_or_off_give_the_same_bits(model):
+    """On a GPU the decode steps replay CUDA graphs by default (one per batch-size bucket); off, every
+    step runs eagerly: the same tokens and logprobs. On the CPU the option is accepted and unused."""
+    backend = "cuda" if samebits.cuda_available() else "cpu"
+    ps = prompts(11, seed=21)
+    params = samebits.SamplingParams(n=2, temperature=0.9, top_p=0.95, max_new_tokens=9, seed=4)
+    runs = {}
+    for graphs in (True, False):
+        engine = samebits.Engine(model, backend, page_size=16, cuda_graphs=graphs)
+        runs[graphs] = engine.generate(ps, params)
+        if not graphs or backend == "cpu":
+            assert engine.graph_steps == 0 and engine.captured_graphs == 0
+    for a, b in zip(sum(runs[True], []), sum(runs[False], [])):
+        assert a.tokens == b.tokens
+        assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))

@@ -499,6 +499,10 @@ struct GraphRecording {
   float* partials = nullptr; // device: part_o [max_part_rows, D], then part_ml [max_part_rows, 2]
   cudaEvent_t uploaded = nullptr;  // the last upload of `staging` (written again only after it)
   std::vector<RecordedCall> calls;
+  // The launch shape the nodes were last set to {items, parts, combines, most rows}: a step whose
+  // plan has the same shape (most decode steps: only the keys' lengths in the table change) sets
+  // no node.
+  std::array<int64_t, 4> applied{-1, -1, -1, -1};
   size_t items_bytes() const { return size_t(max_items) * sizeof(Item); }
   size_t table_bytes() const { return items_bytes() + size_t(max_combines) * sizeof(Combine); }
   ~GraphRecording() {
@@ -650,8 +654,16 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
   std::copy_n(reinterpret_cast<const uint8_t*>(w.items.data()), w.items.size() * sizeof(Item), staging);
   std::copy_n(reinterpret_cast<const uint8_t*>(w.combines.data()), w.combines.size() * sizeof(Combine),
               staging + r.items_bytes());
-  check(cudaMemcpyAsync(r.table, staging, r.table_bytes(), cudaMemcpyHostToDevice, stream), op, "work table");
+  check(cudaMemcpyAsync(r.table, staging, w.items.size() * sizeof(Item), cudaMemcpyHostToDevice, stream), op,
+        "work table");
+  if (!w.combines.empty())
+    check(cudaMemcpyAsync(static_cast<uint8_t*>(r.table) + r.items_bytes(), staging + r.items_bytes(),
+                          w.combines.size() * sizeof(Combine), cudaMemcpyHostToDevice, stream),
+          op, "combine table");
   check(cudaEventRecord(r.uploaded, stream), op, "event");
+  const std::array<int64_t, 4> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows};
+  if (shape == r.applied) return;
+  r.applied = {-1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
     void* args[] = {c.params.get()};
     cudaKernelNodeParams k{};
@@ -673,6 +685,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
     check(cudaGraphExecKernelNodeSetParams(exec, c.combine, &m), op, "update the combine node");
     check(cudaGraphNodeSetEnabled(exec, c.combine, 1), op, "enable the combine node");
   }
+  r.applied = shape;
 }
 
 }  // namespace samebits::cuda::attention
