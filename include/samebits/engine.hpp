@@ -86,6 +86,9 @@ class Engine {
   int64_t kv_pages() const { return cache_.pages(); }
   int64_t graph_steps() const { return graph_steps_; }  // steps run as a CUDA graph replay
   int64_t captured_graphs() const;                      // batch-size buckets captured so far
+  // Empty while decode steps may replay graphs; else why they run eagerly from now on (a step that
+  // could not be captured: it ran eagerly, as every later one does).
+  const std::string& graphs_off_reason() const { return graphs_off_reason_; }
   int64_t max_context() const { return context_; }
 
  private:
@@ -109,6 +112,7 @@ class Engine {
   int64_t next_id_ = 0, generated_ = 0, steps_ = 0, graph_steps_ = 0;
   std::function<void(int64_t, int64_t)> progress_;
   std::unique_ptr<DecodeGraphs> graphs_;  // null: every step eager
+  std::string graphs_off_reason_;
 };
 
 // Generates completions for `requests` in one engine (the convenience door): n per request,

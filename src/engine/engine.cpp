@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <optional>
 #include <set>
 #include <tuple>
 
@@ -286,19 +285,13 @@ bool Engine::step() {
     if (preempt_latest_after(0)) return true;
     throw Error("Engine", "kv_pages", "the first running request cannot get a page (cannot happen: submit checks)");
   }
-  // A decode step (every row a sample's next token) replays its bucket's CUDA graph: forward, LM
-  // head and draw in one launch. Any other runs eagerly: the forward (logits of the drawing rows only), then the draws.
+  // What draws, settled before anything runs (a step that fails leaves the samples as they were): a
+  // decode row, or the end of a prompt (for the sample itself, and for every sample sharing the
+  // prompt). Each draw's token and its logprob come from one LM-head GEMM over the drawing rows and
+  // the sampling op, on the chain's backend (no logits come to the host).
   const DeviceStreamScope on(stream_.get());
   std::vector<char> decode(parts.size());
   for (size_t k = 0; k < parts.size(); ++k) decode[k] = parts[k].r->decoding(*parts[k].s);
-  const bool graphed = graphs_ && std::all_of(decode.begin(), decode.end(), [](char d) { return d != 0; }) &&
-                       graphs_->takes(b);
-  std::optional<ChainForward> f;
-  if (!graphed) f.emplace(chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false));
-
-  // Draws: a decode row, or the end of a prompt (for the sample itself, or for every sample
-  // sharing the prompt). Each draw's token and its logprob come from one LM-head GEMM over the
-  // drawing rows and the sampling op, on the chain's backend (no logits come to the host).
   struct Draw {
     Request* r;
     Sample* s;
@@ -306,20 +299,13 @@ bool Engine::step() {
   };
   std::vector<Draw> draws;
   for (size_t k = 0; k < parts.size(); ++k) {
-    Part& p = parts[k];
-    p.s->cached += b.seqs[k].len;
+    const Part& p = parts[k];
     if (!decode[k] && !p.draws_first) continue;
     const int64_t row = b.seqs[k].row + b.seqs[k].len - 1;
     draws.push_back({p.r, p.s, row});
     if (p.draws_first)
       for (Sample& other : p.r->samples)
-        if (other.waits_for_prefix) {
-          if (!cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len()))  // its page was held back above
-            throw Error("Engine", "kv_pages", "no page to share a prompt (cannot happen)");
-          other.cached = p.r->prompt_len();
-          other.waits_for_prefix = false;
-          draws.push_back({p.r, &other, row});
-        }
+        if (other.waits_for_prefix) draws.push_back({p.r, &other, row});
   }
   std::vector<int64_t> draw_rows;
   std::vector<double> params;
@@ -330,8 +316,40 @@ bool Engine::step() {
     const auto row = sampling_row(sp, sampling_uniform(sp.seed, d.s->index, position));
     params.insert(params.end(), row.begin(), row.end());
   }
-  const Chain::RowDraws drawn = graphed ? graphs_->run(b, params) : chain_.sample_rows(*f, draw_rows, params);
+  // A decode step (every row a sample's next token) replays its bucket's CUDA graph: forward, LM
+  // head and draw in one launch. Any other step runs eagerly: the forward (logits of the drawing
+  // rows only), then the draws. A step that cannot be captured runs eagerly, and so does every
+  // later one (graphs_off_reason() says why).
+  Chain::RowDraws drawn;
+  bool graphed = graphs_ && std::all_of(decode.begin(), decode.end(), [](char d) { return d != 0; }) && graphs_->takes(b);
+  if (graphed) {
+    try {
+      drawn = graphs_->run(b, params);
+    } catch (const Error& e) {
+      graphs_off_reason_ = e.what();
+      graphs_.reset();
+      graphed = false;
+    }
+  }
+  if (!graphed) {
+    const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);
+    drawn = chain_.sample_rows(f, draw_rows, params);
+  }
   graph_steps_ += graphed ? 1 : 0;
+  // Each sequence's rows are in its slot now; a prompt's last chunk hands the prompt's keys and
+  // values to the samples sharing it.
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const Part& p = parts[k];
+    p.s->cached += b.seqs[k].len;
+    if (p.draws_first)
+      for (Sample& other : p.r->samples)
+        if (other.waits_for_prefix) {
+          if (!cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len()))  // its page was held back above
+            throw Error("Engine", "kv_pages", "no page to share a prompt (cannot happen)");
+          other.cached = p.r->prompt_len();
+          other.waits_for_prefix = false;
+        }
+  }
   for (size_t i = 0; i < draws.size(); ++i) {
     Sample& s = *draws[i].s;
     if (drawn.tokens[i] < 0) {  // the model's logits hold NaN / Inf here: this sample ends, the rest run on
