@@ -31,17 +31,21 @@ std::vector<int32_t> random_prompt(Rng& r, int64_t len, int64_t vocab) {
   return p;
 }
 
-GenerationRequest target_request() {
-  Rng r(5);
-  GenerationRequest g{random_prompt(r, 37, 2560), {}};
-  g.sampling.n = 3;
-  g.sampling.temperature = 0.9;
-  g.sampling.top_k = 200;
-  g.sampling.top_p = 0.95;
-  g.sampling.max_new_tokens = 12;
-  g.sampling.seed = 1234;
+// A request of `len` random tokens (from `prompt_seed`) drawing n samples under these settings.
+GenerationRequest sampled_request(uint64_t prompt_seed, int64_t len, int64_t n, double temperature, int64_t top_k,
+                                  double top_p, int64_t max_new_tokens, uint64_t seed) {
+  Rng r(prompt_seed);
+  GenerationRequest g{random_prompt(r, len, 2560), {}};
+  g.sampling.n = n;
+  g.sampling.temperature = temperature;
+  g.sampling.top_k = top_k;
+  g.sampling.top_p = top_p;
+  g.sampling.max_new_tokens = max_new_tokens;
+  g.sampling.seed = seed;
   return g;
 }
+
+GenerationRequest target_request() { return sampled_request(5, 37, 3, 0.9, 200, 0.95, 12, 1234); }
 
 std::vector<GenerationRequest> others(int n, uint64_t seed) {
   Rng r(seed);
@@ -525,14 +529,7 @@ TEST(EngineGraphs, DecodeStepsReplayedFromGraphsGiveTheEagerBits) {
   if (!cuda_device_present() || !captured_graphs_available(Backend::cuda)) GTEST_SKIP() << "no CUDA graphs here";
   const Model m = Model::builtin(false);
   std::vector<GenerationRequest> reqs = others(10, 21);
-  Rng r(22);
-  GenerationRequest longer{random_prompt(r, 1010, 2560), {}};
-  longer.sampling.n = 2;
-  longer.sampling.temperature = 0.8;
-  longer.sampling.top_p = 0.9;
-  longer.sampling.max_new_tokens = 30;
-  longer.sampling.seed = 99;
-  reqs.push_back(longer);
+  reqs.push_back(sampled_request(22, 1010, 2, 0.8, 0, 0.9, 30, 99));  // its samples cross 1024 keys
   reqs.push_back(target_request());
   auto run = [&](bool graphs, int64_t* graph_steps, int64_t* captured) {
     EngineOptions o;
