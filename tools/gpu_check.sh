@@ -7,6 +7,9 @@
 #   - compute-sanitizer memcheck, racecheck and synccheck over tests that run every kernel family;
 #   - the SASS of libsamebits.so: no value-adding atomics (ATOM / RED); and tools/check_ptxas.sh;
 # and prints one summary (also OUT_DIR/summary.txt; the logs beside it). Exit status 0 iff all pass.
+# After the build, three lanes share the one GPU (no test depends on timing, and none on having the
+# card alone): GoogleTest then the CLI and Python suites; the torch suite then verify and the
+# fingerprint; the three sanitizers side by side. GPU_CHECK_SERIAL=1 runs the lanes one after another.
 # On a machine without a package registry, carry .deps (tools/device-deps.sh) with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +17,11 @@ out=${1:-gpu-check-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 build=${BUILD_DIR:-build-gpu}
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-summary=()
-failed=0
-note() {  # NAME STATUS DETAIL
-  summary+=("$(printf '%-28s %-5s %s' "$1" "$2" "$3")")
-  [ "$2" = PASS ] || failed=$((failed + 1))
+# Each stage leaves its line in $out/stages/ORDER (a lane runs in a subshell of its own); the summary
+# lists them in ORDER.
+rm -rf "$out/stages" && mkdir -p "$out/stages"
+note() {  # ORDER NAME STATUS DETAIL
+  printf '%-28s %-5s %s\n' "$2" "$3" "$4" > "$out/stages/$1"
 }
 t0=$SECONDS
 
@@ -36,46 +39,49 @@ if [ $? -ne 0 ]; then
   echo "gpu-check: the build failed ($out/build.log)"
   exit 1
 fi
-note build PASS "$((SECONDS - t0)) s"
+note 10 build PASS "$((SECONDS - t0)) s"
 # check_ptxas compiles on the CPU: it runs beside the GPU stages below.
 tools/check_ptxas.sh > "$out/ptxas.log" 2>&1 &
 ptxas_pid=$!
 
-# ---------------------------------------------------------------- tests
-"$build"/tests/samebits_tests > "$out/gtest.log" 2>&1
-rc=$?
-passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
-skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
-fails=$(grep -E '^\[  FAILED  \] [A-Z]' "$out/gtest.log" | sed 's/.*\] //; s/ (.*//' | sort -u | tr '\n' ' ')
-note "GoogleTest (cpu + cuda)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${passed:-0} passed, ${skipped:-0} skipped ${fails:+; failed: $fails}"
+# ---------------------------------------------------------------- lanes
+lane_tests() {  # GoogleTest, then the CLI and Python suites
+  "$build"/tests/samebits_tests > "$out/gtest.log" 2>&1
+  local rc=$?
+  local passed skipped fails
+  passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
+  skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
+  fails=$(grep -E '^\[  FAILED  \] [A-Z]' "$out/gtest.log" | sed 's/.*\] //; s/ (.*//' | sort -u | tr '\n' ' ')
+  note 20 "GoogleTest (cpu + cuda)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${passed:-0} passed, ${skipped:-0} skipped ${fails:+; failed: $fails}"
+  pytest_suite 30 cli tests/cli SAMEBITS_CLI="$build/samebits"
+  pytest_suite 40 python tests/python PYTHONPATH="$build/python"
+}
 
-pytest_suite() {  # NAME DIR [ENV...]
-  local name=$1 dir=$2
-  shift 2
+pytest_suite() {  # ORDER NAME DIR [ENV...]
+  local order=$1 name=$2 dir=$3
+  shift 3
   env "$@" "$py" -m pytest -q -p no:cacheprovider "$dir" > "$out/pytest-$name.log" 2>&1
   local rc=$?
-  note "pytest $dir" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/pytest-$name.log")"
+  note "$order" "pytest $dir" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/pytest-$name.log")"
 }
-pytest_suite cli tests/cli SAMEBITS_CLI="$build/samebits"
-pytest_suite python tests/python PYTHONPATH="$build/python"
-if "$py" -c "import torch" 2>/dev/null; then
-  pytest_suite torch tests/torch PYTHONPATH="$build/python"
-else
-  note "pytest tests/torch" FAIL "python3 has no torch"
-fi
 
-# ---------------------------------------------------------------- verify and the bits
-"$build"/samebits verify --backend cuda -q --status-dir "$out" > "$out/verify.txt" 2>&1
-rc=$?
-note "verify --backend cuda" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^verify:' "$out/verify.txt")"
-tools/bits_fingerprint.sh "$build/samebits" /tmp/samebits_fingerprint > "$out/fingerprints.txt" 2>&1
-if diff -q "$out/fingerprints.txt" docs/status/fingerprints.txt > /dev/null; then
-  note "bits fingerprint" PASS "= docs/status/fingerprints.txt (3 models: logprobs, entropies, gradients, rollouts)"
-else
-  note "bits fingerprint" FAIL "differs from docs/status/fingerprints.txt: $(diff "$out/fingerprints.txt" docs/status/fingerprints.txt | head -2 | tr '\n' ' ')"
-fi
+lane_model() {  # the torch suite, then verify and the bits
+  if "$py" -c "import torch" 2>/dev/null; then
+    pytest_suite 50 torch tests/torch PYTHONPATH="$build/python"
+  else
+    note 50 "pytest tests/torch" FAIL "python3 has no torch"
+  fi
+  "$build"/samebits verify --backend cuda -q --status-dir "$out" > "$out/verify.txt" 2>&1
+  local rc=$?
+  note 60 "verify --backend cuda" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^verify:' "$out/verify.txt")"
+  tools/bits_fingerprint.sh "$build/samebits" /tmp/samebits_fingerprint > "$out/fingerprints.txt" 2>&1
+  if diff -q "$out/fingerprints.txt" docs/status/fingerprints.txt > /dev/null; then
+    note 70 "bits fingerprint" PASS "= docs/status/fingerprints.txt (3 models: logprobs, entropies, gradients, rollouts)"
+  else
+    note 70 "bits fingerprint" FAIL "differs from docs/status/fingerprints.txt: $(diff "$out/fingerprints.txt" docs/status/fingerprints.txt | head -2 | tr '\n' ' ')"
+  fi
+}
 
-# ---------------------------------------------------------------- sanitizers
 # Each kernel family's small tests, the chain (every family in one forward, backward and decode), and
 # the engine's decode steps replayed from CUDA graphs.
 families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
@@ -87,21 +93,33 @@ families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositio
 families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
 families+=':CudaSampling.BadRowsAreReportedAndTheOthersDrawn:CudaSampling.ARowsTokenDoesNotDependOnItsNeighbours'
 families+=':EngineGraphs.DecodeStepsReplayedFromGraphsGiveTheEagerBits'  # decode steps as graph replays
-# The three tools run side by side (each is a process of its own on the one GPU).
-sanitizer_pids=()
-for tool in memcheck racecheck synccheck; do
-  ( timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
-      --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
-    echo $? > "$out/sanitizer-$tool.rc" ) &
-  sanitizer_pids+=($!)
-done
-wait "${sanitizer_pids[@]}"
-for tool in memcheck racecheck synccheck; do
-  rc=$(cat "$out/sanitizer-$tool.rc")
-  ran=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/sanitizer-$tool.log" | grep -oE '[0-9]+$')
-  line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -1 | sed 's/^========= //')
-  note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${ran:-0} tests; ${line:-rc $rc}"
-done
+lane_sanitizers() {  # the three tools side by side (each a process of its own on the one GPU)
+  local pids=() tool order=80
+  for tool in memcheck racecheck synccheck; do
+    ( timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/samebits_tests \
+        --gtest_filter="$families" > "$out/sanitizer-$tool.log" 2>&1
+      echo $? > "$out/sanitizer-$tool.rc" ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for tool in memcheck racecheck synccheck; do
+    local rc ran line
+    rc=$(cat "$out/sanitizer-$tool.rc")
+    ran=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/sanitizer-$tool.log" | grep -oE '[0-9]+$')
+    line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -1 | sed 's/^========= //')
+    note $order "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${ran:-0} tests; ${line:-rc $rc}"
+    order=$((order + 1))
+  done
+}
+
+if [ "${GPU_CHECK_SERIAL:-0}" = 1 ]; then
+  lane_tests; lane_model; lane_sanitizers
+else
+  lane_model & model_pid=$!
+  lane_sanitizers & sanitizers_pid=$!
+  lane_tests
+  wait $model_pid $sanitizers_pid
+fi
 
 # ---------------------------------------------------------------- SASS and ptxas
 cuobjdump --dump-sass "$build"/libsamebits.so > "$out/sass.txt" 2>&1
@@ -110,14 +128,18 @@ cuobjdump --dump-sass "$build"/libsamebits.so > "$out/sass.txt" 2>&1
 op='^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T]+\s+)?'
 kernels=$(grep -c 'Function :' "$out/sass.txt")
 atomics=$(grep -cE "$op(ATOM|ATOMS|ATOMG|RED)[.[:space:]]" "$out/sass.txt")
-note "SASS atomics" "$([ "$kernels" -gt 0 ] && [ "$atomics" -eq 0 ] && echo PASS || echo FAIL)" \
+note 90 "SASS atomics" "$([ "$kernels" -gt 0 ] && [ "$atomics" -eq 0 ] && echo PASS || echo FAIL)" \
   "$kernels kernels, $atomics ATOM/RED instructions"
 wait $ptxas_pid
-note "check_ptxas" "$([ $? -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/ptxas.log")"
+note 95 "check_ptxas" "$([ $? -eq 0 ] && echo PASS || echo FAIL)" "$(tail -1 "$out/ptxas.log")"
 
+for order in 10 20 30 40 50 60 70 80 81 82 90 95; do  # a stage that never reported fails
+  [ -f "$out/stages/$order" ] || note $order "stage $order" FAIL "did not report (its lane broke off)"
+done
+failed=$(cat "$out"/stages/* | awk 'substr($0, 30, 5) != "PASS " { n++ } END { print n + 0 }')  # note's columns
 {
   echo "gpu-check summary: $card, $((SECONDS - t0)) s"
-  printf '%s\n' "${summary[@]}"
-  [ $failed -eq 0 ] && echo "gpu-check: all PASS" || echo "gpu-check: $failed FAILED (logs in $out)"
+  cat "$out"/stages/*
+  [ "$failed" -eq 0 ] && echo "gpu-check: all PASS" || echo "gpu-check: $failed FAILED (logs in $out)"
 } | tee "$out/summary.txt"
-[ $failed -eq 0 ]
+[ "$failed" -eq 0 ]
