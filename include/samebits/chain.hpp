@@ -9,7 +9,9 @@
 // weight gradients go to fp32 accumulators that micro-batches add into, in token order. On the CUDA
 // backend every activation, the KV cache, the accumulators and a copy of the weights live in device
 // memory; only the sequence tables and the per-row logprobs cross to the host. Its device work is
-// ordered on Context::stream (null: the legacy default stream).
+// ordered on Context::stream (null: the legacy default stream). A stream of the caller's must be
+// a blocking one (ordered with the legacy default stream, where KvCache, ModelGrads and the
+// caller's own tensors are made and freed), or the caller orders those tensors with it.
 #pragma once
 #include <cstdint>
 #include <deque>

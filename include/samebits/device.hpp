@@ -21,8 +21,8 @@ void copy_blocks_on_device(Backend backend, void* dst, size_t dst_pitch, const v
                            size_t width, size_t height);
 void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
 // n rows of `row_bytes` bytes, in one launch: dst + dst_rows[i]·dst_pitch ← src + src_rows[i]·src_pitch
-// (the int32 index arrays on the backend's device; the destination rows distinct, never overlapping
-// the source). Asynchronous on the CUDA backend (on this thread's device stream, below).
+// (the int32 index arrays on the backend's device; the destination rows distinct — or written
+// with the very same bytes — and never overlapping the source). Asynchronous on the CUDA backend (on this thread's device stream, below).
 void copy_rows_indexed(Backend backend, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
 void device_synchronize(Backend backend);

@@ -41,7 +41,11 @@ struct EngineOptions {
   int64_t kv_memory_bytes = 0;      // or: the pool's size in bytes (keys and values of every layer)
   bool cuda_graphs = true;          // decode steps (every row a sample's next token) replay a CUDA graph
                                     // per batch-size bucket: the same bits, ~500 fewer launches a
-                                    // step (the CUDA backend on a Hopper GPU; ignored elsewhere)
+                                    // step (the CUDA backend on a Hopper GPU; ignored elsewhere). A
+                                    // bucket is captured once, on the engine's stream, the first time
+                                    // a step needs it: meanwhile no other thread of the process may
+                                    // use the legacy default stream (such work fails there, and the
+                                    // step runs eagerly from then on)
 };
 
 struct GenerationRequest {

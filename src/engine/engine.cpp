@@ -289,7 +289,6 @@ bool Engine::step() {
   // decode row, or the end of a prompt (for the sample itself, and for every sample sharing the
   // prompt). Each draw's token and its logprob come from one LM-head GEMM over the drawing rows and
   // the sampling op, on the chain's backend (no logits come to the host).
-  const DeviceStreamScope on(stream_.get());
   std::vector<char> decode(parts.size());
   for (size_t k = 0; k < parts.size(); ++k) decode[k] = parts[k].r->decoding(*parts[k].s);
   struct Draw {
@@ -323,32 +322,36 @@ bool Engine::step() {
   Chain::RowDraws drawn;
   bool graphed = graphs_ && std::all_of(decode.begin(), decode.end(), [](char d) { return d != 0; }) && graphs_->takes(b);
   if (graphed) {
-    try {
-      drawn = graphs_->run(b, params);
-    } catch (const Error& e) {
-      graphs_off_reason_ = e.what();
+    std::optional<Chain::RowDraws> replayed = graphs_->run(b, params);
+    if (replayed) {
+      drawn = std::move(*replayed);
+    } else {
+      graphs_off_reason_ = graphs_->capture_error();
       graphs_.reset();
       graphed = false;
     }
   }
-  if (!graphed) {
-    const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);
-    drawn = chain_.sample_rows(f, draw_rows, params);
-  }
-  graph_steps_ += graphed ? 1 : 0;
-  // Each sequence's rows are in its slot now; a prompt's last chunk hands the prompt's keys and
-  // values to the samples sharing it.
-  for (size_t k = 0; k < parts.size(); ++k) {
-    const Part& p = parts[k];
-    p.s->cached += b.seqs[k].len;
-    if (p.draws_first)
-      for (Sample& other : p.r->samples)
-        if (other.waits_for_prefix) {
-          if (!cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len()))  // its page was held back above
-            throw Error("Engine", "kv_pages", "no page to share a prompt (cannot happen)");
-          other.cached = p.r->prompt_len();
-          other.waits_for_prefix = false;
-        }
+  {  // the engine's device work (eager steps, prompt copies) on its stream; not the progress callback's
+    const DeviceStreamScope on(stream_.get());
+    if (!graphed) {
+      const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);
+      drawn = chain_.sample_rows(f, draw_rows, params);
+    }
+    graph_steps_ += graphed ? 1 : 0;
+    // Each sequence's rows are in its slot now; a prompt's last chunk hands the prompt's keys and
+    // values to the samples sharing it.
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Part& p = parts[k];
+      p.s->cached += b.seqs[k].len;
+      if (p.draws_first)
+        for (Sample& other : p.r->samples)
+          if (other.waits_for_prefix) {
+            if (!cache_.copy_prefix(p.s->slot, other.slot, p.r->prompt_len()))  // its page was held back above
+              throw Error("Engine", "kv_pages", "no page to share a prompt (cannot happen)");
+            other.cached = p.r->prompt_len();
+            other.waits_for_prefix = false;
+          }
+    }
   }
   for (size_t i = 0; i < draws.size(); ++i) {
     Sample& s = *draws[i].s;

@@ -34,7 +34,11 @@ DecodeGraphs::DecodeGraphs(const Chain& chain, KvCache& cache, int64_t max_seqs)
 }
 
 DecodeGraphs::~DecodeGraphs() {
-  const DeviceStreamScope on(chain_.ctx_.stream);  // the buffers go back in the stream's order
+  const DeviceStreamScope on(chain_.ctx_.stream);  // the buffers go back in the stream's order,
+  try {                                            // after any copy from the staging memory
+    device_stream_synchronize(chain_.backend(), chain_.ctx_.stream);
+  } catch (...) {  // a destructor must not throw
+  }
   buckets_.clear();
 }
 
@@ -51,15 +55,16 @@ int64_t DecodeGraphs::bucket_of(int64_t n, int64_t max_seqs) {
 bool DecodeGraphs::takes(const ChainBatch& batch) const {
   const int64_t n = int64_t(batch.seqs.size());
   if (n < 1 || n > max_seqs_ || batch.rows() != n) return false;
+  if (int64_t(batch.positions.size()) != n || int64_t(batch.targets.size()) != n ||
+      (!batch.loss_mask.empty() && int64_t(batch.loss_mask.size()) != n))
+    return false;
   for (int64_t i = 0; i < n; ++i)
     if (batch.seqs[size_t(i)].row != i || batch.seqs[size_t(i)].len != 1) return false;
   return true;
 }
 
-DecodeGraphs::Bucket& DecodeGraphs::bucket(int64_t seqs) {
-  auto it = buckets_.find(seqs);
-  if (it != buckets_.end()) return it->second;
-  Bucket& b = buckets_[seqs];
+DecodeGraphs::Bucket DecodeGraphs::make_bucket(int64_t seqs) const {
+  Bucket b;
   b.seqs = seqs;
   b.at.rows = 0;
   b.at.kv_map = aligned(seqs * chain_tables::ROW_TABLE_BYTES);
@@ -87,13 +92,19 @@ void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
   const TensorView tokens = TensorView::of(out, DType::i32, {n}, Device::cuda);
   const TensorView logp = TensorView::of(out + aligned(n * 4), DType::f32, {n}, Device::cuda);
   const GraphAttentionShape shape{n, cache_.capacity(), c.num_heads, c.num_kv_heads, c.head_dim, chain_.act_dtype()};
-  b.graph = std::make_unique<CapturedGraph>(chain_.ctx_.stream, [&] {
+  auto graph = std::make_unique<CapturedGraph>(chain_.ctx_.stream, [&] {
     const ChainForward f = chain_.run(padded, &cache_, nullptr, /*score_rows=*/false, &t);
     chain_.draw(f.at("final.n1").view(), params, tokens, logp);
   }, shape);
+  // An attention call outside the recording would replay its capture-time plan (stale key counts):
+  // refuse the graph rather than give wrong bits.
+  if (graph->attention_calls() != size_t(c.num_layers))
+    throw Error(OP, "graph", fmt::format("{} of the {} layers' attention calls were recorded for re-planning",
+                                         graph->attention_calls(), c.num_layers));
+  b.graph = std::move(graph);
 }
 
-Chain::RowDraws DecodeGraphs::run(const ChainBatch& batch, const std::vector<double>& params) {
+std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const std::vector<double>& params) {
   constexpr int64_t P = sampling_rule::PARAMS;
   if (!takes(batch)) throw Error(OP, "batch", "is not a decode step of at most max_seqs sequences (cannot happen)");
   const int64_t B = int64_t(batch.seqs.size());
@@ -102,8 +113,11 @@ Chain::RowDraws DecodeGraphs::run(const ChainBatch& batch, const std::vector<dou
     if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
       throw Error(OP, "params", fmt::format("row {}'s settings are out of range", i));
   const DeviceStreamScope on(chain_.ctx_.stream);
-  Bucket& b = bucket(bucket_of(B, max_seqs_));
-  const int64_t n = b.seqs;
+  const int64_t n = bucket_of(B, max_seqs_);
+  auto found = buckets_.find(n);
+  std::optional<Bucket> fresh;  // a bucket not captured yet: kept only once its capture succeeds
+  if (found == buckets_.end()) fresh.emplace(make_bucket(n));
+  Bucket& b = fresh ? *fresh : found->second;
   // The bucket's batch: rows past B repeat sequence 0.
   ChainBatch padded = batch;
   for (int64_t i = B; i < n; ++i) {
@@ -132,7 +146,14 @@ Chain::RowDraws DecodeGraphs::run(const ChainBatch& batch, const std::vector<dou
     std::copy(pages.begin(), pages.end(), table + i * cols_);
     std::memcpy(settings + i * P, params.data() + (i < B ? i : 0) * P, P * sizeof(double));
   }
-  if (!b.graph) capture(b, padded);
+  if (fresh) {
+    try {
+      capture(b, padded);
+    } catch (const Error& e) {  // nothing ran: the caller runs this step (and the later ones) eagerly
+      capture_error_ = e.what();
+      return std::nullopt;
+    }
+  }
   copy_async(chain_.backend(), b.inputs.view().data, st, size_t(b.at.bytes));
   b.graph->replay(static_cast<const int32_t*>(seqs.data()), n);
   copy_async(chain_.backend(), b.results->data(), b.outputs.view().data, b.outputs.bytes());
@@ -145,6 +166,7 @@ Chain::RowDraws DecodeGraphs::run(const ChainBatch& batch, const std::vector<dou
     drawn.tokens.push_back(tok[i]);
     drawn.logprobs.push_back(tok[i] < 0 ? NAN : double(lp[i]));
   }
+  if (fresh) buckets_.emplace(n, std::move(*fresh));
   return drawn;
 }
 

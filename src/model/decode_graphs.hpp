@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "core/captured_graph.hpp"
@@ -29,9 +31,12 @@ class DecodeGraphs {
   // Whether run() takes the batch: 1 … max_seqs sequences, sequence i one row at row i.
   bool takes(const ChainBatch& batch) const;
   // forward_cached(batch, cache) and sample_rows at every row under params (five a row), as one
-  // graph replay: the same tokens and logprobs, bit for bit, and the cache as they leave it.
-  Chain::RowDraws run(const ChainBatch& batch, const std::vector<double>& params);
+  // graph replay: the same tokens and logprobs, bit for bit, and the cache as they leave it. Empty
+  // when the step's bucket cannot be captured (capture_error() says why), having changed nothing:
+  // the caller runs the step eagerly.
+  std::optional<Chain::RowDraws> run(const ChainBatch& batch, const std::vector<double>& params);
   size_t captured() const { return buckets_.size(); }
+  const std::string& capture_error() const { return capture_error_; }
   static int64_t bucket_of(int64_t seqs, int64_t max_seqs);
 
  private:
@@ -45,12 +50,13 @@ class DecodeGraphs {
     std::unique_ptr<PinnedBuffer> staging, results;
     std::unique_ptr<CapturedGraph> graph;
   };
-  Bucket& bucket(int64_t seqs);
+  Bucket make_bucket(int64_t seqs) const;
   void capture(Bucket& b, const ChainBatch& padded);
   const Chain& chain_;
   KvCache& cache_;
   int64_t max_seqs_, cols_;
-  std::map<int64_t, Bucket> buckets_;
+  std::map<int64_t, Bucket> buckets_;  // the captured ones
+  std::string capture_error_;
 };
 
 }  // namespace samebits

@@ -531,7 +531,11 @@ cudaGraphNode_t last_captured_node(cudaStream_t stream, const char* op) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaGraphNode_t* deps = nullptr;
   size_t n = 0;
+#if CUDART_VERSION >= 13000
   check(cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n), op, "capture info");
+#else  // CUDA 12: the six-argument form (edge data came with 12.3's _v3, the plain name's in 13)
+  check(cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, &n), op, "capture info");
+#endif
   if (status != cudaStreamCaptureStatusActive || n != 1 || !deps)
     throw Error(op, "graph", "the captured attention launch is not the capture's last node (cannot happen)");
   return deps[0];
