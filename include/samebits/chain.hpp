@@ -97,6 +97,11 @@ class KvCache {
   std::vector<int32_t> free_;                // paged: free pages, the lowest at the back
   // The cache row of token `pos` of `slot`.
   int64_t row_of(int64_t slot, int64_t pos) const;
+  // A step's paged tables (the same for every layer): each sequence's pages, int32 [S, cols ≥
+  // min_cols] (unused columns repeat page 0); and where the step's rows go, int32 [2, rows]: the
+  // cache row of each row (sequence by sequence), then its batch row.
+  HostTensor block_table_of(const std::vector<ChainSequence>& seqs, int64_t min_cols) const;
+  HostTensor write_rows_of(const std::vector<ChainSequence>& seqs) const;
 };
 
 // Gradient accumulators, one fp32 (fp64 in truth mode) buffer per weight. A tied embedding has two
@@ -187,8 +192,8 @@ class Chain {
   void draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const;
   TensorView weight(const std::string& name) const;
   TensorView head_weight() const;  // lm_head.weight, or the embedding when tied
-  // The LM head's logits [rows, vocab] (in `dtype`) at rows of a forward: one gather, one GEMM.
-  DeviceTensor logits_at(const ChainForward& f, const std::vector<int64_t>& rows, DType dtype, const char* op) const;
+  // The LM head's logits [rows, vocab] (in `dtype`) of final-norm rows: one GEMM.
+  DeviceTensor logits_of(const TensorView& hidden, DType dtype) const;
   DeviceTensor activation(DType dtype, std::vector<int64_t> shape) const;  // poisoned if ctx asks
   const Model& model_;
   Context ctx_;

@@ -105,41 +105,25 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     throw Error("chain", "cache", fmt::format("lives on the {} backend, the chain runs on {}",
                                               backend_name(cache->k_[0].backend()), backend_name(ctx_.backend)));
   const HostTensor seqs = attention_table(batch, cache, cache ? cache->capacity() : 0, cache ? &cache->lengths_ : nullptr);
-  // A paged cache: each sequence's pages (its block table row; unused columns repeat page 0).
+  // A paged cache: each sequence's pages, and where the step's key / value rows go (the same in
+  // every layer: one upload of each for the step, one indexed copy a layer for the keys and one
+  // for the values).
   HostTensor block_table;
-  DeviceTensor block_table_uploaded;  // the kernels' copy, once for every layer
+  DeviceTensor block_table_uploaded, kv_map_uploaded;
   TensorView block_table_device = given ? given->block_table : TensorView{};
-  if (cache && cache->is_paged()) {
-    size_t cols = given ? size_t(given->block_table.shape[1]) : 1;
-    for (auto& s : batch.seqs) cols = std::max(cols, cache->block_table(s.slot).size());
-    block_table = HostTensor(DType::i32, {int64_t(batch.seqs.size()), int64_t(cols)});
-    for (size_t i = 0; i < batch.seqs.size(); ++i) {
-      const auto& pages = cache->block_table(batch.seqs[i].slot);
-      for (size_t j = 0; j < pages.size(); ++j) block_table.set(int64_t(i * cols + j), pages[j]);
-    }
-    if (!given && ctx_.backend == Backend::cuda) {
-      block_table_uploaded = DeviceTensor::from_host(ctx_.backend, block_table);
-      block_table_device = block_table_uploaded.view();
-    }
-  }
-  // A paged cache: where each of the step's key / value rows goes (the same rows in every layer):
-  // one map for the step, one indexed copy a layer for the keys and one for the values.
-  DeviceTensor kv_map_uploaded;
   const int32_t* kv_map = given ? given->kv_map.as<const int32_t>() : nullptr;
-  int64_t kv_rows = 0;
-  if (cache && cache->is_paged() && !given) {
-    for (const ChainSequence& s : batch.seqs) kv_rows += s.len;
-    HostTensor m(DType::i32, {2, std::max<int64_t>(kv_rows, 1)});  // row 0: the cache's rows, row 1: the step's
-    int64_t at = 0;
-    for (const ChainSequence& s : batch.seqs)
-      for (int64_t pos = s.cached; pos < s.cached + s.len; ++pos, ++at) {
-        m.set(at, double(cache->row_of(s.slot, pos)));
-        m.set(kv_rows + at, double(s.row + pos - s.cached));
+  int64_t kv_rows = given ? given->kv_map.shape[1] : 0;
+  if (cache && cache->is_paged()) {
+    block_table = cache->block_table_of(batch.seqs, given ? given->block_table.shape[1] : 1);
+    if (!given) {
+      if (ctx_.backend == Backend::cuda) {
+        block_table_uploaded = DeviceTensor::from_host(ctx_.backend, block_table);
+        block_table_device = block_table_uploaded.view();
       }
-    kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, m);
-    kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
-  } else if (given) {
-    kv_rows = given->kv_map.shape[1];
+      for (const ChainSequence& s : batch.seqs) kv_rows += s.len;
+      kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, cache->write_rows_of(batch.seqs));
+      kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
+    }
   }
 
   // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
@@ -295,8 +279,7 @@ std::vector<double> Chain::last_logprobs(const ChainBatch& batch, const ChainFor
 }
 
 namespace {
-// Rows `rows` of a forward's final hidden states, gathered into one tensor [S, hidden].
-// rows of `from` [T, H] as a new tensor (a row may repeat): one gather (the embedding op) over them.
+// Rows of `from` [T, H] as a new tensor (a row may repeat): one gather (the embedding op) over them.
 DeviceTensor gather_rows(const DeviceTensor& from, const std::vector<int64_t>& rows, const Context& ctx, const char* op) {
   HostTensor ids(DType::i32, {int64_t(rows.size())});
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -350,10 +333,9 @@ TensorView Chain::head_weight() const {
   return weight(model_.config().tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
 }
 
-DeviceTensor Chain::logits_at(const ChainForward& f, const std::vector<int64_t>& rows, DType dtype, const char* op) const {
-  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, op);
-  DeviceTensor logits(ctx_.backend, dtype, {int64_t(rows.size()), model_.config().vocab_size});
-  linear_forward(ctx_, {hidden.view(), head_weight(), {}, logits.view()});
+DeviceTensor Chain::logits_of(const TensorView& hidden, DType dtype) const {
+  DeviceTensor logits(ctx_.backend, dtype, {hidden.shape[0], model_.config().vocab_size});
+  linear_forward(ctx_, {hidden, head_weight(), {}, logits.view()});
   return logits;
 }
 
@@ -361,7 +343,8 @@ std::vector<std::vector<double>> Chain::row_logits(const ChainForward& f, const 
   const DeviceStreamScope on(ctx_.stream);
   const int64_t S = int64_t(rows.size()), V = model_.config().vocab_size;
   if (S == 0) return {};
-  const HostTensor host = logits_at(f, rows, acc_, "Chain::row_logits").to_host();
+  const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::row_logits");
+  const HostTensor host = logits_of(hidden.view(), acc_).to_host();
   std::vector<std::vector<double>> out(static_cast<size_t>(S), std::vector<double>(static_cast<size_t>(V)));
   for (int64_t i = 0; i < S; ++i)
     for (int64_t j = 0; j < V; ++j) out[size_t(i)][size_t(j)] = host.get(i * V + j);
@@ -395,8 +378,7 @@ Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int6
 }
 
 void Chain::draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const {
-  DeviceTensor logits(ctx_.backend, DType::f32, {hidden.shape[0], model_.config().vocab_size});
-  linear_forward(ctx_, {hidden, head_weight(), {}, logits.view()});
+  const DeviceTensor logits = logits_of(hidden, DType::f32);
   Context quiet = ctx_;
   quiet.check_finite_inputs = false;
   sample_tokens(quiet, {logits.view(), params, tokens, {}});

@@ -201,6 +201,30 @@ int64_t KvCache::row_of(int64_t slot, int64_t pos) const {
   return int64_t(tables_[size_t(slot)][size_t(pos / page_size_)]) * page_size_ + pos % page_size_;
 }
 
+HostTensor KvCache::block_table_of(const std::vector<ChainSequence>& seqs, int64_t min_cols) const {
+  size_t cols = size_t(std::max<int64_t>(min_cols, 1));
+  for (auto& s : seqs) cols = std::max(cols, block_table(s.slot).size());
+  HostTensor t(DType::i32, {int64_t(seqs.size()), int64_t(cols)});  // zero-filled: page 0
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const auto& pages = block_table(seqs[i].slot);
+    std::copy(pages.begin(), pages.end(), static_cast<int32_t*>(t.data()) + i * cols);
+  }
+  return t;
+}
+
+HostTensor KvCache::write_rows_of(const std::vector<ChainSequence>& seqs) const {
+  int64_t rows = 0;
+  for (const ChainSequence& s : seqs) rows += s.len;
+  HostTensor m(DType::i32, {2, std::max<int64_t>(rows, 1)});
+  auto* at = static_cast<int32_t*>(m.data());
+  for (const ChainSequence& s : seqs)
+    for (int64_t pos = s.cached; pos < s.cached + s.len; ++pos, ++at) {
+      at[0] = int32_t(row_of(s.slot, pos));
+      at[rows] = int32_t(s.row + pos - s.cached);
+    }
+  return m;
+}
+
 bool KvCache::reserve(int64_t slot, int64_t tokens) {
   if (slot < 0 || slot >= slots()) throw Error("KvCache::reserve", "slot", fmt::format("{} (of {} slots)", slot, slots()));
   if (tokens > capacity_) return false;

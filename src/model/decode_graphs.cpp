@@ -132,20 +132,15 @@ std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const 
   // The host's checks (ids, positions, slots, pages) and the step's tables, staged.
   const HostTensor rows = chain_tables::packed_rows(padded, chain_.model().config());
   const HostTensor seqs = chain_tables::attention_table(padded, &cache_, cache_.capacity(), &cache_.lengths_);
+  const HostTensor table = cache_.block_table_of(padded.seqs, cols_), kv_map = cache_.write_rows_of(padded.seqs);
+  if (table.shape()[1] != cols_) throw Error(OP, "cache", "a slot holds more pages than its capacity (cannot happen)");
   auto* st = static_cast<uint8_t*>(b.staging->data());
   std::memcpy(st + b.at.rows, rows.data(), rows.bytes());
-  auto* kv_map = reinterpret_cast<int32_t*>(st + b.at.kv_map);
-  auto* table = reinterpret_cast<int32_t*>(st + b.at.block_table);
+  std::memcpy(st + b.at.kv_map, kv_map.data(), kv_map.bytes());
+  std::memcpy(st + b.at.block_table, table.data(), table.bytes());
   auto* settings = reinterpret_cast<double*>(st + b.at.params);
-  std::fill(table, table + n * cols_, 0);  // unused columns: page 0, as the eager step's table
-  for (int64_t i = 0; i < n; ++i) {
-    const ChainSequence& s = padded.seqs[size_t(i)];
-    kv_map[i] = int32_t(cache_.row_of(s.slot, s.cached));
-    kv_map[n + i] = int32_t(i);
-    const auto& pages = cache_.block_table(s.slot);
-    std::copy(pages.begin(), pages.end(), table + i * cols_);
+  for (int64_t i = 0; i < n; ++i)
     std::memcpy(settings + i * P, params.data() + (i < B ? i : 0) * P, P * sizeof(double));
-  }
   if (fresh) {
     try {
       capture(b, padded);

@@ -263,7 +263,8 @@ int qk_chunk_tokens(int64_t heads, int64_t D) {
 
 // The geometry shared by both directions; the fused RoPE needs each half of a row to be whole
 // vectors (D % 16 == 0) and at least two of them.
-QkParams qk_params(const TensorView& x, const TensorView& positions, const char* op) {
+// `base` (optional) receives the fewest tokens whose rows fill the slots (tokens_per_step is a multiple).
+QkParams qk_params(const TensorView& x, const TensorView& positions, const char* op, int64_t* base_out = nullptr) {
   const int64_t D = x.shape[2];
   if (D > QK_MAX_D) throw Unsupported(op, "x", "the CUDA QK-norm supports head_dim up to " + std::to_string(QK_MAX_D));
   if (positions.present() && (D % 16 != 0))
@@ -280,6 +281,7 @@ QkParams qk_params(const TensorView& x, const TensorView& positions, const char*
   const int64_t times = std::max<int64_t>(1, std::min(QK_STEP_ROWS_PER_SLOT / base_rows_per_slot,
                                                       QK_CS_PAIRS / (base * std::max<int64_t>(half, 1))));
   p.tokens_per_step = int(base * times);
+  if (base_out) *base_out = base;
   p.positions = positions.present() ? positions.as<const int32_t>() : nullptr;
   return p;
 }
@@ -287,7 +289,8 @@ QkParams qk_params(const TensorView& x, const TensorView& positions, const char*
 void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   const char* op = "qk_norm_forward";
   const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
-  QkParams p = qk_params(a.x, a.positions, op);
+  int64_t base = 1;
+  QkParams p = qk_params(a.x, a.positions, op, &base);
   if (T == 0 || heads == 0) return;
   p.x = in8(a.x, D);
   p.weight = in8(a.weight, D);
@@ -298,7 +301,6 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   // A step of no more tokens than there are (rounded up to the fewest that fill the slots): a
   // decode step's one token walks 2 rows a slot, not the 32 of a full step. Which thread takes a
   // row never changes its bits (a row's sum runs over its own slot's lanes, fixed by D).
-  const int64_t slots = QK_THREADS / p.lanes, base = slots / std::gcd(p.heads, slots);
   p.tokens_per_step = int(std::min<int64_t>(p.tokens_per_step, (T + base - 1) / base * base));
   const int64_t steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
   const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y);
@@ -315,7 +317,8 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   const char* op = "qk_norm_backward";
   const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
-  QkParams p = qk_params(a.x, a.positions, op);
+  int64_t base = 1;
+  QkParams p = qk_params(a.x, a.positions, op, &base);
   if (T == 0 || heads == 0) return;
   const cudaStream_t stream = stream_of(ctx.stream);
   ScratchBuffer partials(size_t(QK_MAX_CHUNKS) * size_t(D) * sizeof(float), stream, op);
