@@ -28,9 +28,12 @@ using namespace samebits;
 
 namespace {
 
+// parts: the layer's linears of one x as separate weights (Q, K, V; gate, up), as transformers holds
+// them: samebits runs them as one linear_group_forward, cuBLAS as one call a part (F.linear each).
 struct Shape {
   const char* name;
   int64_t N, K;
+  std::vector<int64_t> parts = {};
 };
 
 __global__ void fill_random(__nv_bfloat16* p, int64_t n, uint64_t seed) {
@@ -153,7 +156,9 @@ int main(int argc, char** argv) {
       {"QKV 4096->6144", 6144, 4096},          {"O 4096->4096", 4096, 4096},
       {"gate+up (Qwen3) 4096->24576", 24576, 4096}, {"gate+up (Llama) 4096->28672", 28672, 4096},
       {"down (Qwen3) 12288->4096", 4096, 12288},    {"down (Llama) 14336->4096", 4096, 14336},
-      {"LM head (Qwen3) 4096->151936", 151936, 4096}, {"LM head (Llama) 4096->128256", 128256, 4096}};
+      {"LM head (Qwen3) 4096->151936", 151936, 4096}, {"LM head (Llama) 4096->128256", 128256, 4096},
+      {"Q,K,V parts 4096->4096+1024+1024", 6144, 4096, {4096, 1024, 1024}},
+      {"gate,up parts (Qwen3) 4096->12288+12288", 24576, 4096, {12288, 12288}}};
   std::vector<int64_t> ms = {1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192};
   std::vector<Shape> run_shapes = shapes;
   if (quick) {
@@ -215,7 +220,29 @@ int main(int argc, char** argv) {
       for (int64_t M : ms) {
         const double flop = 2.0 * double(M) * double(s.N) * double(s.K);
         PairMs ms{};
-        if (!std::strcmp(product, "forward")) {
+        if (!s.parts.empty()) {  // forward only: one grouped call against a cuBLAS call a part
+          if (std::strcmp(product, "forward")) continue;
+          ms = time_pair([&](int i) {
+            const int c = i % copies;
+            LinearGroupForwardArgs g;
+            g.x = dev(x[c], DType::bf16, M, s.K);
+            int64_t row = 0;
+            for (int64_t n : s.parts) {
+              g.parts[g.count++] = {dev(w[c] + row * s.K, DType::bf16, n, s.K), {}, dev(y + M * row, DType::bf16, M, n)};
+              row += n;
+            }
+            linear_group_forward(ctx, g);
+          }, [&](int i) {
+            const int c = i % copies;
+            int64_t row = 0;
+            for (int64_t n : s.parts) {
+              CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(M), int(s.K), &one, w[c] + row * s.K, CUDA_R_16BF,
+                              int(s.K), x[c], CUDA_R_16BF, int(s.K), &zero, y + M * row, CUDA_R_16BF, int(n),
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+              row += n;
+            }
+          }, 50);
+        } else if (!std::strcmp(product, "forward")) {
           ms = time_pair([&](int i) {
             const int c = i % copies;
             linear_forward(ctx, {dev(x[c], DType::bf16, M, s.K), dev(w[c], DType::bf16, s.N, s.K), {}, dev(y, DType::bf16, M, s.N)});

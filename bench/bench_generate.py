@@ -10,10 +10,11 @@ Two parts (both unless one is named):
    every request is decoding (a step that draws B tokens: every request drew in it), then N decode
    steps are timed one by one (wall clock around Engine.step() and a device synchronisation; the
    engine copies the drawn tokens to the host, so a step is synchronous anyway): the median.
-   bound = (weight bytes + B × C × layers × 2 × kv_heads × head_dim × 2 bytes of KV) / copy
+   bound = (weight bytes read + B × C × layers × 2 × kv_heads × head_dim × 2 bytes of KV) / copy
    bandwidth, the bandwidth measured in this process (a device-to-device torch copy, bytes read +
-   written, median of 20). The weight bytes are all the weights', the embedding table's included
-   (a step gathers only B of its rows: the bound is that much lenient).
+   written, median of 20). The weight bytes read are every weight's but the embedding table's, of
+   which a step gathers B rows. (Until session 17 the whole table counted, 1.24 GB more: a bound
+   7-8% more lenient.)
  * --rollout: a GRPO-like rollout: P prompts × L random tokens, n samples each, N new tokens,
    temperature 1, no stop token (random weights: every sample runs to N). samebits.Engine
    (max_slots and the KV pool sized from the free memory so that no request is preempted) against
@@ -125,8 +126,12 @@ def kv_bytes_per_token(cfg):
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # keys + values, bf16
 
 
-def weight_bytes(model):
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(model, rows=0):
+    """The weight bytes a step of `rows` tokens reads: every weight but the input embedding table, of
+    which it gathers `rows` rows."""
+    emb = model.get_input_embeddings().weight
+    others = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    return others + rows * emb.shape[1] * emb.element_size()
 
 
 def random_prompts(count, length, vocab, seed):
@@ -185,7 +190,7 @@ def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temp
 
 def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
     cfg = hf.config
-    W, kvb = weight_bytes(hf), kv_bytes_per_token(cfg)
+    kvb = kv_bytes_per_token(cfg)
     rows, notes = [], []
     for C in args.contexts:
         for B in args.batches:
@@ -196,7 +201,7 @@ def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
                 print(f"decode B={B} C={C}: {t}", flush=True)
                 notes.append(f"- B = {B}, C = {C}: {t}.")
                 continue
-            bound = (W + B * C * kvb) / bw
+            bound = (weight_bytes(hf, B) + B * C * kvb) / bw
             rows.append(f"| {B} | {C} | {t * 1e3:.2f} | {eager * 1e3:.2f} | {bound * 1e3:.2f} | {100 * bound / t:.0f}% | "
                         f"{100 * bound / eager:.0f}% | {B / t:,.0f} |")
             print(rows[-1], flush=True)
@@ -205,9 +210,11 @@ def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
            f"decodes, then the median of {args.steps} decode steps (wall clock around `Engine.step()` and a device "
            f"synchronisation), each step one CUDA graph replay (`cuda_graphs=True`, the default) and, in an engine of "
            f"its own, eager (`cuda_graphs=False`); temperature {args.temperature}, `max_batch_tokens` {args.max_batch_tokens}, pages of "
-           f"{PAGE} tokens. bound = (weights {W / 1e9:.2f} GB + B × C × {cfg.num_hidden_layers} layers × 2 × "
-           f"{cfg.num_key_value_heads} kv heads × {cfg.head_dim} × 2 bytes of KV) / {bw / 1e12:.2f} TB/s (the "
-           "measured copy bandwidth); the embedding table counts in full although a step gathers B of its rows.", "",
+           f"{PAGE} tokens. bound = (weights read {weight_bytes(hf) / 1e9:.2f} GB + B embedding rows + B × C × "
+           f"{cfg.num_hidden_layers} layers × 2 × {cfg.num_key_value_heads} kv heads × {cfg.head_dim} × 2 bytes of "
+           f"KV) / {bw / 1e12:.2f} TB/s (the measured copy bandwidth): every weight but the input embedding table, "
+           "of which a step gathers B rows. (Until session 17 the whole table counted, 1.24 GB more: a bound 7-8% "
+           "more lenient.)", "",
            "| B | C | step ms (graphs) | step ms (eager) | bound ms | % of bound (graphs) | % of bound (eager) | tokens/s (graphs) |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"] + rows
     return out + ([""] + notes if notes else [])

@@ -39,7 +39,20 @@ struct LinearBackwardInputArgs {
 struct LinearBackwardWeightArgs {
   TensorView dy, x, row_mask, dweight, dbias, segments;
 };
+// Several linears of one x: y_i = x · weight_iᵀ (+ bias_i) for the parts i < count (1 to 3; a layer's
+// Q, K and V, or gate and up). Each y_i is bitwise what linear_forward(x, weight_i, bias_i, y_i)
+// gives; where a backend can, the parts run as one launch whose tiles cover every part's columns (a
+// decode's narrow K and V then stream their weights beside Q's instead of leaving the GPU idle).
+struct LinearPart {
+  TensorView weight, bias, y;
+};
+struct LinearGroupForwardArgs {
+  TensorView x;
+  LinearPart parts[3];
+  int count = 0;
+};
 void linear_forward(const Context&, const LinearForwardArgs&);
+void linear_group_forward(const Context&, const LinearGroupForwardArgs&);
 void linear_backward_input(const Context&, const LinearBackwardInputArgs&);
 void linear_backward_weight(const Context&, const LinearBackwardWeightArgs&);
 

@@ -34,6 +34,13 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
   });
 }
 
+// The CPU runs a group's parts one after the other, each through this file's kernel (the
+// parentheses keep argument-dependent lookup from finding the public op).
+void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
+  for (int i = 0; i < a.count; ++i)
+    (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[i].weight, a.parts[i].bias, a.parts[i].y});
+}
+
 void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a) {
   with_precision(ctx, [&](auto acc) {
     using Acc = decltype(acc);
@@ -76,6 +83,7 @@ void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& 
 }  // namespace
 
 SAMEBITS_REGISTER_KERNEL(linear_forward, Backend::cpu, LinearForwardArgs, linear_forward);
+SAMEBITS_REGISTER_KERNEL(linear_group_forward, Backend::cpu, LinearGroupForwardArgs, linear_group_forward);
 SAMEBITS_REGISTER_KERNEL(linear_backward_input, Backend::cpu, LinearBackwardInputArgs, linear_backward_input);
 SAMEBITS_REGISTER_KERNEL(linear_backward_weight, Backend::cpu, LinearBackwardWeightArgs, linear_backward_weight);
 

@@ -5,6 +5,8 @@
 #include "samebits/chain.hpp"
 
 #include <algorithm>
+#include <array>
+#include <initializer_list>
 #include <cmath>
 #include <cstring>
 
@@ -152,9 +154,28 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
       linear_forward(ctx_, {in.view(), W(w), {}, out.view()});
       return out;
     };
-    const DeviceTensor& q = linear("q", *n1, p + "self_attn.q_proj.weight", Hq * D);
-    const DeviceTensor& k = linear("k", *n1, p + "self_attn.k_proj.weight", Hkv * D);
-    const DeviceTensor& v = linear("v", *n1, p + "self_attn.v_proj.weight", Hkv * D);
+    // Linears of one input in one call (Q, K, V; gate, up): each output bitwise its own call's.
+    struct Out {
+      const char* name;
+      const char* weight;
+      int64_t n;
+    };
+    auto linears = [&](const DeviceTensor& in, std::initializer_list<Out> outs) {
+      LinearGroupForwardArgs group;
+      group.x = in.view();
+      std::array<DeviceTensor*, 3> made{};
+      for (const Out& o : outs) {
+        DeviceTensor& y = act(layer_name(l, o.name), {T, o.n});
+        group.parts[group.count] = {W(p + o.weight), {}, y.view()};
+        made[size_t(group.count++)] = &y;
+      }
+      linear_group_forward(ctx_, group);
+      return made;
+    };
+    const auto qkv = linears(*n1, {{"q", "self_attn.q_proj.weight", Hq * D},
+                                   {"k", "self_attn.k_proj.weight", Hkv * D},
+                                   {"v", "self_attn.v_proj.weight", Hkv * D}});
+    const DeviceTensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
     // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
     DeviceTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
     DeviceTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
@@ -220,8 +241,8 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     DeviceTensor& n2 = act(layer_name(l, "n2"), {T, H});
     DeviceTensor& rstd2 = acc(layer_name(l, "rstd2"), {T});
     norm(o, x_in, p + "post_attention_layernorm.weight", n2, &x_mid, rstd2);
-    const DeviceTensor& g = linear("gate", n2, p + "mlp.gate_proj.weight", I);
-    const DeviceTensor& u = linear("up", n2, p + "mlp.up_proj.weight", I);
+    const auto gate_up = linears(n2, {{"gate", "mlp.gate_proj.weight", I}, {"up", "mlp.up_proj.weight", I}});
+    const DeviceTensor &g = *gate_up[0], &u = *gate_up[1];
     DeviceTensor& m = act(layer_name(l, "swiglu"), {T, I});
     swiglu_forward(ctx_, {g.view(), u.view(), m.view()});
     const DeviceTensor& d = linear("down", m, p + "mlp.down_proj.weight", H);

@@ -6,25 +6,51 @@
 namespace samebits {
 using namespace detail;
 
+namespace {
+// The checks of one y = x·wᵀ (+ bias); `part` prefixes the argument names of a group's part.
+void check_linear_forward(const Validator& v, const TensorView& x, const TensorView& weight, const TensorView& bias,
+                          const TensorView& y, const std::string& part = "") {
+  const std::string w_name = part + "weight", b_name = part + "bias", y_name = part + "y";
+  check_float_input(v, w_name.c_str(), weight, 2);
+  v.same_dtype(w_name.c_str(), weight, "x", x);
+  v.dim(w_name.c_str(), weight, 1, x.shape[1], "K, x's columns");
+  v.optional(b_name.c_str(), bias, 1);
+  if (bias.present()) {
+    v.floating(b_name.c_str(), bias);
+    v.dim(b_name.c_str(), bias, 0, weight.shape[0], "N, weight's rows");
+    v.finite(b_name.c_str(), bias);
+  }
+  v.required(y_name.c_str(), y, 2);
+  v.floating(y_name.c_str(), y);
+  v.dim(y_name.c_str(), y, 0, x.shape[0], "M, x's rows");
+  v.dim(y_name.c_str(), y, 1, weight.shape[0], "N, weight's rows");
+  v.no_alias(y_name.c_str(), y, "x", x);
+  v.no_alias(y_name.c_str(), y, w_name.c_str(), weight);
+}
+}  // namespace
+
 void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
   auto v = begin_op<OpId::linear_forward>("linear_forward", ctx, a);
   check_float_input(v, "x", a.x, 2);
-  check_float_input(v, "weight", a.weight, 2);
-  v.same_dtype("weight", a.weight, "x", a.x);
-  v.dim("weight", a.weight, 1, a.x.shape[1], "K, x's columns");
-  v.optional("bias", a.bias, 1);
-  if (a.bias.present()) {
-    v.floating("bias", a.bias);
-    v.dim("bias", a.bias, 0, a.weight.shape[0], "N, weight's rows");
-    v.finite("bias", a.bias);
-  }
-  v.required("y", a.y, 2);
-  v.floating("y", a.y);
-  v.dim("y", a.y, 0, a.x.shape[0], "M, x's rows");
-  v.dim("y", a.y, 1, a.weight.shape[0], "N, weight's rows");
-  v.no_alias("y", a.y, "x", a.x);
-  v.no_alias("y", a.y, "weight", a.weight);
+  check_linear_forward(v, a.x, a.weight, a.bias, a.y);
   run_kernel<OpId::linear_forward>("linear_forward", ctx, a);
+}
+
+void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
+  auto v = begin_op<OpId::linear_group_forward>("linear_group_forward", ctx, a);
+  if (a.count < 1 || a.count > 3) v.fail("count", "a group has 1 to 3 parts, got " + std::to_string(a.count));
+  check_float_input(v, "x", a.x, 2);
+  for (int i = 0; i < a.count; ++i) {
+    const LinearPart& p = a.parts[i];
+    const std::string name = "parts[" + std::to_string(i) + "].";
+    check_linear_forward(v, a.x, p.weight, p.bias, p.y, name);
+    for (int j = 0; j < a.count; ++j) {
+      const std::string other = "parts[" + std::to_string(j) + "].";
+      if (j != i) v.no_alias((name + "y").c_str(), p.y, (other + "weight").c_str(), a.parts[j].weight);
+      if (j < i) v.no_alias((name + "y").c_str(), p.y, (other + "y").c_str(), a.parts[j].y);
+    }
+  }
+  run_kernel<OpId::linear_group_forward>("linear_group_forward", ctx, a);
 }
 
 void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a) {

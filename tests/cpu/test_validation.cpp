@@ -249,6 +249,42 @@ TEST(Validation, OutputOverlappingAnInput) {
   expect_error([&] { linear_forward(Context{}, a); }, "linear_forward", "y", "must not overlap x", &f.x);
 }
 
+TEST(Validation, LinearGroupGivesEachPartsOwnCallAndNamesTheBadPart) {
+  // Parts of different widths, one with a bias: each y bitwise its own linear_forward.
+  std::vector<float> x(5 * 8), w0(3 * 8), w1(2 * 8), b1(2), y0(5 * 3), y1(5 * 2), r0(5 * 3), r1(5 * 2);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(float(i));
+  for (size_t i = 0; i < w0.size(); ++i) w0[i] = std::cos(float(i) * 0.7f);
+  for (size_t i = 0; i < w1.size(); ++i) w1[i] = std::cos(float(i) * 1.3f);
+  b1 = {0.25f, -0.5f};
+  auto view = [](std::vector<float>& v, int64_t r, int64_t c) { return TensorView::of(v.data(), DType::f32, {r, c}); };
+  LinearGroupForwardArgs g;
+  g.x = view(x, 5, 8);
+  g.parts[0] = {view(w0, 3, 8), {}, view(y0, 5, 3)};
+  g.parts[1] = {view(w1, 2, 8), TensorView::of(b1.data(), DType::f32, {2}), view(y1, 5, 2)};
+  g.count = 2;
+  linear_group_forward(Context{}, g);
+  linear_forward(Context{}, {g.x, g.parts[0].weight, {}, view(r0, 5, 3)});
+  linear_forward(Context{}, {g.x, g.parts[1].weight, g.parts[1].bias, view(r1, 5, 2)});
+  EXPECT_EQ(std::memcmp(y0.data(), r0.data(), y0.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(y1.data(), r1.data(), y1.size() * 4), 0);
+  EXPECT_NE(y1[0], 0.0f);
+
+  auto bad = g;
+  bad.count = 0;
+  expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "count", "1 to 3 parts", &y0);
+  bad.count = 4;
+  expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "count", "got 4", &y0);
+  bad = g;
+  std::vector<float> w_short(2 * 6);
+  bad.parts[1].weight = view(w_short, 2, 6);
+  expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[1].weight",
+               "K, x's columns", &y0);
+  bad = g;
+  bad.parts[1].y = view(y0, 5, 2);  // inside part 0's output
+  expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[1].y",
+               "must not overlap parts[0].y", &y0);
+}
+
 TEST(Validation, MissingRequiredArgument) {
   LinearFixture f;
   auto a = f.args();

@@ -58,13 +58,29 @@ using sm90gemm::StoreEpilogue;
 // m64n128k16, m64n192k16 and m64n256k16 (and m64n32k16, m64n48k16, below) run the same per-element
 // K sequence, and tests/test_cuda_gemm.cpp checks it (the M sweep crosses the switches, and
 // TileWidthsGiveIdenticalBits forces every width, compact and full, on the same problems).
-inline int64_t tile_rounds(int64_t M, int64_t out_cols, int width, int sms) {
-  const int64_t tiles = ((M + 127) / 128) * ((out_cols + width - 1) / width);
+// The output columns one launch covers, `count` products side by side (one for a plain GEMM): a tile
+// never straddles two products, so each product's columns round up to the tile width on their own.
+struct Columns {
+  const int64_t* N;
+  int count;
+  int64_t total() const {
+    int64_t n = 0;
+    for (int g = 0; g < count; ++g) n += N[g];
+    return n;
+  }
+  int64_t tiles(int width) const {
+    int64_t t = 0;
+    for (int g = 0; g < count; ++g) t += (N[g] + width - 1) / width;
+    return t;
+  }
+};
+inline int64_t tile_rounds(int64_t M, const Columns& cols, int width, int sms) {
+  const int64_t tiles = ((M + 127) / 128) * cols.tiles(width);
   return (tiles + sms - 1) / sms;
 }
-inline int tile_width(int64_t M, int64_t out_cols, int sms) {
-  int width = out_cols >= 16384 ? 256 : M <= 256 ? 64 : M <= 512 ? 128 : 256;
-  if (M > 256 && 10 * 192 * tile_rounds(M, out_cols, 192, sms) < 9 * width * tile_rounds(M, out_cols, width, sms))
+inline int tile_width(int64_t M, const Columns& cols, int sms) {
+  int width = cols.total() >= 16384 ? 256 : M <= 256 ? 64 : M <= 512 ? 128 : 256;
+  if (M > 256 && 10 * 192 * tile_rounds(M, cols, 192, sms) < 9 * width * tile_rounds(M, cols, width, sms))
     width = 192;
   return width;
 }
@@ -83,10 +99,10 @@ struct TileChoice {
   int width;
   bool compact;
 };
-inline TileChoice tile_choice(int64_t M, int64_t out_cols, int sms, bool forward) {
-  auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * ((out_cols + width - 1) / width); };
-  const bool narrow = out_cols < 16384;
-  int width = tile_width(M, out_cols, sms);
+inline TileChoice tile_choice(int64_t M, const Columns& cols, int sms, bool forward) {
+  auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * cols.tiles(width); };
+  const bool narrow = cols.total() < 16384;
+  int width = tile_width(M, cols, sms);
   if (narrow && M <= 64)
     for (int w : {32, 48})
       if (tiles(64, w) <= sms && (forward || w == 32)) {
@@ -101,37 +117,50 @@ inline TileChoice tile_choice(int64_t M, int64_t out_cols, int sms, bool forward
   return {width, compact};
 }
 
-// y = A·B (+ bias) into `out` with the plain store epilogue; the output goes out by TMA stores where
-// its rows allow (16-byte pitch and base) and M > 128; the values are the same either way (the M
-// sweep crosses the switch). Measured on an H100 against the threads' own stores: geometric mean
-// over M >= 1024 0.996 against 0.981 (the consumers no longer wait for their global stores before
-// the next tile), but 5-9% slower at M <= 64 on the narrow layers (O), whose calls are a few tiles
-// long and end waiting for the copy engine.
-template <class T, class O, bool TRANS_B, int BN, bool COMPACT, bool ACCUMULATE>
-void launch_tile(const T* a, const T* b, const T* bias, void* out, const float* acc_in, int64_t M, int64_t N,
-                 int64_t K, cudaStream_t stream) {
+// y_g = A·B_g (+ bias_g) into out_g for the `count` products (at most G) with the plain store
+// epilogue; an output goes out by TMA stores where its rows allow (16-byte pitch and base) and
+// M > 128; the values are the same either way (the M sweep crosses the switch). Measured on an H100
+// against the threads' own stores: geometric mean over M >= 1024 0.996 against 0.981 (the
+// consumers no longer wait for their global stores before the next tile), but 5-9% slower at
+// M <= 64 on the narrow layers (O), whose calls are a few tiles long and end waiting for the copy
+// engine.
+template <class T, class O, int G>
+struct ProductArgs {
+  const T* b[G];
+  const T* bias[G];
+  void* out[G];
+  int64_t N[G];
+  int count;
+};
+
+template <class T, class O, bool TRANS_B, int BN, bool COMPACT, bool ACCUMULATE, int G>
+void launch_tile(const T* a, const ProductArgs<T, O, G>& pa, const float* acc_in, int64_t M, int64_t K,
+                 cudaStream_t stream) {
   using Epi = StoreEpilogue<T, O, ACCUMULATE>;
-  typename Epi::Params p{};
-  p.bias = bias;
-  p.out = static_cast<O*>(out);
-  p.acc_in = acc_in;
-  p.store_by_tma =
-      BN >= 64 && M > 128 && (N * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  if (p.store_by_tma) p.map_out = tma_map_2d(static_cast<const O*>(out), M, N, 64);
-  sm90gemm::launch<T, TRANS_B, BN, COMPACT, Epi>(a, b, p, M, N, K, stream, "linear (cuda)");
+  typename Epi::Params ep[G] = {};
+  for (int g = 0; g < pa.count; ++g) {
+    typename Epi::Params& p = ep[g];
+    p.bias = pa.bias[g];
+    p.out = static_cast<O*>(pa.out[g]);
+    p.acc_in = acc_in;
+    p.store_by_tma = BN >= 64 && M > 128 && (pa.N[g] * int64_t(sizeof(O))) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(pa.out[g]) % 16 == 0;
+    if (p.store_by_tma) p.map_out = tma_map_2d(static_cast<const O*>(pa.out[g]), M, pa.N[g], 64);
+  }
+  sm90gemm::launch_products<T, TRANS_B, BN, COMPACT, Epi, G>(a, pa.b, ep, pa.N, pa.count, M, K, stream,
+                                                             "linear (cuda)");
 }
 
-template <class T, class O, bool TRANS_B, bool ACCUMULATE = false>
-void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream,
-            const float* acc_in = nullptr) {
-  const TileChoice choice = tile_choice(M, N, current_sm_count("linear (cuda)"), !TRANS_B);
+template <class T, class O, bool TRANS_B, bool ACCUMULATE = false, int G>
+void launch_products(const T* a, const ProductArgs<T, O, G>& pa, int64_t M, int64_t K, cudaStream_t stream,
+                     const float* acc_in = nullptr) {
+  const TileChoice choice = tile_choice(M, Columns{pa.N, pa.count}, current_sm_count("linear (cuda)"), !TRANS_B);
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
     if constexpr (BN <= 64 || BN == 256) {
-      if (choice.compact)
-        return launch_tile<T, O, TRANS_B, BN, true, ACCUMULATE>(a, b, bias, out, acc_in, M, N, K, stream);
+      if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true, ACCUMULATE, G>(a, pa, acc_in, M, K, stream);
     }
-    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false, ACCUMULATE>(a, b, bias, out, acc_in, M, N, K, stream);
+    if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false, ACCUMULATE, G>(a, pa, acc_in, M, K, stream);
   };
   switch (choice.width) {
     case 32: return run(std::integral_constant<int, 32>{});
@@ -143,6 +172,14 @@ void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t
     case 192: return run(std::integral_constant<int, 192>{});
     default: return run(std::integral_constant<int, 256>{});
   }
+}
+
+// One product: y[M,N] = A·B (+ bias).
+template <class T, class O, bool TRANS_B, bool ACCUMULATE = false>
+void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream,
+            const float* acc_in = nullptr) {
+  const ProductArgs<T, O, 1> pa{{b}, {bias}, {out}, {N}, 1};
+  launch_products<T, O, TRANS_B, ACCUMULATE, 1>(a, pa, M, K, stream, acc_in);
 }
 
 }  // namespace
@@ -166,6 +203,20 @@ void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType o
     case DType::f16: return launch<T, __half, false>(x, w, bias, out, M, N, K, stream);
     default: return launch<T, float, false>(x, w, bias, out, M, N, K, stream);
   }
+}
+
+template <class T>
+void gemm_sm90_forward_products(const T* x, const T* const* w, const T* const* bias, void* const* out,
+                                const int64_t* N, int count, int64_t M, int64_t K, cudaStream_t stream) {
+  ProductArgs<T, T, kMaxLinearProducts> pa{};
+  pa.count = count;
+  for (int g = 0; g < count; ++g) {
+    pa.b[g] = w[g];
+    pa.bias[g] = bias[g];
+    pa.out[g] = out[g];
+    pa.N[g] = N[g];
+  }
+  launch_products<T, T, false, false, kMaxLinearProducts>(x, pa, M, K, stream);
 }
 
 template <class T>
@@ -193,6 +244,11 @@ template void gemm_sm90_forward<__nv_bfloat16>(const __nv_bfloat16*, const __nv_
                                                DType, int64_t, int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_forward<__half>(const __half*, const __half*, const __half*, void*, DType, int64_t, int64_t,
                                         int64_t, cudaStream_t);
+template void gemm_sm90_forward_products<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16* const*,
+                                                        const __nv_bfloat16* const*, void* const*, const int64_t*, int,
+                                                        int64_t, int64_t, cudaStream_t);
+template void gemm_sm90_forward_products<__half>(const __half*, const __half* const*, const __half* const*,
+                                                 void* const*, const int64_t*, int, int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_input_grad<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, void*, DType, int64_t,
                                                   int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_input_grad<__half>(const __half*, const __half*, void*, DType, int64_t, int64_t, int64_t,

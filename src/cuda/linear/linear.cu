@@ -50,6 +50,41 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
   });
 }
 
+// One launch for the parts where the Hopper path takes them all (16-byte aligned, K % 8 == 0, every
+// y in x's dtype: the products kernel stores T); else each part alone. Both give every y its bits
+// (the per-element K sequence is the tile's, whatever its width or neighbours).
+void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
+  Validator v("linear_group_forward", ctx);
+  require_16bit(v, "x", a.x);
+  bool one_launch = sm90_path_available() && a.x.shape[1] % 8 == 0 && a.count > 1 &&
+                    reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0;
+  for (int i = 0; i < a.count; ++i) {
+    const LinearPart& p = a.parts[i];
+    one_launch = one_launch && p.y.dtype == a.x.dtype && reinterpret_cast<uintptr_t>(p.weight.data) % 16 == 0 &&
+                 (!p.bias.present() || p.bias.dtype == a.x.dtype);
+  }
+  if (!one_launch) {
+    for (int i = 0; i < a.count; ++i)  // this file's kernel (the parentheses keep ADL from the public op)
+      (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[i].weight, a.parts[i].bias, a.parts[i].y});
+    return;
+  }
+  with_16bit_storage(a.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* w[kMaxLinearProducts] = {};
+    const T* bias[kMaxLinearProducts] = {};
+    void* out[kMaxLinearProducts] = {};
+    int64_t N[kMaxLinearProducts] = {};
+    for (int i = 0; i < a.count; ++i) {
+      w[i] = a.parts[i].weight.as<const T>();
+      bias[i] = a.parts[i].bias.present() ? a.parts[i].bias.as<const T>() : nullptr;
+      out[i] = a.parts[i].y.data;
+      N[i] = a.parts[i].weight.shape[0];
+    }
+    gemm_sm90_forward_products<T>(a.x.as<const T>(), w, bias, out, N, a.count, a.x.shape[0], a.x.shape[1],
+                                  stream_of(ctx.stream));
+  });
+}
+
 void linear_backward_input(const Context& ctx, const LinearBackwardInputArgs& a) {
   Validator v("linear_backward_input", ctx);
   require_16bit(v, "dy", a.dy);
@@ -103,6 +138,7 @@ void linear_backward_weight(const Context& ctx, const LinearBackwardWeightArgs& 
 }  // namespace
 
 SAMEBITS_REGISTER_KERNEL(linear_forward, Backend::cuda, LinearForwardArgs, linear_forward);
+SAMEBITS_REGISTER_KERNEL(linear_group_forward, Backend::cuda, LinearGroupForwardArgs, linear_group_forward);
 SAMEBITS_REGISTER_KERNEL(linear_backward_input, Backend::cuda, LinearBackwardInputArgs, linear_backward_input);
 SAMEBITS_REGISTER_KERNEL(linear_backward_weight, Backend::cuda, LinearBackwardWeightArgs, linear_backward_weight);
 

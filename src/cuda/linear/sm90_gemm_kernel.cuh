@@ -12,7 +12,7 @@
 //   end_tile<BN, BOXES>(...)  consumes the accumulators: d[j*4 + h*2 + e] holds row
 //                             row_base + warp*16 + lane/4 + 8h, column n0 + 8j + 2*(lane%4) + e;
 //                             `staging` is the CTA's epilogue area (Tile::STAGING_BYTES);
-//   finish(...)               once per consumer thread after its last tile.
+//   finish(...)               once per consumer thread and product after its last tile.
 // Every element's K sequence is the mainloop's, whatever the epilogue: the logits a fused
 // epilogue sees are bitwise the values the plain GEMM stores in fp32.
 #pragma once
@@ -69,10 +69,24 @@ struct Tile {
   static_assert(SMEM_BYTES <= SMEM_LIMIT, "shared memory of one Hopper CTA");
 };
 
-template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi>
+// The products one launch computes: C_g = A·B_g for g < count (at most G), every one with A's rows
+// and K, its own B, N and epilogue parameters (a layer's Q, K and V, or gate and up, all reading
+// the same x). Their column tiles lie side by side, group 0's first, so one grid covers them all;
+// a tile never straddles two products, and each element's K sequence is the one a launch of its
+// product alone runs.
+template <class Epi, int G>
+struct Products {
+  CUtensorMap map_b[G];
+  typename Epi::Params ep[G];
+  int64_t N[G];
+  int64_t first_tile[G + 1];  // column tiles before product g; first_tile[count]: all of them
+  int count;
+};
+
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
 __global__ void __launch_bounds__(THREADS, 1)
-    gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-              const __grid_constant__ typename Epi::Params ep, int64_t M, int64_t N, int64_t K, int a_rows) {
+    gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ Products<Epi, G> prod, int64_t M,
+              int64_t K, int a_rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -93,13 +107,19 @@ __global__ void __launch_bounds__(THREADS, 1)
   // once x outgrows L2 (measured: 56% of HBM bandwidth and a 62% L2 hit rate at M = 8192).
   constexpr int64_t GROUP_M = 16;
   constexpr int TM = Ring::A_ROWS;  // rows of C a tile covers
-  const int64_t m_tiles = (M + TM - 1) / TM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
-  auto origin = [&](int64_t tile, int64_t& m0, int64_t& n0) {
+  const int64_t m_tiles = (M + TM - 1) / TM, n_tiles = prod.first_tile[prod.count], tiles = m_tiles * n_tiles;
+  // A tile's product p and origin (m0, n0) in that product's C.
+  auto origin = [&](int64_t tile, int& p, int64_t& m0, int64_t& n0) {
     const int64_t group = tile / (GROUP_M * n_tiles), first_m = group * GROUP_M;
     const int64_t group_rows = m_tiles - first_m < GROUP_M ? m_tiles - first_m : GROUP_M;
     const int64_t in_group = tile % (GROUP_M * n_tiles);
     m0 = (first_m + in_group % group_rows) * TM;
-    n0 = (in_group / group_rows) * BN;
+    const int64_t column_tile = in_group / group_rows;
+    p = 0;
+#pragma unroll
+    for (int i = 1; i < G; ++i)
+      if (i < prod.count && column_tile >= prod.first_tile[i]) p = i;
+    n0 = (column_tile - prod.first_tile[p]) * BN;
   };
   const int kt_count = int((K + BK - 1) / BK);
   init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
@@ -109,8 +129,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (t == 0) {
       uint32_t g = 0;  // k-tiles issued by this CTA, across its tiles
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int p;
         int64_t m0, n0;
-        origin(tile, m0, n0);
+        origin(tile, p, m0, n0);
+        const CUtensorMap* map_b = &prod.map_b[p];
         for (int kt = 0; kt < kt_count; ++kt, ++g) {
           const int s = int(g % STAGES);
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
@@ -118,9 +140,9 @@ __global__ void __launch_bounds__(THREADS, 1)
           tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
           if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
             for (int i = 0; i < (BN + 63) / 64; ++i)
-              tma_load_2d(sb + s * B_TILE + i * 64 * BK, &map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
+              tma_load_2d(sb + s * B_TILE + i * 64 * BK, map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
           } else {
-            tma_load_2d(sb + s * B_TILE, &map_b, kt * BK, int32_t(n0), &full[s]);
+            tma_load_2d(sb + s * B_TILE, map_b, kt * BK, int32_t(n0), &full[s]);
           }
         }
       }
@@ -134,8 +156,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   typename Epi::State state{};
   uint32_t g = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int p;
     int64_t m0, n0;
-    origin(tile, m0, n0);
+    origin(tile, p, m0, n0);
+    const typename Epi::Params& ep = prod.ep[p];
+    const int64_t N = prod.N[p];
     float d[NREG];
     Epi::template begin_tile<BN>(ep, d, m0 + c * 64, n0, M, N, t, state);
     for (int kt = 0; kt < kt_count; ++kt, ++g) {
@@ -159,17 +184,20 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (t == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
     Epi::template end_tile<BN, Ring::STORE_BOXES>(ep, d, staging, m0 + c * 64, n0, M, N, t, c, state);
   }
-  Epi::finish(ep, t, state);
+#pragma unroll
+  for (int i = 0; i < G; ++i)
+    if (i < prod.count) Epi::finish(prod.ep[i], t, state);
 #endif
 }
 
 
-// Launches C[M,N] = A[M,K]·B with BN-wide tiles of Tile<BN, COMPACT>::A_ROWS rows: B is w[N,K]
-// (forward) or, with TRANS_B, w[K,N] read along N (dX). The tensor maps of A and B are made here
-// because their boxes depend on the tile; the epilogue's parameters come ready-made.
-template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi>
-void launch(const T* a, const T* b, const typename Epi::Params& ep, int64_t M, int64_t N, int64_t K,
-            cudaStream_t stream, const char* op) {
+// Launches C_g[M,N_g] = A[M,K]·B_g for the `count` products g (at most G) with BN-wide tiles of
+// Tile<BN, COMPACT>::A_ROWS rows: B_g is w_g[N_g,K] (forward) or, with TRANS_B, w_g[K,N_g] read
+// along N (dX). The tensor maps of A and the B_g are made here because their boxes depend on the
+// tile; the epilogues' parameters come ready-made.
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
+void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
+                     int count, int64_t M, int64_t K, cudaStream_t stream, const char* op) {
   using Ring = Tile<BN, COMPACT>;
   // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
   // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
@@ -180,15 +208,33 @@ void launch(const T* a, const T* b, const typename Epi::Params& ep, int64_t M, i
   // cache hint; see cuda/common/sm90/tma.cuh).
   const bool streaming = M <= 128;
   const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
-  const CUtensorMap mb = TRANS_B ? tma_map_2d(b, K, N, BK, streaming, BN == 32 ? 64 : 128)
-                                 : tma_map_2d(b, N, K, BN, streaming);
+  Products<Epi, G> prod{};
+  prod.count = count;
+  prod.first_tile[0] = 0;
+  for (int g = 0; g < count; ++g) {
+    prod.map_b[g] = TRANS_B ? tma_map_2d(b[g], K, N[g], BK, streaming, BN == 32 ? 64 : 128)
+                            : tma_map_2d(b[g], N[g], K, BN, streaming);
+    prod.ep[g] = ep[g];
+    prod.N[g] = N[g];
+    prod.first_tile[g + 1] = prod.first_tile[g] + (N[g] + BN - 1) / BN;
+  }
   static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi>, Ring::SMEM_BYTES, smem_allowed, op);
+  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G>, Ring::SMEM_BYTES, smem_allowed, op);
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
-  const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * ((N + BN - 1) / BN);
+  const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * prod.first_tile[count];
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count(op)));
-  gemm_sm90<T, TRANS_B, BN, COMPACT, Epi><<<grid, THREADS, Ring::SMEM_BYTES, stream>>>(ma, mb, ep, M, N, K, a_rows);
+  gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G><<<grid, THREADS, Ring::SMEM_BYTES, stream>>>(ma, prod, M, K, a_rows);
   check(cudaGetLastError(), op, "sm90 kernel launch");
+}
+
+// One product: C[M,N] = A[M,K]·B.
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi>
+void launch(const T* a, const T* b, const typename Epi::Params& ep, int64_t M, int64_t N, int64_t K,
+            cudaStream_t stream, const char* op) {
+  const T* const bs[1] = {b};
+  const typename Epi::Params eps[1] = {ep};
+  const int64_t ns[1] = {N};
+  launch_products<T, TRANS_B, BN, COMPACT, Epi, 1>(a, bs, eps, ns, 1, M, K, stream, op);
 }
 
 }  // namespace samebits::cuda::sm90gemm
