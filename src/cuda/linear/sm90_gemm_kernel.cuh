@@ -57,23 +57,7 @@ struct Tile {
   static constexpr int A_TILE = A_ROWS * BK, B_TILE = BN * BK;  // elements
   static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
   static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
-  // A call with fewer rows than a tile (a decode) loads only the rows that exist, a_rows (M rounded
-  // up to 8), and its stages hold only those: the same ring then holds up to five times the stages
-  // of the weight, which is what such a call streams (BN = 32: 39 stages of 4 KiB of w at M <= 8,
-  // not 16; the H200 wants ~64 KiB of w in flight an SM to keep its HBM busy). A stage's A starts
-  // 1024-byte aligned (a_rows x 128 bytes), as the 128B swizzle needs. The wgmma still reads 64 rows
-  // of A from a stage's start: rows past a_rows read the next stages' bytes (or, for the last one,
-  // the B tiles after them, which the stage count leaves room for inside the ring); their results
-  // are never stored, and each stored row reads its own bytes.
-  static constexpr int MIN_A_ROWS = 8;
-  static constexpr int MAX_STAGES = RING_BYTES / ((MIN_A_ROWS * BK + B_TILE) * 2);
-  __host__ __device__ static constexpr int stages_for(int a_rows) {
-    return (RING_BYTES - (A_ROWS - a_rows) * BK * 2) / ((a_rows * BK + B_TILE) * 2) < MAX_STAGES
-               ? (RING_BYTES - (A_ROWS - a_rows) * BK * 2) / ((a_rows * BK + B_TILE) * 2)
-               : MAX_STAGES;
-  }
-  static_assert(stages_for(A_ROWS) == STAGES, "a full tile's ring");
-  static constexpr int BARRIER_BYTES = 2 * MAX_STAGES * 8, ALIGN_SLACK = 1024;
+  static constexpr int BARRIER_BYTES = 2 * STAGES * 8, ALIGN_SLACK = 1024;
   // Store boxes a consumer: two where they fit beside the ring (the second is written while the
   // copy engine still reads the first), else one.
   static constexpr int STORE_BOXES =
@@ -108,9 +92,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
   using Ring = Tile<BN, COMPACT>;
-  constexpr int B_TILE = Ring::B_TILE, NREG = BN / 2;
-  const int A_TILE = a_rows * BK;  // elements of A a stage holds: the rows that exist (see Tile)
-  const uint32_t STAGES = uint32_t(Ring::stages_for(a_rows));
+  constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
   T* sb = sa + STAGES * A_TILE;
   uint8_t* staging = base + Ring::RING_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
@@ -140,7 +122,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     n0 = (column_tile - prod.first_tile[p]) * BN;
   };
   const int kt_count = int((K + BK - 1) / BK);
-  init_ring_barriers(full, empty, int(STAGES), Ring::RELEASERS);
+  init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
