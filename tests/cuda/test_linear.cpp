@@ -98,8 +98,8 @@ TEST_F(CudaLinear, TileWidthsGiveIdenticalBits) {
   // 256-wide tiles (a 32-wide dX tile reads w in 64-byte-swizzled boxes), forced on the same
   // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles; N = 1001:
   // fp32 rows whose pitch TMA cannot store, written by the threads). Tiles are compact (64 rows, one
-  // consumer) at widths 32 and 48 always, at 64 and 256 for M <= 64, and at 64 for M = 100 here; the
-  // 128- and 192-wide ones are full, so M = 1, 33 and 100 compare the two.
+  // consumer) at widths 32 and 48 always, at 64, 192 and 256 for M <= 64, and at 64 for M = 100 here;
+  // the 128-wide ones are full, so M = 1, 33 and 100 compare the two.
   struct Shape { int64_t M, N, K; };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Shape& sh : {Shape{1, 4096, 4096}, Shape{33, 2000, 1544}, Shape{77, 6144, 4096}, Shape{100, 1000, 1536}, Shape{512, 4096, 12288}, Shape{300, 1000, 1536},

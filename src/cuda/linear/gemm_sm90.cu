@@ -11,9 +11,9 @@
 // per tile; on an H100 0.984 / 0.981 against 0.960 / 0.972 in two alternating repetitions).
 // Warpgroup 0 is the producer (registers given away with setmaxnreg): one thread streams A (x) and
 // B (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6
-// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; compact 64-row tiles: 5, 12, 14 or
-// 16 stages of 40, 16, 14 or 12 KiB for BN = 256, 64, 48, 32) and signals "full" mbarriers with the byte
-// count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from
+// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; compact 64-row tiles: 5, 6, 12,
+// 14 or 16 stages of 40, 32, 16, 14 or 12 KiB for BN = 256, 192, 64, 48, 32) and signals "full"
+// mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from
 // shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
 // once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and writes
 // 128-byte column slices into 128B-swizzled boxes that TMA stores, so the consumers start the next
@@ -46,8 +46,8 @@ using namespace sm90;
 using sm90gemm::StoreEpilogue;
 
 // The tile width: 256 output columns; on outputs narrower than 16384 columns, 128 when M <= 512 and
-// 64 when M <= 256, so decode-sized batches of narrow layers (QKV, O, down, the LM head's dX) get
-// two or four times the CTAs to stream the weight with. Above M = 256, 192 where that costs less
+// 64 when M <= 256, so small batches of narrow layers (QKV, O, down, the LM head's dX) get two or
+// four times the CTAs to stream the weight with (M <= 64: see tile_choice). Above M = 256, 192 where that costs less
 // once the last, partial round of tiles over the SMs is counted (rounds x width: QKV 4096 -> 6144 at
 // M = 1024 is 1.45 rounds of 256-wide tiles, a second round that leaves 60% of the GPU idle, and
 // 1.94 rounds of 192-wide ones), by a margin of 10%: a 192-wide tile has room for one TMA store box
@@ -85,35 +85,42 @@ inline int tile_width(int64_t M, const Columns& cols, int sms) {
   return width;
 }
 
-// Decode-sized calls of narrow layers (M <= 128, fewer than 16384 output columns) stream the weight
-// and want as many CTAs streaming it as there are SMs, each with as deep a ring as possible:
-// compact 64-row tiles (below), and for M <= 64 the narrowest width in 32, 48, 64 that still fits one
-// round (down and O, 4096 columns: 128 tiles of 32, not 64 of 64; QKV, 6144: 128 tiles of 48, not 96
-// of 64). For 64 < M <= 128, two 64-row tiles of 64 columns where they fit one round (down, O: 128
-// CTAs instead of 64). dX reads w along its output columns in 128-byte boxes, or 64-byte ones for a
-// 32-wide tile, so its tiles are 32 or at least 64 wide (dX of gate+up and the LM heads, 4096 output
-// columns: 128 tiles of 32). Measured against 64-wide tiles only, same run: forward M <= 128 on an
-// H100, geometric-mean ratio to cuBLAS 1.045 -> 1.122 (down M = 16: 1.07 -> 1.61), dX 1.024 -> 1.063;
-// the 32-wide dX tiles on an H200, dX M <= 128 0.922 -> 0.956.
+// Decode-sized calls (M <= 64: one row of compact 64-row tiles) stream the weight and want every SM
+// streaming an equal share of it, each with as deep a ring as possible. The width is the one of 32,
+// 48 (forward only), 64, 192 and 256 whose busiest CTA streams the fewest columns, ⌈tiles / SMs⌉ x
+// width, the widest on a tie (bigger copies, fewer tile switches): down and O, 4096 columns: 128
+// tiles of 32; QKV, 4096 + 1024 + 1024: 130 of 48; gate + up, 2 x 12288: 128 of 192 (256-wide tiles,
+// the rule for wide outputs above M = 64, left 36 of 132 SMs idle: 96 tiles); the LM heads: 192
+// (⌈792 / 132⌉ x 192 = 1152 columns, not ⌈594 / 132⌉ x 256 = 1280). For 64 < M <= 128, two 64-row
+// tiles of 64 columns where they fit one round (down, O: 128 CTAs instead of 64). dX reads w along
+// its output columns in 128-byte boxes, or 64-byte ones for a 32-wide tile, so its tiles are 32 or
+// at least 64 wide (dX of gate+up and the LM heads, 4096 output columns: 128 tiles of 32). Measured
+// against 64-wide tiles only, same run: forward M <= 128 on an H100, geometric-mean ratio to cuBLAS
+// 1.045 -> 1.122 (down M = 16: 1.07 -> 1.61), dX 1.024 -> 1.063; the 32-wide dX tiles on an H200, dX
+// M <= 128 0.922 -> 0.956.
 struct TileChoice {
   int width;
   bool compact;
 };
 inline TileChoice tile_choice(int64_t M, const Columns& cols, int sms, bool forward) {
   auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * cols.tiles(width); };
-  const bool narrow = cols.total() < 16384;
   int width = tile_width(M, cols, sms);
-  if (narrow && M <= 64)
-    for (int w : {32, 48})
-      if (tiles(64, w) <= sms && (forward || w == 32)) {
+  if (M <= 64) {
+    int64_t best = -1;
+    for (int w : {256, 192, 64, 48, 32}) {
+      if (w == 48 && !forward) continue;
+      const int64_t busiest = (tiles(64, w) + sms - 1) / sms * w;  // columns the busiest CTA streams
+      if (best < 0 || busiest < best) {
+        best = busiest;
         width = w;
-        break;
       }
+    }
+  }
   if (const int forced = detail::gemm_tile_width_override()) width = forced == 48 && !forward ? 64 : forced;
-  // Compact: 32- and 48-wide tiles always; 64- and 256-wide ones for M <= 64; 64-wide ones for
+  // Compact: 32- and 48-wide tiles always; 64-, 192- and 256-wide ones for M <= 64; 64-wide ones for
   // 64 < M <= 128 too where the 64-row tiles fit one round.
   const bool compact = width < 64 || (width == 64 && (M <= 64 || (M <= 128 && tiles(64, 64) <= sms))) ||
-                       (width == 256 && M <= 64);
+                       (width >= 192 && M <= 64);
   return {width, compact};
 }
 
@@ -157,7 +164,7 @@ void launch_products(const T* a, const ProductArgs<T, O, G>& pa, int64_t M, int6
   const TileChoice choice = tile_choice(M, Columns{pa.N, pa.count}, current_sm_count("linear (cuda)"), !TRANS_B);
   auto run = [&](auto width) {
     constexpr int BN = decltype(width)::value;
-    if constexpr (BN <= 64 || BN == 256) {
+    if constexpr (BN <= 64 || BN >= 192) {
       if (choice.compact) return launch_tile<T, O, TRANS_B, BN, true, ACCUMULATE, G>(a, pa, acc_in, M, K, stream);
     }
     if constexpr (BN >= 64) launch_tile<T, O, TRANS_B, BN, false, ACCUMULATE, G>(a, pa, acc_in, M, K, stream);
