@@ -13,8 +13,8 @@
 // B (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6
 // or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; compact 64-row tiles: 5, 6, 12,
 // 14 or 16 stages of 40, 32, 16, 14 or 12 KiB for BN = 256, 192, 64, 48, 32) and signals "full"
-// mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight from
-// shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
+// mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full",
+// issue wgmma straight from shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
 // once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and writes
 // 128-byte column slices into 128B-swizzled boxes that TMA stores, so the consumers start the next
 // tile while the copy engine writes this one out (rows TMA cannot store, and M <= 128, go through a
