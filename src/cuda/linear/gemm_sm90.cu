@@ -9,21 +9,20 @@
 // on across tiles, so the next tile's operands load while this tile's epilogue writes (measured on an
 // H200, same process: geometric-mean ratio to cuBLAS at M >= 1024 0.981 against 0.961 with one CTA
 // per tile; on an H100 0.984 / 0.981 against 0.960 / 0.972 in two alternating repetitions).
-// Warpgroup 0 is the producer (registers given away with setmaxnreg): one thread streams A (x) and
-// B (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6
-// or 8 stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; compact 64-row tiles: 5, 6, 12,
-// 14 or 16 stages of 40, 32, 16, 14 or 12 KiB for BN = 256, 192, 64, 48, 32) and signals "full"
-// mbarriers with the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full",
-// issue wgmma straight from shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty" mbarrier
-// once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and writes
-// 128-byte column slices into 128B-swizzled boxes that TMA stores, so the consumers start the next
-// tile while the copy engine writes this one out (rows TMA cannot store, and M <= 128, go through a
-// padded staging area and the threads' own 16-byte stores). Tiles are ordered M
-// fastest within groups of 2048 rows, so a W tile is read from HBM once per group and reused from L2
-// across M, and the rows of x in flight fit in L2. Out-of-range rows, columns and K are zero-filled by
-// the copy engine, so edge tiles run the same instructions. Requirements: K a multiple of 8 and
-// 16-byte aligned x and w (TMA strides); other K take the generic path, which is a property of the
-// weight, never of M.
+// Warpgroup 0 is the producer (registers given away with setmaxnreg): one thread streams A (x) and B
+// (w) tiles with the bulk tensor copy engine into a ring of up to 200 KiB (128B-swizzled; 4, 5, 6 or 8
+// stages of 48, 40, 32 or 24 KiB for BN = 256, 192, 128, 64; compact 64-row tiles: 5, 6, 12, 14 or 16
+// stages of 40, 32, 16, 14 or 12 KiB for BN = 256, 192, 64, 48, 32) and signals "full" mbarriers with
+// the byte count. Warpgroups 1 and 2 each own 64 rows of the tile, wait on "full", issue wgmma straight
+// from shared memory with one k-tile of MMAs kept in flight, and release a stage on its "empty"
+// mbarrier once the MMAs reading it are done. The epilogue adds the bias in fp32, rounds once, and
+// writes 128-byte column slices into 128B-swizzled boxes that TMA stores, so the consumers start the
+// next tile while the copy engine writes this one out (rows TMA cannot store, and M <= 128, go through
+// a padded staging area and the threads' own 16-byte stores). Tiles are ordered M fastest within groups
+// of 2048 rows, so a W tile is read from HBM once per group and reused from L2 across M, and the rows
+// of x in flight fit in L2. Out-of-range rows, columns and K are zero-filled by the copy engine, so
+// edge tiles run the same instructions. Requirements: K a multiple of 8 and 16-byte aligned x and w
+// (TMA strides); other K take the generic path, which is a property of the weight, never of M.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
