@@ -85,12 +85,14 @@ inline int tile_width(int64_t M, const Columns& cols, int sms) {
 }
 
 // Decode-sized calls (M <= 64: one row of compact 64-row tiles) stream the weight and want every SM
-// streaming an equal share of it, each with as deep a ring as possible. The width is the one of 32,
-// 48 (forward only), 64, 192 and 256 whose busiest CTA streams the fewest columns, ⌈tiles / SMs⌉ x
-// width, the widest on a tie (bigger copies, fewer tile switches): down and O, 4096 columns: 128
-// tiles of 32; QKV, 4096 + 1024 + 1024: 130 of 48; gate + up, 2 x 12288: 128 of 192 (256-wide tiles,
-// the rule for wide outputs above M = 64, left 36 of 132 SMs idle: 96 tiles); the LM heads: 192
-// (⌈792 / 132⌉ x 192 = 1152 columns, not ⌈594 / 132⌉ x 256 = 1280). For 64 < M <= 128, two 64-row
+// streaming an equal share of it, each with as deep a ring as possible: the narrowest of 32 and 48
+// (forward only) whose tiles fit one round (down and O, 4096 columns: 128 tiles of 32; QKV, 4096 +
+// 1024 + 1024: 130 of 48), else the one of 64, 192 and 256 whose busiest CTA streams the fewest
+// columns, ⌈tiles / SMs⌉ x width, the widest on a tie (gate + up of Qwen3-8B, 2 x 12288: 128 tiles of
+// 192, not 96 of 256, which left 36 of 132 SMs idle: 1.05x on an H200; its LM head 192, ⌈792 / 132⌉
+// x 192 = 1152 columns, not 1280: 1.02x; Llama-3's gate + up and LM head stay 256). Narrow tiles that
+// need several rounds measured slower than that count says (32-wide: Llama-3's gate + up 0.93x, its
+// LM head 0.86x against 256-wide tiles), so they are not candidates. For 64 < M <= 128, two 64-row
 // tiles of 64 columns where they fit one round (down, O: 128 CTAs instead of 64). dX reads w along
 // its output columns in 128-byte boxes, or 64-byte ones for a 32-wide tile, so its tiles are 32 or
 // at least 64 wide (dX of gate+up and the LM heads, 4096 output columns: 128 tiles of 32). Measured
@@ -105,11 +107,16 @@ inline TileChoice tile_choice(int64_t M, const Columns& cols, int sms, bool forw
   auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * cols.tiles(width); };
   int width = tile_width(M, cols, sms);
   if (M <= 64) {
+    bool one_round = false;  // the narrowest of 32, 48 whose tiles fit one round
+    for (int w : {32, 48})
+      if (!one_round && tiles(64, w) <= sms && (forward || w == 32)) {
+        width = w;
+        one_round = true;
+      }
     int64_t best = -1;
-    for (int w : {256, 192, 64, 48, 32}) {
-      if (w == 48 && !forward) continue;
+    for (int w : {256, 192, 64}) {
       const int64_t busiest = (tiles(64, w) + sms - 1) / sms * w;  // columns the busiest CTA streams
-      if (best < 0 || busiest < best) {
+      if (!one_round && (best < 0 || busiest < best)) {
         best = busiest;
         width = w;
       }
