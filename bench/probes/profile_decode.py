@@ -9,6 +9,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_chain  # noqa: E402
@@ -50,7 +51,56 @@ def main():
             print(f"  kernel {ms:.2f} ms x{n}: {k[:140]}")
         for ms, n, k in api:
             print(f"  host {ms:.2f} ms x{n}: {k}")
+        timeline(engine, 3)
         del engine
+
+
+def timeline(engine, steps):
+    """Where the GPU waits, from the profiler's timeline of `steps` consecutive steps: the kernels'
+    busy time (their union), the gaps between consecutive kernels inside a step (launch latency,
+    dependencies), and the GPU idle between steps (the host's part: bookkeeping, staging, the
+    launch), and how long after the graph launch call begins its first kernel starts."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch = bench_chain.torch
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+    launches = sorted(e.time_range.start for e in events if e.name in ("cudaGraphLaunch", "cuGraphLaunch"))
+    if not kernels or len(launches) != steps:
+        print(f"  timeline: {len(kernels)} kernels, {len(launches)} graph launches for {steps} steps: not a graph "
+              "step each, no breakdown")
+        return
+    per_step = []  # (first start, last end, busy, gaps, gaps over 2 µs, first start − launch) a step, µs
+    for i, launch in enumerate(launches):
+        until = launches[i + 1] if i + 1 < steps else float("inf")
+        ks = [k for k in kernels if launch <= k[0] < until]
+        if not ks:
+            print(f"  timeline: no kernel after graph launch {i}")
+            return
+        busy, gaps, big, end = 0.0, 0.0, 0, ks[0][0]
+        for a, b in ks:
+            gaps += max(0.0, a - end)
+            big += a - end > 2.0
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        per_step.append((ks[0][0], end, busy, gaps, big, ks[0][0] - launch))
+    between = [per_step[i + 1][0] - per_step[i][1] for i in range(steps - 1)]
+    print(f"  timeline of {steps} graph steps, wall {wall:.2f} ms: a step's kernels span "
+          f"{', '.join(f'{(b - a) / 1e3:.2f}' for a, b, *_ in per_step)} ms, busy "
+          f"{', '.join(f'{x[2] / 1e3:.2f}' for x in per_step)} ms, gaps between kernels "
+          f"{', '.join(f'{x[3] / 1e3:.2f} ({x[4]} over 2 µs)' for x in per_step)} ms; GPU idle between steps "
+          f"{', '.join(f'{x / 1e3:.2f}' for x in between)} ms; first kernel "
+          f"{', '.join(f'{x[5]:.0f}' for x in per_step)} µs after its graph launch call began")
+
 
 
 if __name__ == "__main__":
