@@ -26,6 +26,7 @@ void check_linear_forward(const Validator& v, const TensorView& x, const TensorV
   v.dim(y_name.c_str(), y, 1, weight.shape[0], "N, weight's rows");
   v.no_alias(y_name.c_str(), y, "x", x);
   v.no_alias(y_name.c_str(), y, w_name.c_str(), weight);
+  if (bias.present()) v.no_alias(y_name.c_str(), y, b_name.c_str(), bias);
 }
 }  // namespace
 
@@ -47,6 +48,8 @@ void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
     for (int j = 0; j < a.count; ++j) {
       const std::string other = "parts[" + std::to_string(j) + "].";
       if (j != i) v.no_alias((name + "y").c_str(), p.y, (other + "weight").c_str(), a.parts[j].weight);
+      if (j != i && a.parts[j].bias.present())
+        v.no_alias((name + "y").c_str(), p.y, (other + "bias").c_str(), a.parts[j].bias);
       if (j < i) v.no_alias((name + "y").c_str(), p.y, (other + "y").c_str(), a.parts[j].y);
     }
   }

@@ -283,6 +283,16 @@ TEST(Validation, LinearGroupGivesEachPartsOwnCallAndNamesTheBadPart) {
   bad.parts[1].y = view(y0, 5, 2);  // inside part 0's output
   expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[1].y",
                "must not overlap parts[0].y", &y0);
+  // An output over another part's bias: one launch would read the bias while writing it.
+  std::vector<float> shared(5 * 3, 0.5f);
+  bad = g;
+  bad.parts[0].y = view(shared, 5, 3);
+  bad.parts[1].bias = TensorView::of(shared.data() + 4, DType::f32, {2});
+  expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[0].y",
+               "must not overlap parts[1].bias", &shared);
+  // And linear_forward's own output over its bias.
+  LinearForwardArgs own{g.x, g.parts[1].weight, TensorView::of(shared.data(), DType::f32, {2}), view(shared, 5, 2)};
+  expect_error([&] { linear_forward(Context{}, own); }, "linear_forward", "y", "must not overlap bias", &shared);
 }
 
 TEST(Validation, MissingRequiredArgument) {

@@ -132,42 +132,52 @@ TEST_F(CudaLinear, GroupedPartsGiveEachPartsOwnBits) {
   // side; every part must keep the bits of its own linear_forward: parts whose widths are not tile
   // multiples (a part's last tile is partial, never shared), a bias on one part, narrow (32 / 48 /
   // 64 / 128 / 192-wide tiles) and wide (>= 16384 columns: 256-wide) groups, compact and full tiles,
-  // TMA and thread stores, bf16 and fp16, M across the tile switches; and fp32 outputs (each part
-  // alone).
+  // M across the tile switches and past one 2048-row raster group, bf16 and fp16, and fp32 outputs
+  // (each part alone). Above M = 128 a launch stores by TMA only where every part's rows allow it:
+  // a part of 1001 columns (a pitch TMA cannot store) beside TMA-storable ones, and a part's output
+  // one element off 16-byte alignment, put the whole launch on the threads' stores.
   struct Group {
     int64_t K;
     std::vector<int64_t> N;
+    int64_t max_m;
   };
-  const std::vector<int64_t> ms = {1, 5, 33, 64, 65, 100, 128, 129, 256, 300, 777};
+  const std::vector<int64_t> all_ms = {1, 5, 33, 64, 65, 100, 128, 129, 256, 300, 777, 2100};
   for (DType dt : {DType::bf16, DType::f16})
-    for (const Group& gr : {Group{4096, {4096, 1024, 1024}}, Group{136, {200, 40, 72}}, Group{520, {9000, 8000}},
-                            Group{1544, {2000, 1000}}}) {
+    for (const Group& gr : {Group{4096, {4096, 1024, 1024}, 777}, Group{136, {200, 40, 72}, 2100},
+                            Group{520, {9000, 8000}, 300}, Group{1544, {2000, 1000}, 777},
+                            Group{136, {1001, 200, 64}, 2100}}) {
       Rng r(uint64_t(gr.K + gr.N[0]));
-      const int64_t max_m = ms.back();
-      const DeviceBuffer x(r.tensor(dt, {max_m, gr.K}, -1, 1));
+      const DeviceBuffer x(r.tensor(dt, {gr.max_m, gr.K}, -1, 1));
       std::vector<std::unique_ptr<DeviceBuffer>> w, b;
       for (int64_t n : gr.N) {
         w.push_back(std::make_unique<DeviceBuffer>(r.tensor(dt, {n, gr.K}, -1, 1)));
         b.push_back(std::make_unique<DeviceBuffer>(r.tensor(dt, {n}, -1, 1)));
       }
-      for (int64_t m : ms)
-        for (DType out : {dt, DType::f32}) {
-          LinearGroupForwardArgs g;
-          g.x = x.rows(0, m);
-          std::vector<std::unique_ptr<DeviceBuffer>> y, want;
-          for (size_t i = 0; i < gr.N.size(); ++i) {
-            y.push_back(std::make_unique<DeviceBuffer>(out, std::vector<int64_t>{m, gr.N[i]}));
-            want.push_back(std::make_unique<DeviceBuffer>(out, std::vector<int64_t>{m, gr.N[i]}));
-            const TensorView bias = i == 1 ? b[i]->view() : TensorView{};
-            g.parts[g.count++] = {w[i]->view(), bias, y.back()->view()};
-            linear_forward(cuda_ctx(), {g.x, w[i]->view(), bias, want.back()->view()});
+      for (int64_t m : all_ms) {
+        if (m > gr.max_m) continue;
+        for (DType out : {dt, DType::f32})
+          for (bool shifted : {false, true}) {
+            if (shifted && (out != dt || m < 129)) continue;  // the misaligned output: where TMA would store
+            LinearGroupForwardArgs g;
+            g.x = x.rows(0, m);
+            std::vector<std::unique_ptr<DeviceBuffer>> y, want;
+            std::unique_ptr<ShiftedBuffer> off;  // part 1's output, one element off alignment
+            for (size_t i = 0; i < gr.N.size(); ++i) {
+              y.push_back(std::make_unique<DeviceBuffer>(out, std::vector<int64_t>{m, gr.N[i]}));
+              want.push_back(std::make_unique<DeviceBuffer>(out, std::vector<int64_t>{m, gr.N[i]}));
+              const TensorView bias = i == 1 ? b[i]->view() : TensorView{};
+              if (shifted && i == 1) off = std::make_unique<ShiftedBuffer>(HostTensor(out, {m, gr.N[i]}), 1);
+              g.parts[g.count++] = {w[i]->view(), bias, off && i == 1 ? off->view() : y.back()->view()};
+              linear_forward(cuda_ctx(), {g.x, w[i]->view(), bias, want.back()->view()});
+            }
+            linear_group_forward(cuda_ctx(), g);
+            for (size_t i = 0; i < gr.N.size(); ++i)
+              expect_same_bits(off && i == 1 ? off->host() : y[i]->host(), want[i]->host(),
+                               "part " + std::to_string(i) + " of K=" + std::to_string(gr.K) + " N0=" +
+                                   std::to_string(gr.N[0]) + " M=" + std::to_string(m) + " out " + dtype_name(out) +
+                                   (shifted ? " (part 1 misaligned)" : ""));
           }
-          linear_group_forward(cuda_ctx(), g);
-          for (size_t i = 0; i < gr.N.size(); ++i)
-            expect_same_bits(y[i]->host(), want[i]->host(),
-                             "part " + std::to_string(i) + " of K=" + std::to_string(gr.K) + " M=" + std::to_string(m) +
-                                 " out " + dtype_name(out));
-        }
+      }
     }
 }
 

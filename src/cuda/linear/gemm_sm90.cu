@@ -150,14 +150,19 @@ template <class T, class O, bool TRANS_B, int BN, bool COMPACT, bool ACCUMULATE,
 void launch_tile(const T* a, const ProductArgs<T, O, G>& pa, const float* acc_in, int64_t M, int64_t K,
                  cudaStream_t stream) {
   using Epi = StoreEpilogue<T, O, ACCUMULATE>;
+  // One store path for the whole launch: TMA stores where every product's rows allow them, else
+  // the threads' stores for all. The two paths stage in overlapping parts of the epilogue area and
+  // only the TMA path waits for its boxes to be read, so a launch must never mix them.
+  bool by_tma = BN >= 64 && M > 128;
+  for (int g = 0; g < pa.count; ++g)
+    by_tma = by_tma && (pa.N[g] * int64_t(sizeof(O))) % 16 == 0 && reinterpret_cast<uintptr_t>(pa.out[g]) % 16 == 0;
   typename Epi::Params ep[G] = {};
   for (int g = 0; g < pa.count; ++g) {
     typename Epi::Params& p = ep[g];
     p.bias = pa.bias[g];
     p.out = static_cast<O*>(pa.out[g]);
     p.acc_in = acc_in;
-    p.store_by_tma = BN >= 64 && M > 128 && (pa.N[g] * int64_t(sizeof(O))) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(pa.out[g]) % 16 == 0;
+    p.store_by_tma = by_tma;
     if (p.store_by_tma) p.map_out = tma_map_2d(static_cast<const O*>(pa.out[g]), M, pa.N[g], 64);
   }
   sm90gemm::launch_products<T, TRANS_B, BN, COMPACT, Epi, G>(a, pa.b, ep, pa.N, pa.count, M, K, stream,

@@ -50,18 +50,23 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
   });
 }
 
-// One launch for the parts where the Hopper path takes them all (16-byte aligned, K % 8 == 0, every
-// y in x's dtype: the products kernel stores T); else each part alone. Both give every y its bits
-// (the per-element K sequence is the tile's, whatever its width or neighbours).
+// One launch for the parts where the Hopper path takes them all (K % 8 == 0, every y in x's dtype:
+// the products kernel stores T); else each part alone. Both give every y its bits (the per-element
+// K sequence is the tile's, whatever its width or neighbours). What the CUDA kernels require of a
+// part is checked for every part first, under the part's name, so that no part is written when
+// another is refused.
 void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
   Validator v("linear_group_forward", ctx);
   require_16bit(v, "x", a.x);
-  bool one_launch = sm90_path_available() && a.x.shape[1] % 8 == 0 && a.count > 1 &&
-                    reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0;
+  const bool hopper = sm90_path_available() && a.x.shape[1] % 8 == 0;
+  if (hopper) require_tma_alignment(v, "x", a.x);
+  bool one_launch = hopper && a.count > 1;
   for (int i = 0; i < a.count; ++i) {
     const LinearPart& p = a.parts[i];
-    one_launch = one_launch && p.y.dtype == a.x.dtype && reinterpret_cast<uintptr_t>(p.weight.data) % 16 == 0 &&
-                 (!p.bias.present() || p.bias.dtype == a.x.dtype);
+    const std::string name = "parts[" + std::to_string(i) + "].";
+    if (p.bias.present()) v.same_dtype((name + "bias").c_str(), p.bias, "x", a.x);
+    if (hopper) require_tma_alignment(v, (name + "weight").c_str(), p.weight);
+    one_launch = one_launch && p.y.dtype == a.x.dtype;
   }
   if (!one_launch) {
     for (int i = 0; i < a.count; ++i)  // this file's kernel (the parentheses keep ADL from the public op)
