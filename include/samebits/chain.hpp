@@ -190,6 +190,10 @@ class Chain {
   // Sampling on the device: for every row of `hidden` [S, hidden] (final-norm rows), the token drawn
   // under params [S, 5] (f64) into tokens [S] (i32) and its fused LM-head logprob into logp [S] (f32).
   void draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const;
+  // The draws' host side, shared by the eager step and a graph replay: the settings checked (five a
+  // row, in range) before anything runs, and RowDraws from the copied-back tokens and logprobs.
+  static void check_draw_params(const char* op, const std::vector<double>& params, int64_t rows);
+  static RowDraws draws_of(int64_t rows, const int32_t* tokens, const float* logp);
   TensorView weight(const std::string& name) const;
   TensorView head_weight() const;  // lm_head.weight, or the embedding when tied
   // The LM head's logits [rows, vocab] (in `dtype`) of final-norm rows: one GEMM.

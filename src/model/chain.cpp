@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <array>
-#include <initializer_list>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 
 #include <fmt/format.h>
 
@@ -122,8 +122,9 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
         block_table_uploaded = DeviceTensor::from_host(ctx_.backend, block_table);
         block_table_device = block_table_uploaded.view();
       }
-      for (const ChainSequence& s : batch.seqs) kv_rows += s.len;
-      kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, cache->write_rows_of(batch.seqs));
+      const HostTensor map = cache->write_rows_of(batch.seqs);  // [2, the step's rows]
+      kv_rows = map.shape()[1];
+      kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, map);
       kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
     }
   }
@@ -377,12 +378,9 @@ Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int6
   const DeviceStreamScope on(ctx_.stream);
   constexpr int64_t P = sampling_rule::PARAMS;
   const int64_t S = int64_t(rows.size());
-  if (int64_t(params.size()) != S * P) throw Error("Chain::sample_rows", "params", "needs five settings a row");
+  check_draw_params("Chain::sample_rows", params, S);
   if (S == 0) return {};
   if (acc_ != DType::f32) throw Error("Chain::sample_rows", "precision", "sampling reads fp32 logits (not the fp64 truth mode)");
-  for (int64_t i = 0; i < S; ++i)  // checked here, so that the only bad token is a bad row's −1
-    if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
-      throw Error("Chain::sample_rows", "params", fmt::format("row {}'s settings are out of range", i));
   const DeviceTensor hidden = gather_rows(f.at("final.n1"), rows, ctx_, "Chain::sample_rows");
   HostTensor p(DType::f64, {S, P});
   std::memcpy(p.data(), params.data(), params.size() * sizeof(double));
@@ -390,10 +388,22 @@ Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int6
   DeviceTensor tokens(ctx_.backend, DType::i32, {S}), logp(ctx_.backend, DType::f32, {S});
   draw(hidden.view(), d_params.view(), tokens.view(), logp.view());
   const HostTensor t = tokens.to_host(), l = logp.to_host();
+  return draws_of(S, static_cast<const int32_t*>(t.data()), static_cast<const float*>(l.data()));
+}
+
+void Chain::check_draw_params(const char* op, const std::vector<double>& params, int64_t rows) {
+  constexpr int64_t P = sampling_rule::PARAMS;
+  if (int64_t(params.size()) != rows * P) throw Error(op, "params", "needs five settings a row");
+  for (int64_t i = 0; i < rows; ++i)  // checked on the host, so that the only bad token is a bad row's −1
+    if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
+      throw Error(op, "params", fmt::format("row {}'s settings are out of range", i));
+}
+
+Chain::RowDraws Chain::draws_of(int64_t rows, const int32_t* tokens, const float* logp) {
   RowDraws out;
-  for (int64_t i = 0; i < S; ++i) {
-    out.tokens.push_back(int32_t(t.get(i)));
-    out.logprobs.push_back(out.tokens.back() < 0 ? NAN : l.get(i));
+  for (int64_t i = 0; i < rows; ++i) {
+    out.tokens.push_back(tokens[i]);
+    out.logprobs.push_back(tokens[i] < 0 ? NAN : double(logp[i]));
   }
   return out;
 }

@@ -2,7 +2,6 @@
 #include "model/decode_graphs.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -108,10 +107,7 @@ std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const 
   constexpr int64_t P = sampling_rule::PARAMS;
   if (!takes(batch)) throw Error(OP, "batch", "is not a decode step of at most max_seqs sequences (cannot happen)");
   const int64_t B = int64_t(batch.seqs.size());
-  if (int64_t(params.size()) != B * P) throw Error(OP, "params", "needs five settings a row");
-  for (int64_t i = 0; i < B; ++i)
-    if (!sampling_rule::params_ok(sampling_rule::params_of(params.data() + i * P)))
-      throw Error(OP, "params", fmt::format("row {}'s settings are out of range", i));
+  Chain::check_draw_params(OP, params, B);
   const DeviceStreamScope on(chain_.ctx_.stream);
   const int64_t n = bucket_of(B, max_seqs_);
   auto found = buckets_.find(n);
@@ -154,13 +150,9 @@ std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const 
   copy_async(chain_.backend(), b.results->data(), b.outputs.view().data, b.outputs.bytes());
   device_stream_synchronize(chain_.backend(), chain_.ctx_.stream);
   for (const ChainSequence& s : batch.seqs) cache_.lengths_[size_t(s.slot)] = s.cached + s.len;
-  const auto* tok = static_cast<const int32_t*>(b.results->data());
-  const auto* lp = reinterpret_cast<const float*>(static_cast<const uint8_t*>(b.results->data()) + aligned(n * 4));
-  Chain::RowDraws drawn;
-  for (int64_t i = 0; i < B; ++i) {
-    drawn.tokens.push_back(tok[i]);
-    drawn.logprobs.push_back(tok[i] < 0 ? NAN : double(lp[i]));
-  }
+  const auto* res = static_cast<const uint8_t*>(b.results->data());
+  Chain::RowDraws drawn = Chain::draws_of(B, reinterpret_cast<const int32_t*>(res),
+                                          reinterpret_cast<const float*>(res + aligned(n * 4)));
   if (fresh) buckets_.emplace(n, std::move(*fresh));
   return drawn;
 }

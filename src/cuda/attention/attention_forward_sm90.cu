@@ -34,8 +34,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <memory>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 

@@ -103,25 +103,20 @@ struct TileChoice {
   int width;
   bool compact;
 };
+inline int decode_width(const Columns& cols, int sms, bool forward) {
+  for (int w : {32, 48})  // the narrowest whose 64-row tiles fit one round
+    if (cols.tiles(w) <= sms && (forward || w == 32)) return w;
+  int width = 256;
+  int64_t best = -1;
+  for (int w : {256, 192, 64}) {
+    const int64_t busiest = (cols.tiles(w) + sms - 1) / sms * w;  // columns the busiest CTA streams
+    if (best < 0 || busiest < best) best = busiest, width = w;
+  }
+  return width;
+}
 inline TileChoice tile_choice(int64_t M, const Columns& cols, int sms, bool forward) {
   auto tiles = [&](int rows, int width) { return ((M + rows - 1) / rows) * cols.tiles(width); };
-  int width = tile_width(M, cols, sms);
-  if (M <= 64) {
-    bool one_round = false;  // the narrowest of 32, 48 whose tiles fit one round
-    for (int w : {32, 48})
-      if (!one_round && tiles(64, w) <= sms && (forward || w == 32)) {
-        width = w;
-        one_round = true;
-      }
-    int64_t best = -1;
-    for (int w : {256, 192, 64}) {
-      const int64_t busiest = (tiles(64, w) + sms - 1) / sms * w;  // columns the busiest CTA streams
-      if (!one_round && (best < 0 || busiest < best)) {
-        best = busiest;
-        width = w;
-      }
-    }
-  }
+  int width = M <= 64 ? decode_width(cols, sms, forward) : tile_width(M, cols, sms);
   if (const int forced = detail::gemm_tile_width_override()) width = forced == 48 && !forward ? 64 : forced;
   // Compact: 32- and 48-wide tiles always; 64-, 192- and 256-wide ones for M <= 64; 64-wide ones for
   // 64 < M <= 128 too where the 64-row tiles fit one round.
