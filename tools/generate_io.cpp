@@ -76,7 +76,8 @@ std::vector<PromptLine> read_prompts(std::istream& in, const SamplingParams& def
 }
 
 int64_t write_generations(const Model& model, const EngineOptions& options, const std::vector<PromptLine>& prompts,
-                          std::ostream& out, const std::function<void(int64_t, int64_t)>& progress) {
+                          std::ostream& out, const std::function<void(int64_t, int64_t)>& progress,
+                          bool sampling_logprobs) {
   Engine engine(model, options);
   if (progress) engine.on_progress(progress);
   std::map<int64_t, int64_t> prompt_of;  // engine request id -> prompt index
@@ -98,10 +99,10 @@ int64_t write_generations(const Model& model, const EngineOptions& options, cons
       for (const Completion& c : by_prompt[i]) {
         nlohmann::json lp = nlohmann::json::array();
         for (double x : c.logprobs) lp.push_back(float(x));
-        out << nlohmann::json{{"prompt", i}, {"sample", c.sample}, {"tokens", c.tokens}, {"logprobs", lp},
-                              {"finish_reason", c.finish_reason}}
-                   .dump()
-            << "\n";
+        nlohmann::json line{{"prompt", i}, {"sample", c.sample}, {"tokens", c.tokens}, {"logprobs", lp}};
+        if (sampling_logprobs) line["sampling_logprobs"] = c.sampling_logprobs;
+        line["finish_reason"] = c.finish_reason;
+        out << line.dump() << "\n";
       }
     }
     if (!out) throw Error("generate", "--output", fmt::format("write failed at prompt {}", i));

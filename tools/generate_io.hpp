@@ -23,9 +23,12 @@ std::vector<PromptLine> read_prompts(std::istream& in, const SamplingParams& def
 
 // Runs every readable prompt through one engine and writes one JSONL line per completion, in
 // (prompt, sample) order: {"prompt": i, "sample": j, "tokens": [...], "logprobs": [...],
-// "finish_reason": "stop" | "length"}, or {"prompt": i, "error": "..."} for a prompt that failed.
-// i counts the non-blank input lines from 0. Returns the number of prompts that failed.
+// "finish_reason": "stop" | "length"} (with sampling_logprobs, also "sampling_logprobs": [...], each
+// token's logprob under the distribution it was drawn from), or {"prompt": i, "error": "..."} for
+// a prompt that failed. i counts the non-blank input lines from 0. Returns the number of prompts
+// that failed.
 int64_t write_generations(const Model& model, const EngineOptions& options, const std::vector<PromptLine>& prompts,
-                          std::ostream& out, const std::function<void(int64_t, int64_t)>& progress = {});
+                          std::ostream& out, const std::function<void(int64_t, int64_t)>& progress = {},
+                          bool sampling_logprobs = false);
 
 }  // namespace samebits::tools

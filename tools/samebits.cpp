@@ -202,7 +202,8 @@ int run(const GenerateRequest& r) {
       last = now;
       std::cerr << (tty ? "\r\033[K" : "") << rate_line() << (tty ? "" : "\n") << std::flush;
     };
-  const int64_t failed = write_generations(model, opt, prompts, out ? out->stream() : std::cout, progress);
+  const int64_t failed =
+      write_generations(model, opt, prompts, out ? out->stream() : std::cout, progress, r.sampling_logprobs);
   if (out) out->commit();
   else check_stream(std::cout, "generate", "standard output");
   if (show) std::cerr << (tty ? "\r\033[K" : "") << rate_line() << ", done\n";

@@ -159,11 +159,13 @@ class Chain {
   // Sampling on the chain's backend (no logits leave the device): for each i, the token drawn at row
   // rows[i] (a row may repeat) under params[5·i … 5·i + 4] = {temperature, top_k, top_p, min_p, u}
   // (the op sample_tokens), and its fused LM-head logprob, from one LM-head GEMM over the rows (the
-  // logprob is logprob_forward of those fp32 logits: the trainer's bits). A row whose logits hold
-  // NaN / Inf gets token −1 and logprob NaN.
+  // logprob is logprob_forward of those fp32 logits: the trainer's bits), and its logprob under the
+  // sampling distribution (temperature and cuts applied: sampling_rule::sampling_logprob of the
+  // draw's own weights; 0 for greedy). A row whose logits hold NaN / Inf gets token −1 and NaNs.
   struct RowDraws {
     std::vector<int32_t> tokens;
     std::vector<double> logprobs;
+    std::vector<double> sampling_logprobs;
   };
   RowDraws sample_rows(const ChainForward& f, const std::vector<int64_t>& rows, const std::vector<double>& params) const;
   // Backward of L = Σ dlogp[row]·logp[row] (`fwd` from this chain's forward() of `batch`): adds every weight's gradient into `grads` (on the
@@ -188,12 +190,14 @@ class Chain {
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
                    bool score_rows = true, const StepTables* given = nullptr) const;
   // Sampling on the device: for every row of `hidden` [S, hidden] (final-norm rows), the token drawn
-  // under params [S, 5] (f64) into tokens [S] (i32) and its fused LM-head logprob into logp [S] (f32).
-  void draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const;
+  // under params [S, 5] (f64) into tokens [S] (i32), its fused LM-head logprob into logp [S] (f32)
+  // and the draw's {token weight, kept total} into weights [S, 2] (f32).
+  void draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp,
+            const TensorView& weights) const;
   // The draws' host side, shared by the eager step and a graph replay: the settings checked (five a
-  // row, in range) before anything runs, and RowDraws from the copied-back tokens and logprobs.
+  // row, in range) before anything runs, and RowDraws from the copied-back tokens, logprobs and weights.
   static void check_draw_params(const char* op, const std::vector<double>& params, int64_t rows);
-  static RowDraws draws_of(int64_t rows, const int32_t* tokens, const float* logp);
+  static RowDraws draws_of(int64_t rows, const int32_t* tokens, const float* logp, const float* weights);
   TensorView weight(const std::string& name) const;
   TensorView head_weight() const;  // lm_head.weight, or the embedding when tied
   // The LM head's logits [rows, vocab] (in `dtype`) of final-norm rows: one GEMM.

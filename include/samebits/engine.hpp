@@ -59,6 +59,10 @@ struct Completion {
   std::vector<int32_t> tokens;     // the generated tokens (a stop token included)
   std::vector<double> logprobs;    // log p(token | prompt, earlier tokens) under the model (before
                                    // temperature or truncation): the trainer's logprob
+  std::vector<double> sampling_logprobs;  // the same token's logprob under the distribution it was
+                                          // drawn from (temperature, top-k / top-p / min-p applied;
+                                          // 0 for greedy): the behaviour policy's, for importance
+                                          // weights; the same bits on every backend and batch
   std::string finish_reason;       // "stop", "length", or "error"
   std::string error;               // with "error": the message naming the request and the problem
 };

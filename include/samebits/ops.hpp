@@ -244,8 +244,11 @@ void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);
 // rule (samebits/sampling.hpp) sums in an order fixed by V, and both backends give the same token.
 // A row with a NaN / +Inf logit (or only −Inf) gets token −1; a setting out of range, −2 (the
 // values live on the device, so they are reported per row, not thrown).
+// weights (optional) fp32 [R, 2]: {the drawn token's weight, the kept candidates' total weight}, the
+// two numbers the draw used, so that the token's probability under the sampling distribution is
+// their ratio (sampling_rule::sampling_logprob); greedy: {1, 1}; a bad row: {0, 0}.
 struct SampleTokensArgs {
-  TensorView logits, params, tokens, kept;
+  TensorView logits, params, tokens, kept, weights;
 };
 void sample_tokens(const Context&, const SampleTokensArgs&);
 

@@ -613,6 +613,13 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("logprobs", [](const Completion& c) {
         return py::array_t<double>(py::ssize_t(c.logprobs.size()), c.logprobs.data());
       })
+      .def_property_readonly(
+          "sampling_logprobs",
+          [](const Completion& c) {
+            return py::array_t<double>(py::ssize_t(c.sampling_logprobs.size()), c.sampling_logprobs.data());
+          },
+          "Each token's logprob under the distribution it was drawn from (temperature and top-k / top-p / "
+          "min-p applied; 0 for greedy): the behaviour policy's, for importance weights.")
       .def_readonly("finish_reason", &Completion::finish_reason)
       .def_readonly("error", &Completion::error)
       .def("__repr__", [](const Completion& c) {

@@ -228,6 +228,9 @@ class Rollout:
     finish_reason: str  # "stop", "length", or "error" (then tokens and logprobs are empty)
     sample: int = 0  # which of the prompt's n samples
     error: str = ""  # with "error": the message naming the request and the problem
+    # float64 [T]: log p(tokens[t]) under the distribution it was drawn from (temperature and
+    # top-k / top-p / min-p applied; 0 for greedy): the behaviour policy's, for importance weights
+    sampling_logprobs: torch.Tensor = None
 
     @property
     def sequence(self):
@@ -277,14 +280,16 @@ class Generator(_OnModel):
         token_ids = torch.tensor([t for c in flat for t in c.tokens], dtype=torch.long).to(self.device)
         logps = np.concatenate([c.logprobs for c in flat]) if flat else np.zeros(0)
         logps = torch.from_numpy(logps).to(self.device, torch.float32)  # as Scorer.token_logprobs rounds them
+        slogps = np.concatenate([c.sampling_logprobs for c in flat]) if flat else np.zeros(0)
+        slogps = torch.from_numpy(slogps).to(self.device, torch.float64)
         prompts = prompt_ids.split([len(p) for p in lists])
         lengths = [len(c.tokens) for c in flat]
-        tokens, lp = token_ids.split(lengths), logps.split(lengths)
+        tokens, lp, slp = token_ids.split(lengths), logps.split(lengths), slogps.split(lengths)
         result, k = [], 0
         for i, cs in enumerate(out):
             row = []
             for c in cs:
-                row.append(Rollout(prompts[i], tokens[k], lp[k], c.finish_reason, c.sample, c.error))
+                row.append(Rollout(prompts[i], tokens[k], lp[k], c.finish_reason, c.sample, c.error, slp[k]))
                 k += 1
             result.append(row)
         return result

@@ -35,9 +35,11 @@ float mass(const std::vector<float>& w, const std::vector<uint8_t>& in) {
   return tree[1];
 }
 
-int32_t draw_row(const float* z, int64_t V, const double* raw, uint8_t* kept) {
+// weight (optional): {the drawn token's weight, the kept total} (greedy {1, 1}, a bad row {0, 0}).
+int32_t draw_row(const float* z, int64_t V, const double* raw, uint8_t* kept, float* weight) {
   const RowParams p = params_of(raw);
   if (kept) std::fill(kept, kept + V, uint8_t(0));
+  if (weight) weight[0] = weight[1] = 0.0f;
   if (!params_ok(p)) return BAD_PARAMS;
   int64_t arg = -1, finite = 0;
   for (int64_t i = 0; i < V; ++i) {
@@ -50,6 +52,7 @@ int32_t draw_row(const float* z, int64_t V, const double* raw, uint8_t* kept) {
   if (finite == 0) return BAD_LOGITS;
   if (p.temperature == 0) {
     if (kept) kept[arg] = 1;
+    if (weight) weight[0] = weight[1] = 1.0f;
     return int32_t(arg);
   }
   std::vector<uint8_t> in(static_cast<size_t>(V));
@@ -114,6 +117,10 @@ int32_t draw_row(const float* z, int64_t V, const double* raw, uint8_t* kept) {
   }
   if (kept)
     for (int64_t i = 0; i < V; ++i) kept[i] = in[size_t(i)];
+  if (weight && token >= 0) {
+    weight[0] = w[size_t(token)];
+    weight[1] = tree[1];
+  }
   return int32_t(token);
 }
 
@@ -123,9 +130,11 @@ void sample_tokens(const Context&, const SampleTokensArgs& a) {
   const double* params = a.params.as<const double>();
   int32_t* tokens = a.tokens.as<int32_t>();
   uint8_t* kept = a.kept.present() ? a.kept.as<uint8_t>() : nullptr;
+  float* weights = a.weights.present() ? a.weights.as<float>() : nullptr;
 #pragma omp parallel for schedule(dynamic) if (R * V >= (int64_t(1) << 20))  // threads only where they pay
   for (int64_t r = 0; r < R; ++r)
-    tokens[r] = draw_row(logits + r * V, V, params + r * PARAMS, kept ? kept + r * V : nullptr);
+    tokens[r] = draw_row(logits + r * V, V, params + r * PARAMS, kept ? kept + r * V : nullptr,
+                         weights ? weights + 2 * r : nullptr);
 }
 
 }  // namespace

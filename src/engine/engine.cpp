@@ -24,7 +24,7 @@ struct Engine::Sample {
   bool waits_for_prefix = false; // shares the prompt's prefill: its slot gets the prompt by copy
   bool done = false;
   std::vector<int32_t> tokens;   // generated
-  std::vector<double> logprobs;
+  std::vector<double> logprobs, sampling_logprobs;
 };
 
 struct Engine::Request {
@@ -189,6 +189,7 @@ void Engine::finish(Sample& s, const char* reason) {
   c.sample = s.index;
   c.tokens = std::move(s.tokens);
   c.logprobs = std::move(s.logprobs);
+  c.sampling_logprobs = std::move(s.sampling_logprobs);
   c.finish_reason = reason;
   done_.push_back(std::move(c));
 }
@@ -367,6 +368,7 @@ bool Engine::step() {
     const int32_t token = drawn.tokens[i];
     s.tokens.push_back(token);
     s.logprobs.push_back(drawn.logprobs[i]);
+    s.sampling_logprobs.push_back(drawn.sampling_logprobs[i]);
     ++generated_;
     const auto& stop = draws[i].r->req.sampling.stop_token_ids;
     const bool stopped = std::find(stop.begin(), stop.end(), token) != stop.end();

@@ -385,10 +385,12 @@ Chain::RowDraws Chain::sample_rows(const ChainForward& f, const std::vector<int6
   HostTensor p(DType::f64, {S, P});
   std::memcpy(p.data(), params.data(), params.size() * sizeof(double));
   const DeviceTensor d_params = DeviceTensor::from_host(ctx_.backend, p);
-  DeviceTensor tokens(ctx_.backend, DType::i32, {S}), logp(ctx_.backend, DType::f32, {S});
-  draw(hidden.view(), d_params.view(), tokens.view(), logp.view());
-  const HostTensor t = tokens.to_host(), l = logp.to_host();
-  return draws_of(S, static_cast<const int32_t*>(t.data()), static_cast<const float*>(l.data()));
+  DeviceTensor tokens(ctx_.backend, DType::i32, {S}), logp(ctx_.backend, DType::f32, {S}),
+      weights(ctx_.backend, DType::f32, {S, 2});
+  draw(hidden.view(), d_params.view(), tokens.view(), logp.view(), weights.view());
+  const HostTensor t = tokens.to_host(), l = logp.to_host(), w = weights.to_host();
+  return draws_of(S, static_cast<const int32_t*>(t.data()), static_cast<const float*>(l.data()),
+                  static_cast<const float*>(w.data()));
 }
 
 void Chain::check_draw_params(const char* op, const std::vector<double>& params, int64_t rows) {
@@ -399,20 +401,23 @@ void Chain::check_draw_params(const char* op, const std::vector<double>& params,
       throw Error(op, "params", fmt::format("row {}'s settings are out of range", i));
 }
 
-Chain::RowDraws Chain::draws_of(int64_t rows, const int32_t* tokens, const float* logp) {
+Chain::RowDraws Chain::draws_of(int64_t rows, const int32_t* tokens, const float* logp, const float* weights) {
   RowDraws out;
   for (int64_t i = 0; i < rows; ++i) {
+    const bool bad = tokens[i] < 0;
     out.tokens.push_back(tokens[i]);
-    out.logprobs.push_back(tokens[i] < 0 ? NAN : double(logp[i]));
+    out.logprobs.push_back(bad ? NAN : double(logp[i]));
+    out.sampling_logprobs.push_back(bad ? NAN : sampling_rule::sampling_logprob(weights[2 * i], weights[2 * i + 1]));
   }
   return out;
 }
 
-void Chain::draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp) const {
+void Chain::draw(const TensorView& hidden, const TensorView& params, const TensorView& tokens, const TensorView& logp,
+                 const TensorView& weights) const {
   const DeviceTensor logits = logits_of(hidden, DType::f32);
   Context quiet = ctx_;
   quiet.check_finite_inputs = false;
-  sample_tokens(quiet, {logits.view(), params, tokens, {}});
+  sample_tokens(quiet, {logits.view(), params, tokens, {}, weights});
   // The drawn tokens are the targets as they lie; a row whose logits hold NaN / Inf drew −1 and is ignored.
   LogprobForwardArgs lp{logits.view(), tokens, {}, logp, {}, {}};
   lp.ignore_index = sampling_rule::BAD_LOGITS;

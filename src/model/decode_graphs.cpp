@@ -72,7 +72,7 @@ DecodeGraphs::Bucket DecodeGraphs::make_bucket(int64_t seqs) const {
   b.at.bytes = b.at.params + seqs * sampling_rule::PARAMS * 8;
   const Backend be = chain_.backend();
   b.inputs = DeviceTensor::uninitialized(be, DType::u8, {b.at.bytes});
-  b.outputs = DeviceTensor::uninitialized(be, DType::u8, {aligned(seqs * 4) + seqs * 4});
+  b.outputs = DeviceTensor::uninitialized(be, DType::u8, {2 * aligned(seqs * 4) + seqs * 8});  // tokens, logp, weights
   b.staging = std::make_unique<PinnedBuffer>(be, size_t(b.at.bytes));
   b.results = std::make_unique<PinnedBuffer>(be, size_t(b.outputs.bytes()));
   return b;
@@ -90,10 +90,11 @@ void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
   const TensorView params = TensorView::of(in + b.at.params, DType::f64, {n, sampling_rule::PARAMS}, Device::cuda);
   const TensorView tokens = TensorView::of(out, DType::i32, {n}, Device::cuda);
   const TensorView logp = TensorView::of(out + aligned(n * 4), DType::f32, {n}, Device::cuda);
+  const TensorView weights = TensorView::of(out + 2 * aligned(n * 4), DType::f32, {n, 2}, Device::cuda);
   const GraphAttentionShape shape{n, cache_.capacity(), c.num_heads, c.num_kv_heads, c.head_dim, chain_.act_dtype()};
   auto graph = std::make_unique<CapturedGraph>(chain_.ctx_.stream, [&] {
     const ChainForward f = chain_.run(padded, &cache_, nullptr, /*score_rows=*/false, &t);
-    chain_.draw(f.at("final.n1").view(), params, tokens, logp);
+    chain_.draw(f.at("final.n1").view(), params, tokens, logp, weights);
   }, shape);
   // An attention call outside the recording would replay its capture-time plan (stale key counts):
   // refuse the graph rather than give wrong bits.
@@ -151,8 +152,9 @@ std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const 
   device_stream_synchronize(chain_.backend(), chain_.ctx_.stream);
   for (const ChainSequence& s : batch.seqs) cache_.lengths_[size_t(s.slot)] = s.cached + s.len;
   const auto* res = static_cast<const uint8_t*>(b.results->data());
-  Chain::RowDraws drawn = Chain::draws_of(B, reinterpret_cast<const int32_t*>(res),
-                                          reinterpret_cast<const float*>(res + aligned(n * 4)));
+  Chain::RowDraws drawn =
+      Chain::draws_of(B, reinterpret_cast<const int32_t*>(res), reinterpret_cast<const float*>(res + aligned(n * 4)),
+                      reinterpret_cast<const float*>(res + 2 * aligned(n * 4)));
   if (fresh) buckets_.emplace(n, std::move(*fresh));
   return drawn;
 }

@@ -32,6 +32,12 @@ void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
     v.dim("kept", a.kept, 0, R, "one row per logits row");
     v.dim("kept", a.kept, 1, V, "one entry per id");
   }
+  v.optional("weights", a.weights, 2);
+  if (a.weights.present()) {
+    v.dtype("weights", a.weights, DType::f32);
+    v.dim("weights", a.weights, 0, R, "one row per logits row");
+    v.dim("weights", a.weights, 1, 2, "{the drawn token's weight, the kept total}");
+  }
   run_kernel<OpId::sample_tokens>("sample_tokens", ctx, a);
 }
 

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__CUDACC__)
 #define SAMEBITS_HD __host__ __device__ __forceinline__
@@ -100,5 +101,15 @@ SAMEBITS_HD float top_p_goal(double top_p, float total) { return float(top_p * d
 
 // The draw's target in [0, total]: float(u · total).
 SAMEBITS_HD float draw_target(double u, float total) { return float(u * double(total)); }
+
+#if !defined(__CUDA_ARCH__)
+// The drawn token's logprob under the sampling distribution (temperature and cuts applied), from
+// the two fp32 numbers the draw used (sample_tokens' weights): log(weight / total) in fp64, on the
+// host, so that every backend reports the same bits; greedy's {1, 1} gives 0.
+inline double sampling_logprob(float weight, float total) {
+  return weight > 0.0f && total > 0.0f ? std::log(double(weight)) - std::log(double(total))
+                                       : -std::numeric_limits<double>::infinity();
+}
+#endif
 
 }  // namespace samebits::sampling_rule

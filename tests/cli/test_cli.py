@@ -233,6 +233,21 @@ def test_generate_with_or_without_cuda_graphs_gives_the_same_lines():
     assert with_graphs.stdout == without.stdout and len(with_graphs.stdout.splitlines()) == 4
 
 
+def test_generate_writes_sampling_logprobs_when_asked():
+    lines = '{"tokens": [1, 2, 3], "n": 2, "seed": 5, "top_k": 20}\n{"tokens": [4, 5], "temperature": 0}\n'
+    plain = run("generate", "--input", "-", "--max-new-tokens", "4", input=lines)
+    asked = run("generate", "--input", "-", "--max-new-tokens", "4", "--sampling-logprobs", input=lines)
+    assert plain.returncode == 0 and asked.returncode == 0, (plain.stderr, asked.stderr)
+    p_lines = [json.loads(l) for l in plain.stdout.splitlines()]
+    a_lines = [json.loads(l) for l in asked.stdout.splitlines()]
+    assert all("sampling_logprobs" not in o for o in p_lines)
+    for p, a in zip(p_lines, a_lines):
+        s = a.pop("sampling_logprobs")
+        assert a == p and len(s) == len(p["tokens"]) and all(x <= 0 for x in s)
+    assert a_lines[2]["tokens"] and json.loads(asked.stdout.splitlines()[2])["sampling_logprobs"] == [0.0] * 4  # greedy
+    assert any(x < 0 for x in json.loads(asked.stdout.splitlines()[0])["sampling_logprobs"])
+
+
 def test_generate_progress_and_output_file(tmp_path):
     out = tmp_path / "g.jsonl"
     p = run("generate", "--input", "-", "--output", out, "--progress", input='{"tokens": [1, 2]}\n')

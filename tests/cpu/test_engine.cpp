@@ -4,6 +4,7 @@
 // prompt + completion bit for bit; sampling draws what it claims; bad requests fail alone.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -82,6 +83,12 @@ void expect_same(const std::vector<Completion>& got, const std::vector<Completio
     ASSERT_EQ(got[k].logprobs.size(), want[k].logprobs.size()) << what;
     EXPECT_EQ(std::memcmp(got[k].logprobs.data(), want[k].logprobs.data(), got[k].logprobs.size() * sizeof(double)), 0)
         << what << ", sample " << k << ": logprob bits differ";
+    ASSERT_EQ(got[k].sampling_logprobs.size(), got[k].tokens.size()) << what;
+    ASSERT_EQ(want[k].sampling_logprobs.size(), want[k].tokens.size()) << what;
+    EXPECT_EQ(std::memcmp(got[k].sampling_logprobs.data(), want[k].sampling_logprobs.data(),
+                          got[k].sampling_logprobs.size() * sizeof(double)),
+              0)
+        << what << ", sample " << k << ": sampling logprob bits differ";
     EXPECT_EQ(got[k].finish_reason, want[k].finish_reason) << what;
   }
 }
@@ -335,6 +342,47 @@ TEST_P(EngineOn, GreedyIsTheArgmaxOfTheLogits) {
   }
 }
 
+TEST_P(EngineOn, SamplingLogprobsAreTheDrawsOwnDistribution) {
+  // Each token's sampling logprob is log p under the distribution it was drawn from: the fp32 logits
+  // of its row (the trainer's), tempered and cut to the kept set (checked in fp64); greedy's are 0.
+  const Model m = Model::builtin(false);
+  Rng r(21);
+  GenerationRequest g{random_prompt(r, 12, 2560), {}};
+  g.sampling.n = 2;
+  g.sampling.temperature = 0.8;
+  g.sampling.top_k = 40;
+  g.sampling.top_p = 0.9;
+  g.sampling.max_new_tokens = 5;
+  g.sampling.seed = 5;
+  const GenerationRequest greedy_request = greedy(6, 9, 4);
+  const std::vector<Completion> out = generate(m, {g, greedy_request}, opts());
+  ASSERT_EQ(out.size(), 3u);
+  const Chain chain(m, ctx());
+  int checked = 0;
+  for (size_t k = 0; k < 2; ++k) {
+    std::vector<int32_t> seq = g.prompt;
+    ASSERT_EQ(out[k].sampling_logprobs.size(), out[k].tokens.size());
+    for (size_t t = 0; t < out[k].tokens.size(); ++t) {
+      const ChainBatch b = ChainBatch::packed({seq});
+      const auto logits = chain.row_logits(chain.forward(b), {b.rows() - 1})[0];
+      const std::vector<int32_t> kept = sampling_candidates(logits, g.sampling);
+      const int32_t tok = out[k].tokens[t];
+      ASSERT_TRUE(std::binary_search(kept.begin(), kept.end(), tok));
+      const double top = *std::max_element(logits.begin(), logits.end());
+      double z = 0;
+      for (int32_t i : kept) z += std::exp((logits[size_t(i)] - top) / g.sampling.temperature);
+      const double truth = (logits[size_t(tok)] - top) / g.sampling.temperature - std::log(z);
+      EXPECT_NEAR(out[k].sampling_logprobs[t], truth, 1e-5) << "sample " << k << " token " << t;
+      EXPECT_LE(out[k].sampling_logprobs[t], 0.0);
+      checked += kept.size() > 1;
+      seq.push_back(tok);
+    }
+  }
+  EXPECT_GT(checked, 0) << "every draw had one candidate: the test checks nothing";
+  for (double x : out[2].sampling_logprobs) EXPECT_EQ(x, 0.0) << "greedy";
+  EXPECT_EQ(out[2].sampling_logprobs.size(), out[2].tokens.size());
+}
+
 TEST_P(EngineOn, StopTokensEndASampleAndAreKept) {
   const Model m = Model::builtin(false);
   GenerationRequest g = greedy(4, 10, 8);
@@ -465,6 +513,27 @@ TEST(Sampling, TruncationKeepsExactlyTheClaimedSet) {
     EXPECT_EQ(sampling_candidates(logits, p), want) << "trial " << trial << " V " << V;
     const int32_t tok = sample_token(logits, p, 0, trial);
     EXPECT_TRUE(std::binary_search(want.begin(), want.end(), tok)) << "drew " << tok << " outside the kept set";
+    // The op's weights: the drawn token's weight and the kept set's mass, the rule's own numbers;
+    // their log ratio is the token's logprob under the sampling distribution (fp64 reference).
+    std::vector<float> z(logits.begin(), logits.end());
+    const auto row = sampling_row(p, sampling_uniform(p.seed, 0, trial));
+    int32_t drawn = -9;
+    float weights[2] = {-1.0f, -1.0f};
+    SampleTokensArgs a;
+    a.logits = TensorView::of(z.data(), DType::f32, {1, V});
+    a.params = TensorView::of(const_cast<double*>(row.data()), DType::f64, {1, sampling_rule::PARAMS});
+    a.tokens = TensorView::of(&drawn, DType::i32, {1});
+    a.weights = TensorView::of(weights, DType::f32, {1, 2});
+    sample_tokens(Context{}, a);
+    ASSERT_EQ(drawn, tok);
+    const float mass = reference_mass(w, want);
+    EXPECT_EQ(std::memcmp(&weights[0], &w[size_t(tok)], 4), 0) << "trial " << trial;
+    EXPECT_EQ(std::memcmp(&weights[1], &mass, 4), 0) << "trial " << trial;
+    double z64 = 0;
+    for (int32_t i : want) z64 += std::exp((logits[size_t(i)] - double(top)) / p.temperature);
+    const double truth = (logits[size_t(tok)] - double(top)) / p.temperature - std::log(z64);
+    EXPECT_NEAR(sampling_rule::sampling_logprob(weights[0], weights[1]), truth, 1e-5 + 1e-6 * std::fabs(truth))
+        << "trial " << trial;
   }
   EXPECT_GT(ties_at_the_cut, 0) << "no trial put a tie at the top-p cut";
 }

@@ -40,7 +40,7 @@ Rows random_rows(Rng& r, int64_t R, int64_t V) {
 }
 
 struct Drawn {
-  HostTensor tokens, kept;
+  HostTensor tokens, kept, weights;  // weights: {drawn token's, kept total} a row
 };
 
 Drawn draw(Backend b, const Rows& rows) {
@@ -48,9 +48,9 @@ Drawn draw(Backend b, const Rows& rows) {
   Context ctx;
   ctx.backend = b;
   const DeviceTensor logits = DeviceTensor::from_host(b, rows.logits), params = DeviceTensor::from_host(b, rows.params);
-  DeviceTensor tokens(b, DType::i32, {R}), kept(b, DType::u8, {R, V});
-  sample_tokens(ctx, {logits.view(), params.view(), tokens.view(), kept.view()});
-  return {tokens.to_host(), kept.to_host()};
+  DeviceTensor tokens(b, DType::i32, {R}), kept(b, DType::u8, {R, V}), weights(b, DType::f32, {R, 2});
+  sample_tokens(ctx, {logits.view(), params.view(), tokens.view(), kept.view(), weights.view()});
+  return {tokens.to_host(), kept.to_host(), weights.to_host()};
 }
 
 }  // namespace
@@ -69,6 +69,8 @@ TEST_F(CudaSampling, DrawsTheCpuKernelsTokensAndSets) {
       EXPECT_GE(static_cast<const int32_t*>(gpu.tokens.data())[i], 0) << "V " << V << " row " << i;
     }
     expect_same_bits(gpu.kept, cpu.kept, "kept sets, V " + std::to_string(V));
+    // The draw's own numbers (the sampling logprob's), bitwise the CPU kernel's.
+    expect_same_bits(gpu.weights, cpu.weights, "weights, V " + std::to_string(V));
   }
 }
 
@@ -84,6 +86,7 @@ TEST_F(CudaSampling, ARowsTokenDoesNotDependOnItsNeighbours) {
     const Drawn alone = draw(Backend::cuda, one);
     EXPECT_EQ(static_cast<const int32_t*>(alone.tokens.data())[0], static_cast<const int32_t*>(all.tokens.data())[i]);
     EXPECT_EQ(std::memcmp(alone.kept.data(), static_cast<const uint8_t*>(all.kept.data()) + i * V, size_t(V)), 0);
+    EXPECT_EQ(std::memcmp(alone.weights.data(), static_cast<const float*>(all.weights.data()) + 2 * i, 8), 0);
   }
   const Drawn again = draw(Backend::cuda, rows);
   expect_same_bits(again.tokens, all.tokens, "a second launch");

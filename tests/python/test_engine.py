@@ -37,6 +37,27 @@ def test_a_prompts_bits_do_not_depend_on_the_others(model):
     for a, b in zip(alone, among):
         assert a.tokens == b.tokens
         assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
+        assert np.array_equal(a.sampling_logprobs.view(np.uint64), b.sampling_logprobs.view(np.uint64))
+
+
+def test_sampling_logprobs_are_the_drawn_distributions(model):
+    """Each token's sampling logprob: log p under the distribution it was drawn from. At temperature
+    1 with no cut that is the model's own softmax, so it equals the trainer's logprob to fp32
+    rounding; a cut renormalises over fewer tokens, so it can only be higher; greedy's are 0.
+    (tests/cpu/test_engine.cpp checks it against the fp64 truncated distribution.)"""
+    ps = prompts(3, seed=31)
+    plain = samebits.Engine(model, "cpu").generate(ps, samebits.SamplingParams(n=2, max_new_tokens=5, seed=13))
+    cut = samebits.Engine(model, "cpu").generate(ps, samebits.SamplingParams(n=2, top_k=20, max_new_tokens=5, seed=13))
+    gaps = []
+    for cs_plain, cs_cut in zip(plain, cut):
+        for a, b in zip(cs_plain, cs_cut):
+            assert len(a.sampling_logprobs) == len(a.tokens) == 5
+            assert np.allclose(a.sampling_logprobs, a.logprobs, rtol=0, atol=1e-4), (a.sampling_logprobs, a.logprobs)
+            assert (b.sampling_logprobs >= b.logprobs - 1e-5).all() and (b.sampling_logprobs <= 0).all()
+            gaps.extend(b.sampling_logprobs - b.logprobs)
+    assert max(gaps) > 1e-3, "top-k 20 of 2560 ids never moved a token's probability: the test checks nothing"
+    greedy = samebits.Engine(model, "cpu").generate(ps, samebits.SamplingParams(temperature=0, max_new_tokens=3))
+    assert all((c.sampling_logprobs == 0).all() and len(c.sampling_logprobs) == 3 for cs in greedy for c in cs)
 
 
 def rule_mass(w, ids):
@@ -118,6 +139,7 @@ def test_preemption_under_a_small_kv_pool_changes_no_bit(model):
 def same(a, b):
     """Two completions, bit for bit: tokens, logprobs (raw bytes), why they ended."""
     return (a.tokens == b.tokens and a.logprobs.tobytes() == b.logprobs.tobytes()
+            and a.sampling_logprobs.tobytes() == b.sampling_logprobs.tobytes()
             and a.finish_reason == b.finish_reason and a.error == b.error)
 
 

@@ -97,16 +97,18 @@ struct Cuts {
 
 __global__ void __launch_bounds__(LANES, 1)
     sample_rows(const float* __restrict__ logits, const double* __restrict__ params, int V, int32_t* tokens,
-                uint8_t* kept) {
+                uint8_t* kept, float* weights) {
   __shared__ Shared s;
   const int l = threadIdx.x, warp = l >> 5, lane = l & 31;
   const float* z = logits + int64_t(blockIdx.x) * V;
   uint8_t* kept_row = kept ? kept + int64_t(blockIdx.x) * V : nullptr;
   const RowParams p = params_of(params + int64_t(blockIdx.x) * PARAMS);
+  float* weight = weights ? weights + 2 * int64_t(blockIdx.x) : nullptr;  // {drawn token's, kept total}
   auto finish_bad = [&](int32_t code) {
     if (kept_row)
       for (int i = l; i < V; i += LANES) kept_row[i] = 0;
     if (l == 0) tokens[blockIdx.x] = code;
+    if (l == 0 && weight) weight[0] = weight[1] = 0.0f;
   };
   if (!params_ok(p)) return finish_bad(BAD_PARAMS);
 
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(LANES, 1)
     if (kept_row)
       for (int i = l; i < V; i += LANES) kept_row[i] = i == arg;
     if (l == 0) tokens[blockIdx.x] = arg;
+    if (l == 0 && weight) weight[0] = weight[1] = 1.0f;
     return;
   }
   const float max_logit = z[arg], inv_t = inverse_temperature(p.temperature);
@@ -267,16 +270,21 @@ __global__ void __launch_bounds__(LANES, 1)
   if (l != s.draw_lane) return;
   const float t = s.draw_t;
   int token = -1;
+  float token_w = 0.0f;
   acc = 0.0f;
   for (int i = l; i < V; i += LANES) {
     const float x = z[i];
     const float w = weight_of(x, max_logit, inv_t);
     if (!cut.all(x, key_of(x), i, w)) continue;
     acc = __fadd_rn(acc, w);
-    if (w > 0.0f) token = i;
+    if (w > 0.0f) token = i, token_w = w;
     if (acc > t) break;
   }
   tokens[blockIdx.x] = token;
+  if (weight) {
+    weight[0] = token >= 0 ? token_w : 0.0f;
+    weight[1] = token >= 0 ? s.tree[1] : 0.0f;
+  }
 }
 
 void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
@@ -284,7 +292,7 @@ void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
   if (R == 0) return;
   sample_rows<<<unsigned(R), LANES, 0, stream_of(ctx.stream)>>>(
       a.logits.as<const float>(), a.params.as<const double>(), int(V), a.tokens.as<int32_t>(),
-      a.kept.present() ? a.kept.as<uint8_t>() : nullptr);
+      a.kept.present() ? a.kept.as<uint8_t>() : nullptr, a.weights.present() ? a.weights.as<float>() : nullptr);
   check(cudaGetLastError(), "sample_tokens", "launch");
 }
 
