@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -534,6 +535,14 @@ TEST(Sampling, TruncationKeepsExactlyTheClaimedSet) {
     const double truth = (logits[size_t(tok)] - double(top)) / p.temperature - std::log(z64);
     EXPECT_NEAR(sampling_rule::sampling_logprob(weights[0], weights[1]), truth, 1e-5 + 1e-6 * std::fabs(truth))
         << "trial " << trial;
+    if (trial % 50 == 0) {  // greedy: {1, 1}, a logprob of 0
+      std::array<double, sampling_rule::PARAMS> g = row;
+      g[0] = 0.0;
+      a.params = TensorView::of(g.data(), DType::f64, {1, sampling_rule::PARAMS});
+      sample_tokens(Context{}, a);
+      EXPECT_TRUE(weights[0] == 1.0f && weights[1] == 1.0f) << "greedy, trial " << trial;
+      EXPECT_EQ(sampling_rule::sampling_logprob(weights[0], weights[1]), 0.0);
+    }
   }
   EXPECT_GT(ties_at_the_cut, 0) << "no trial put a tie at the top-p cut";
 }

@@ -111,7 +111,11 @@ TEST_F(CudaSampling, BadRowsAreReportedAndTheOthersDrawn) {
     EXPECT_EQ(t[3], -1);
     EXPECT_EQ(t[4], -2);
     EXPECT_GE(t[5], 0);
+    const float* w = static_cast<const float*>(d.weights.data());
+    for (int64_t i : {1, 2, 3, 4}) EXPECT_TRUE(w[2 * i] == 0.0f && w[2 * i + 1] == 0.0f) << "bad row " << i;
+    for (int64_t i : {0, 5}) EXPECT_TRUE(w[2 * i] > 0.0f && w[2 * i + 1] >= w[2 * i]) << "row " << i;
   }
+  expect_same_bits(draw(Backend::cuda, rows).weights, draw(Backend::cpu, rows).weights, "weights with bad rows");
 }
 
 TEST_F(CudaSampling, FrequenciesFollowTheTemperedSoftmax) {
