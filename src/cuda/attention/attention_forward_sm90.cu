@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/attention/attention_host.hpp"
 #include "cuda/attention/attention_sm90.hpp"
@@ -112,6 +113,7 @@ struct Smem {
 template <class T, int D, int PARTS>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_launch_dependents();  // the next kernel (the O GEMM) may start its prologue (cuda/common/pdl.cuh)
   using S = Smem<D>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -363,6 +365,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 // of its rows, so the loads need no condition): the fold waits on arithmetic, not on memory.
 template <class T, int D>
 __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const __grid_constant__ Params p) {
+  pdl_launch_dependents();  // the next kernel (the O GEMM) may start its prologue (cuda/common/pdl.cuh)
   constexpr int SPANS_AHEAD = 8;
   const Combine g = p.combines ? p.combines[blockIdx.x] : p.inline_combines[blockIdx.x];
   const int row = blockIdx.y;

@@ -9,6 +9,7 @@
 // never how.
 #include <algorithm>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/vec8.cuh"
 #include "ops/registry.hpp"
@@ -107,6 +108,7 @@ struct AddBwd {  // da = db = dy, each in its own dtype (either may be absent)
 // against 69.3), so one.
 template <class Op>
 __global__ void __launch_bounds__(THREADS) elementwise(Op op, int64_t numel) {
+  pdl_launch_dependents();  // the next kernel (a GEMM) may start its prologue (cuda/common/pdl.cuh)
   const int64_t v = int64_t(blockIdx.x) * THREADS + threadIdx.x;
   if (v >= (numel + 7) / 8) return;
   const int n = int(std::min<int64_t>(8, numel - v * 8));

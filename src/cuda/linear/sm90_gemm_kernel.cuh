@@ -25,6 +25,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/sm90/primitives.cuh"
 #include "cuda/common/sm90/tma.cuh"
@@ -123,6 +124,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   const int kt_count = int((K + BK - 1) / BK);
   init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
+  // Launched after the previous kernel (cuda/common/pdl.cuh): the CTA got here while that kernel
+  // may still run; every thread waits for it before touching global memory (x, w, C, the output),
+  // then lets the next kernel's CTAs be scheduled as this one's end.
+  pdl_wait();
+  pdl_launch_dependents();
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -223,8 +229,8 @@ void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Par
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
   const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * prod.first_tile[count];
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count(op)));
-  gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G><<<grid, THREADS, Ring::SMEM_BYTES, stream>>>(ma, prod, M, K, a_rows);
-  check(cudaGetLastError(), op, "sm90 kernel launch");
+  launch_after_previous(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G>, dim3(grid), dim3(THREADS), Ring::SMEM_BYTES, stream,
+                        op, ma, prod, M, K, a_rows);
 }
 
 // One product: C[M,N] = A[M,K]·B.

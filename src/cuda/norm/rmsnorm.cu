@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/common/segments.hpp"
@@ -114,6 +115,7 @@ __device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, i
 // never overlap, so in-place calls are safe).
 template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
+  pdl_launch_dependents();  // the next kernel (a GEMM) may start its prologue (cuda/common/pdl.cuh)
   __shared__ __align__(16) float red[2][1][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;

@@ -1,0 +1,72 @@
+// Programmatic dependent launch (Hopper): a kernel launched with launch_after_previous may start
+// (its CTAs become resident, its prologue runs) while the kernel before it in the stream is still
+// finishing; it must call pdl_wait() in every thread before its first global-memory access, which
+// returns once that kernel has completed and its writes are visible. A kernel that calls
+// pdl_launch_dependents() lets such a successor be scheduled from then on (without the call, at
+// its end). Neither changes what any thread computes: only when the successor's CTAs start. In a
+// CUDA graph the attribute becomes a programmatic edge.
+//
+// Why: a decode step is ~400 kernels of a few to a few tens of µs; each one's launch and ramp (a
+// GEMM's CTAs starting, their barriers set up) used to begin only after the previous one's last
+// CTA ended. SAMEBITS_PDL=0 in the environment launches every kernel plainly (for A/B runs).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "cuda/common/runtime.cuh"
+
+namespace samebits::cuda {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launch_after_previous sets the attribute: a Hopper (or later) device, and SAMEBITS_PDL
+// not "0".
+inline bool programmatic_launch_enabled(const char* op) {
+  static const bool env_on = [] {
+    const char* v = std::getenv("SAMEBITS_PDL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  static std::atomic<int> major[64] = {};
+  const int cc = once_per_device(major, op, [&] {
+    int dev = 0, m = 0;
+    check(cudaGetDevice(&dev), op, "device");
+    check(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev), op, "compute capability");
+    return m > 0 ? m : 1;
+  });
+  return env_on && cc >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), allowed to start before the previous kernel in
+// the stream ends (the kernel calls pdl_wait() first). The legacy default stream (null) launches
+// plainly.
+template <class... Params, class... Args>
+void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                           const char* op, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = stream != nullptr && programmatic_launch_enabled(op) ? 1 : 0;
+  check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), op, "kernel launch");
+}
+
+}  // namespace samebits::cuda
