@@ -51,8 +51,8 @@ inline bool programmatic_launch_enabled(const char* op) {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), allowed to start before the previous kernel in
-// the stream ends (the kernel calls pdl_wait() first). The legacy default stream (null) launches
-// plainly.
+// the stream ends (the kernel calls pdl_wait() first). On the default streams (null, legacy,
+// per-thread) it launches plainly.
 template <class... Params, class... Args>
 void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                            const char* op, Args&&... args) {
@@ -65,7 +65,8 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, siz
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = stream != nullptr && programmatic_launch_enabled(op) ? 1 : 0;
+  const bool legacy = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+  config.numAttrs = !legacy && programmatic_launch_enabled(op) ? 1 : 0;
   check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), op, "kernel launch");
 }
 

@@ -108,7 +108,8 @@ struct AddBwd {  // da = db = dy, each in its own dtype (either may be absent)
 // against 69.3), so one.
 template <class Op>
 __global__ void __launch_bounds__(THREADS) elementwise(Op op, int64_t numel) {
-  pdl_launch_dependents();  // the next kernel (a GEMM) may start its prologue (cuda/common/pdl.cuh)
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   const int64_t v = int64_t(blockIdx.x) * THREADS + threadIdx.x;
   if (v >= (numel + 7) / 8) return;
   const int n = int(std::min<int64_t>(8, numel - v * 8));
@@ -122,7 +123,8 @@ void launch(const Op& op, int64_t numel, const Context& ctx, const char* name) {
   if (numel == 0) return;
   const int64_t grid = ((numel + 7) / 8 + THREADS - 1) / THREADS;
   if (grid > 0x7fffffff) throw Unsupported(name, "x", "a tensor of more than 2^31 · 2048 elements");
-  elementwise<<<unsigned(grid), THREADS, 0, stream_of(ctx.stream)>>>(op, numel);
+  launch_after_previous(elementwise<Op>, dim3(unsigned(grid)), dim3(THREADS), 0, stream_of(ctx.stream), name, op,
+                        numel);
   check(cudaGetLastError(), name, "kernel launch");
 }
 

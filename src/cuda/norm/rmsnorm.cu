@@ -115,7 +115,8 @@ __device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, i
 // never overlap, so in-place calls are safe).
 template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
-  pdl_launch_dependents();  // the next kernel (a GEMM) may start its prologue (cuda/common/pdl.cuh)
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   __shared__ __align__(16) float red[2][1][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
@@ -329,7 +330,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
     static std::atomic<int> resident[MAX_THREADS / 32 + 1][64] = {};
     const int per_sm = resident_ctas(resident[threads / 32], kernel, threads, op);
     const unsigned grid = unsigned(std::min<int64_t>(T, int64_t(current_sm_count(op)) * per_sm));
-    kernel<<<grid, threads, 0, stream_of(ctx.stream)>>>(p);
+    launch_after_previous(kernel, dim3(grid), dim3(threads), 0, stream_of(ctx.stream), op, p);
   });
   check(cudaGetLastError(), op, "kernel launch");
 }
