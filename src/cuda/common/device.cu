@@ -3,6 +3,7 @@
 // SAMEBITS_REGISTER_KERNEL (src/ops/registry.hpp); until one lands, its ops report NotBuilt.
 #include <cuda_runtime.h>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 
@@ -76,6 +77,8 @@ void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t 
 // One CTA a row; 16-byte moves where the row, both pitches and both bases allow, else bytes.
 __global__ void copy_rows_kernel(uint8_t* dst, size_t dst_pitch, const uint8_t* src, size_t src_pitch, size_t row_bytes,
                                  const int32_t* dst_rows, const int32_t* src_rows, bool wide) {
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   uint8_t* d = dst + size_t(dst_rows[blockIdx.x]) * dst_pitch;
   const uint8_t* s = src + size_t(src_rows[blockIdx.x]) * src_pitch;
   if (wide) {
@@ -90,10 +93,9 @@ void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n, void* stream) {
   if (n <= 0 || row_bytes == 0) return;
   const bool wide = (row_bytes | dst_pitch | src_pitch | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 == 0;
-  copy_rows_kernel<<<unsigned(n), 128, 0, or_legacy(stream)>>>(static_cast<uint8_t*>(dst), dst_pitch,
-                                                              static_cast<const uint8_t*>(src), src_pitch, row_bytes,
-                                                              dst_rows, src_rows, wide);
-  check(cudaGetLastError(), "device copy", "indexed rows");
+  launch_after_previous(copy_rows_kernel, dim3(unsigned(n)), dim3(128), 0, or_legacy(stream), "device copy",
+                        static_cast<uint8_t*>(dst), dst_pitch, static_cast<const uint8_t*>(src), src_pitch, row_bytes,
+                        dst_rows, src_rows, wide);
 }
 
 void fill(void* p, int byte, size_t bytes, void* stream) {

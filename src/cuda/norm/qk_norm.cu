@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/common/segments.hpp"
@@ -106,6 +107,8 @@ constexpr int QK_STEP_ROWS_PER_SLOT = 16;  // a step's rows per slot the host ai
 template <class Fmt>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
                                                                      const __grid_constant__ QkInvFreq inv) {
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   __shared__ float2 cs[QK_CS_BUFFERS * QK_CS_PAIRS];
   const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
   const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
@@ -309,7 +312,7 @@ void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
     const auto kernel = qk_norm_forward_kernel<decltype(fmt)>;
     static std::atomic<int> resident[64] = {};
     const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * resident_ctas(resident, kernel, QK_THREADS, op)));
-    kernel<<<grid, QK_THREADS, 0, stream_of(ctx.stream)>>>(p, inv);
+    launch_after_previous(kernel, dim3(grid), dim3(QK_THREADS), 0, stream_of(ctx.stream), op, p, inv);
   });
   check(cudaGetLastError(), op, "kernel launch");
 }

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "ops/registry.hpp"
 #include "ops/sampling_rule.hpp"
@@ -98,6 +99,8 @@ struct Cuts {
 __global__ void __launch_bounds__(LANES, 1)
     sample_rows(const float* __restrict__ logits, const double* __restrict__ params, int V, int32_t* tokens,
                 uint8_t* kept, float* weights) {
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   __shared__ Shared s;
   const int l = threadIdx.x, warp = l >> 5, lane = l & 31;
   const float* z = logits + int64_t(blockIdx.x) * V;
@@ -290,10 +293,10 @@ __global__ void __launch_bounds__(LANES, 1)
 void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
   const int64_t R = a.logits.shape[0], V = a.logits.shape[1];
   if (R == 0) return;
-  sample_rows<<<unsigned(R), LANES, 0, stream_of(ctx.stream)>>>(
-      a.logits.as<const float>(), a.params.as<const double>(), int(V), a.tokens.as<int32_t>(),
-      a.kept.present() ? a.kept.as<uint8_t>() : nullptr, a.weights.present() ? a.weights.as<float>() : nullptr);
-  check(cudaGetLastError(), "sample_tokens", "launch");
+  launch_after_previous(sample_rows, dim3(unsigned(R)), dim3(LANES), 0, stream_of(ctx.stream), "sample_tokens",
+                        a.logits.as<const float>(), a.params.as<const double>(), int(V), a.tokens.as<int32_t>(),
+                        a.kept.present() ? a.kept.as<uint8_t>() : nullptr,
+                        a.weights.present() ? a.weights.as<float>() : nullptr);
 }
 
 }  // namespace
