@@ -102,6 +102,18 @@ struct QkNormForwardArgs {
   TensorView positions;  // optional: fuse RoPE (see RopeArgs)
   RopeConfig rope;
 };
+// A layer's q and k in one call: each part bitwise what qk_norm_forward gives it alone, with the
+// same eps, positions and RoPE (their x share T and head_dim; the heads may differ). The CUDA
+// backend runs both in one launch. No part's y may overlap the other part's x or y.
+struct QkNormPart {
+  TensorView x, weight, y, rstd;
+};
+struct QkNormPairForwardArgs {
+  QkNormPart q, k;
+  double eps = 1e-6;
+  TensorView positions;
+  RopeConfig rope;
+};
 // dweight[head_dim] += Σ over unmasked tokens (CPU: tokens ascending, each token's heads ascending;
 // GPU: chunks of tokens from every segment, as rmsnorm_backward). segments: as rmsnorm_backward's.
 // With positions (the fused forward's backward): dy is the gradient of the rotated output; it is
@@ -115,6 +127,7 @@ struct QkNormBackwardArgs {
   RopeConfig rope;
 };
 void qk_norm_forward(const Context&, const QkNormForwardArgs&);
+void qk_norm_pair_forward(const Context&, const QkNormPairForwardArgs&);
 void qk_norm_backward(const Context&, const QkNormBackwardArgs&);
 
 // ---------------------------------------------------------------- RoPE

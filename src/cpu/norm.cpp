@@ -118,11 +118,18 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   });
 }
 
+// The CPU runs q, then k, each through this file's kernel (the parentheses keep ADL from the public op).
+void qk_norm_pair_forward(const Context& ctx, const QkNormPairForwardArgs& a) {
+  for (const QkNormPart* part : {&a.q, &a.k})
+    (qk_norm_forward)(ctx, QkNormForwardArgs{part->x, part->weight, part->y, part->rstd, a.eps, a.positions, a.rope});
+}
+
 }  // namespace
 
 SAMEBITS_REGISTER_KERNEL(rmsnorm_forward, Backend::cpu, RmsNormForwardArgs, rmsnorm_forward);
 SAMEBITS_REGISTER_KERNEL(rmsnorm_backward, Backend::cpu, RmsNormBackwardArgs, rmsnorm_backward);
 SAMEBITS_REGISTER_KERNEL(qk_norm_forward, Backend::cpu, QkNormForwardArgs, qk_norm_forward);
+SAMEBITS_REGISTER_KERNEL(qk_norm_pair_forward, Backend::cpu, QkNormPairForwardArgs, qk_norm_pair_forward);
 SAMEBITS_REGISTER_KERNEL(qk_norm_backward, Backend::cpu, QkNormBackwardArgs, qk_norm_backward);
 
 }  // namespace samebits::cpu

@@ -180,21 +180,19 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
     DeviceTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
     DeviceTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
-    for (auto [src, dst, name, heads, w] : {std::tuple{&q, &qr, "q_norm", Hq, "self_attn.q_norm.weight"},
-                                            std::tuple{&k, &kr, "k_norm", Hkv, "self_attn.k_norm.weight"}}) {
-      if (!c.qk_norm) {
-        rope_forward(ctx_, {v3(*src, heads, D), r.pos, v3(*dst, heads, D), c.rope});
-        continue;
-      }
-      QkNormForwardArgs a;
-      a.x = v3(*src, heads, D);
-      a.weight = W(p + w);
-      a.y = v3(*dst, heads, D);
-      a.rstd = acc(layer_name(l, name) + "_rstd", {T, heads}).view();
+    if (c.qk_norm) {  // q and k in one call (one launch on CUDA), each part its own call's bits
+      QkNormPairForwardArgs a;
+      a.q = {v3(q, Hq, D), W(p + "self_attn.q_norm.weight"), v3(qr, Hq, D),
+             acc(layer_name(l, "q_norm_rstd"), {T, Hq}).view()};
+      a.k = {v3(k, Hkv, D), W(p + "self_attn.k_norm.weight"), v3(kr, Hkv, D),
+             acc(layer_name(l, "k_norm_rstd"), {T, Hkv}).view()};
       a.eps = c.rms_norm_eps;
       a.positions = r.pos;
       a.rope = c.rope;
-      qk_norm_forward(ctx_, a);
+      qk_norm_pair_forward(ctx_, a);
+    } else {
+      rope_forward(ctx_, {v3(q, Hq, D), r.pos, v3(qr, Hq, D), c.rope});
+      rope_forward(ctx_, {v3(k, Hkv, D), r.pos, v3(kr, Hkv, D), c.rope});
     }
 
     AttentionForwardArgs at;

@@ -76,18 +76,42 @@ void rmsnorm_backward(const Context& ctx, const RmsNormBackwardArgs& a) {
   run_kernel<OpId::rmsnorm_backward>("rmsnorm_backward", ctx, a);
 }
 
+namespace {
+// One QK-norm forward's tensors; `part` prefixes their names in a pair ("q." / "k.").
+void check_qk_norm_part(const Validator& v, const TensorView& x, const TensorView& weight, const TensorView& y,
+                        const TensorView& rstd, const std::string& part = "") {
+  const std::string xn = part + "x", wn = part + "weight", yn = part + "y";
+  check_float_input(v, xn.c_str(), x, 3);
+  check_float_input(v, wn.c_str(), weight, 1);
+  v.dim(wn.c_str(), weight, 0, x.shape[2], "head_dim");
+  v.required(yn.c_str(), y, 3);
+  v.floating(yn.c_str(), y);
+  v.same_shape(yn.c_str(), y, xn.c_str(), x);
+  check_rstd(v, rstd, x, 2);
+}
+}  // namespace
+
 void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
   auto v = begin_op<OpId::qk_norm_forward>("qk_norm_forward", ctx, a);
   check_eps(v, a.eps);
-  check_float_input(v, "x", a.x, 3);
-  check_float_input(v, "weight", a.weight, 1);
-  v.dim("weight", a.weight, 0, a.x.shape[2], "head_dim");
-  v.required("y", a.y, 3);
-  v.floating("y", a.y);
-  v.same_shape("y", a.y, "x", a.x);
-  check_rstd(v, a.rstd, a.x, 2);
+  check_qk_norm_part(v, a.x, a.weight, a.y, a.rstd);
   if (a.positions.present()) check_rope_positions(v, a.positions, a.rope, a.x.shape[0], a.x.shape[2], "x");
   run_kernel<OpId::qk_norm_forward>("qk_norm_forward", ctx, a);
+}
+
+void qk_norm_pair_forward(const Context& ctx, const QkNormPairForwardArgs& a) {
+  auto v = begin_op<OpId::qk_norm_pair_forward>("qk_norm_pair_forward", ctx, a);
+  check_eps(v, a.eps);
+  check_qk_norm_part(v, a.q.x, a.q.weight, a.q.y, a.q.rstd, "q.");
+  check_qk_norm_part(v, a.k.x, a.k.weight, a.k.y, a.k.rstd, "k.");
+  v.dim("k.x", a.k.x, 0, a.q.x.shape[0], "T, q.x's tokens");
+  v.dim("k.x", a.k.x, 2, a.q.x.shape[2], "head_dim, q.x's");
+  v.no_alias("q.y", a.q.y, "k.x", a.k.x);
+  v.no_alias("q.y", a.q.y, "k.y", a.k.y);
+  v.no_alias("k.y", a.k.y, "q.x", a.q.x);
+  if (a.q.rstd.present() && a.k.rstd.present()) v.no_alias("q.rstd", a.q.rstd, "k.rstd", a.k.rstd);
+  if (a.positions.present()) check_rope_positions(v, a.positions, a.rope, a.q.x.shape[0], a.q.x.shape[2], "q.x");
+  run_kernel<OpId::qk_norm_pair_forward>("qk_norm_pair_forward", ctx, a);
 }
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {

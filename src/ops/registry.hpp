@@ -10,7 +10,7 @@ namespace samebits::detail {
 
 enum class OpId : int {
   linear_forward, linear_group_forward, linear_backward_input, linear_backward_weight,
-  rmsnorm_forward, rmsnorm_backward, qk_norm_forward, qk_norm_backward,
+  rmsnorm_forward, rmsnorm_backward, qk_norm_forward, qk_norm_pair_forward, qk_norm_backward,
   rope_forward, rope_backward,
   swiglu_forward, swiglu_backward, residual_add_forward, residual_add_backward,
   embedding_forward, embedding_backward,

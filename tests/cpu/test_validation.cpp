@@ -295,6 +295,47 @@ TEST(Validation, LinearGroupGivesEachPartsOwnCallAndNamesTheBadPart) {
   expect_error([&] { linear_forward(Context{}, own); }, "linear_forward", "y", "must not overlap bias", &shared);
 }
 
+TEST(Validation, QkNormPairGivesEachPartsOwnCallAndNamesTheBadPart) {
+  const int64_t T = 3, Hq = 4, Hk = 2, D = 16;
+  std::vector<float> xq(T * Hq * D), xk(T * Hk * D), wq(D), wk(D), yq(T * Hq * D), yk(T * Hk * D), rq(T * Hq),
+      rk(T * Hk), yq_ref(yq.size()), yk_ref(yk.size()), rq_ref(rq.size()), rk_ref(rk.size());
+  for (size_t i = 0; i < xq.size(); ++i) xq[i] = std::sin(float(i) * 0.3f);
+  for (size_t i = 0; i < xk.size(); ++i) xk[i] = std::cos(float(i) * 0.7f);
+  for (int64_t i = 0; i < D; ++i) wq[size_t(i)] = 1.0f + 0.01f * float(i), wk[size_t(i)] = 0.9f + 0.02f * float(i);
+  std::vector<int32_t> pos{7, 8, 40};
+  auto t3 = [](std::vector<float>& v, int64_t h) { return TensorView::of(v.data(), DType::f32, {T, h, D}); };
+  auto t2 = [](std::vector<float>& v, int64_t h) { return TensorView::of(v.data(), DType::f32, {T, h}); };
+  auto t1 = [](std::vector<float>& v) { return TensorView::of(v.data(), DType::f32, {D}); };
+  QkNormPairForwardArgs a;
+  a.q = {t3(xq, Hq), t1(wq), t3(yq, Hq), t2(rq, Hq)};
+  a.k = {t3(xk, Hk), t1(wk), t3(yk, Hk), t2(rk, Hk)};
+  a.positions = TensorView::of(pos.data(), DType::i32, {T});
+  qk_norm_pair_forward(Context{}, a);
+  for (const auto& [x, w, y, r, h] : {std::tuple{&xq, &wq, &yq_ref, &rq_ref, Hq}, std::tuple{&xk, &wk, &yk_ref, &rk_ref, Hk}}) {
+    QkNormForwardArgs f{t3(*x, h), t1(*w), t3(*y, h), t2(*r, h)};
+    f.positions = a.positions;
+    qk_norm_forward(Context{}, f);
+  }
+  EXPECT_EQ(std::memcmp(yq.data(), yq_ref.data(), yq.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(yk.data(), yk_ref.data(), yk.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(rq.data(), rq_ref.data(), rq.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(rk.data(), rk_ref.data(), rk.size() * 4), 0);
+  EXPECT_NE(yk[5], 0.0f);
+
+  auto bad = a;
+  std::vector<float> xk_short((T - 1) * Hk * D), yk_short((T - 1) * Hk * D);
+  bad.k.x = TensorView::of(xk_short.data(), DType::f32, {T - 1, Hk, D});
+  bad.k.y = TensorView::of(yk_short.data(), DType::f32, {T - 1, Hk, D});
+  bad.k.rstd = {};
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, "qk_norm_pair_forward", "k.x", "T, q.x's tokens", &yq);
+  bad = a;
+  bad.q.y = t3(xk, Hk);  // q's output over k's input (the shape check comes first: make it fit)
+  bad.q.x = t3(xq, Hk);
+  bad.q.rstd = {};
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, "qk_norm_pair_forward", "q.y", "must not overlap k.x",
+               &xk);
+}
+
 TEST(Validation, MissingRequiredArgument) {
   LinearFixture f;
   auto a = f.args();

@@ -355,6 +355,51 @@ TEST_F(CudaNormRope, RopePositionGivesTheSameBitsEverywhere) {
 // qk_norm_backward on it (dx, and dweight over a mask and two segments), rstd saved and recomputed.
 // Qwen3-8B's q and k heads at D = 128, D = 64, D = 96 (the pair partner 6 lanes away, not a
 // power of two) and D = 16 (one lane a half); positions restarting, and far out.
+TEST_F(CudaNormRope, QkNormPairGivesEachPartItsOwnCallsBits) {
+  // q and k in one launch (qk_norm_pair_forward): each part's y and rstd bitwise its own
+  // qk_norm_forward's, with and without fused RoPE, q and k of different head counts, T from a
+  // decode's 1 to a prefill's 333, bf16 and fp16 (the generic instance).
+  struct Shape {
+    DType dt;
+    int64_t T, q_heads, k_heads, D;
+  };
+  for (const Shape& s : {Shape{DType::bf16, 1, 32, 8, 128}, Shape{DType::bf16, 3, 32, 8, 128},
+                         Shape{DType::bf16, 333, 32, 8, 128}, Shape{DType::f16, 64, 16, 8, 64},
+                         Shape{DType::bf16, 17, 5, 3, 96}})
+    for (const bool rope : {false, true}) {
+      if (rope && s.D % 16 != 0) continue;
+      const std::string what = std::string(dtype_name(s.dt)) + " T=" + std::to_string(s.T) + " D=" +
+                               std::to_string(s.D) + (rope ? " rope" : "");
+      Rng r(71 + s.T + s.D);
+      const HostTensor xq = r.tensor(s.dt, {s.T, s.q_heads, s.D}, -2, 2), xk = r.tensor(s.dt, {s.T, s.k_heads, s.D}, -2, 2),
+                       wq = r.tensor(s.dt, {s.D}, 0.5, 1.5), wk = r.tensor(s.dt, {s.D}, 0.5, 1.5);
+      HostTensor pos(DType::i32, {s.T});
+      for (int64_t t = 0; t < s.T; ++t) pos.set(t, double(5 * t + 3));
+      const DeviceBuffer d_xq(xq), d_xk(xk), d_wq(wq), d_wk(wk), d_pos(pos);
+      const DeviceBuffer yq(s.dt, {s.T, s.q_heads, s.D}), yk(s.dt, {s.T, s.k_heads, s.D}),
+          rq(DType::f32, {s.T, s.q_heads}), rk(DType::f32, {s.T, s.k_heads}), yq_ref(s.dt, {s.T, s.q_heads, s.D}),
+          yk_ref(s.dt, {s.T, s.k_heads, s.D}), rq_ref(DType::f32, {s.T, s.q_heads}), rk_ref(DType::f32, {s.T, s.k_heads});
+      QkNormPairForwardArgs pair;
+      pair.q = {d_xq.view(), d_wq.view(), yq.view(), rq.view()};
+      pair.k = {d_xk.view(), d_wk.view(), yk.view(), rk.view()};
+      if (rope) pair.positions = d_pos.view();
+      qk_norm_pair_forward(cuda_ctx(), pair);
+      for (const auto& [x, w, y, rs] : {std::tuple{&d_xq, &d_wq, &yq_ref, &rq_ref}, std::tuple{&d_xk, &d_wk, &yk_ref, &rk_ref}}) {
+        QkNormForwardArgs f;
+        f.x = x->view();
+        f.weight = w->view();
+        f.y = y->view();
+        f.rstd = rs->view();
+        if (rope) f.positions = d_pos.view();
+        qk_norm_forward(cuda_ctx(), f);
+      }
+      expect_same_bits(yq.host(), yq_ref.host(), what + ": q");
+      expect_same_bits(yk.host(), yk_ref.host(), what + ": k");
+      expect_same_bits(rq.host(), rq_ref.host(), what + ": q rstd");
+      expect_same_bits(rk.host(), rk_ref.host(), what + ": k rstd");
+    }
+}
+
 TEST_F(CudaNormRope, QkNormRopeEqualsQkNormThenRope) {
   RopeConfig llama;
   llama.theta = 500000.0;

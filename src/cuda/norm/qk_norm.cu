@@ -104,16 +104,16 @@ struct QkRowCursor {
 constexpr int QK_CS_PAIRS = QK_THREADS * 4, QK_CS_BUFFERS = 3;
 constexpr int QK_STEP_ROWS_PER_SLOT = 16;  // a step's rows per slot the host aims for
 
+// CTA `block` of `grid` CTAs walking one tensor's steps (a grid-stride loop: which CTA takes a
+// step never changes its bits).
 template <class Fmt>
-__global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
-                                                                     const __grid_constant__ QkInvFreq inv) {
-  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
-  pdl_launch_dependents();
+__device__ __forceinline__ void qk_norm_forward_ctas(const QkParams& p, const QkInvFreq& inv, int64_t block,
+                                                     int64_t grid) {
   __shared__ float2 cs[QK_CS_BUFFERS * QK_CS_PAIRS];
   const int slot_lane = (threadIdx.x % 32) % p.lanes, slot = threadIdx.x / p.lanes;
   const int slots = QK_THREADS / p.lanes, tps = p.tokens_per_step;
   const int64_t col = 8 * int64_t(slot_lane), half = p.D / 2, rows = p.T * p.heads;
-  const int64_t stride = int64_t(gridDim.x) * tps;
+  const int64_t stride = grid * tps;
   const int rows_per_slot = int(tps * p.heads / slots);
   const int n = qk_vector_len(slot_lane, p.D);
   auto fetch = [&](QkRowCursor c) {
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __gri
       rope_fill_cos_sin(cs + (step % QK_CS_BUFFERS) * QK_CS_PAIRS, p.positions, t0, std::min<int64_t>(tps, p.T - t0),
                         half, inv.f, false, true);
   };
-  QkRowCursor cur{int64_t(blockIdx.x) * tps, 0};
+  QkRowCursor cur{block * tps, 0};
   const QkRowCursor second = cur.next(rows_per_slot, stride);
   Raw8 raw0 = fetch(cur), raw1 = fetch(second);
   float w[8];
@@ -159,6 +159,27 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __gri
     raw0 = raw1, raw1 = raw2;
     if (cur.j + 1 == rows_per_slot) ++step;
   }
+}
+
+template <class Fmt>
+__global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
+                                                                     const __grid_constant__ QkInvFreq inv) {
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
+  qk_norm_forward_ctas<Fmt>(p, inv, blockIdx.x, gridDim.x);
+}
+
+// A layer's q and k in one launch: CTAs [0, q_grid) walk q's steps, the rest k's, each exactly as
+// their own launch would (the same rows to a slot, the same arithmetic).
+template <class Fmt>
+__global__ void __launch_bounds__(QK_THREADS) qk_norm_pair_forward_kernel(const __grid_constant__ QkParams q,
+                                                                          const __grid_constant__ QkParams k,
+                                                                          const __grid_constant__ QkInvFreq inv,
+                                                                          int q_grid) {
+  pdl_wait();
+  pdl_launch_dependents();
+  if (int(blockIdx.x) < q_grid) qk_norm_forward_ctas<Fmt>(q, inv, blockIdx.x, q_grid);
+  else qk_norm_forward_ctas<Fmt>(k, inv, int64_t(blockIdx.x) - q_grid, int64_t(gridDim.x) - q_grid);
 }
 
 // Chunks b, b + grid, … of the launch, a CTA each at a time (which CTA takes a chunk changes no
@@ -289,32 +310,67 @@ QkParams qk_params(const TensorView& x, const TensorView& positions, const char*
   return p;
 }
 
-void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
-  const char* op = "qk_norm_forward";
-  const int64_t T = a.x.shape[0], heads = a.x.shape[1], D = a.x.shape[2];
+// A forward's parameters, and its steps (0: nothing to do).
+QkParams forward_params(const TensorView& x, const TensorView& weight, const TensorView& y, const TensorView& rstd,
+                        const TensorView& positions, double eps, const char* op, int64_t& steps) {
+  const int64_t T = x.shape[0], heads = x.shape[1], D = x.shape[2];
   int64_t base = 1;
-  QkParams p = qk_params(a.x, a.positions, op, &base);
-  if (T == 0 || heads == 0) return;
-  p.x = in8(a.x, D);
-  p.weight = in8(a.weight, D);
-  p.y = out8(a.y, D);
-  p.rstd_out = a.rstd.present() ? a.rstd.as<float>() : nullptr;
-  p.eps = float(a.eps);
-  const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, D) : QkInvFreq{};
+  QkParams p = qk_params(x, positions, op, &base);
+  steps = 0;
+  if (T == 0 || heads == 0) return p;
+  p.x = in8(x, D);
+  p.weight = in8(weight, D);
+  p.y = out8(y, D);
+  p.rstd_out = rstd.present() ? rstd.as<float>() : nullptr;
+  p.eps = float(eps);
   // A step of no more tokens than there are (rounded up to the fewest that fill the slots): a
   // decode step's one token walks 2 rows a slot, not the 32 of a full step. Which thread takes a
   // row never changes its bits (a row's sum runs over its own slot's lanes, fixed by D).
   p.tokens_per_step = int(std::min<int64_t>(p.tokens_per_step, (T + base - 1) / base * base));
-  const int64_t steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
-  const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y);
-  with_shape(1, all_bf16, [&](auto fmt, auto) {
-    // As many CTAs as fit at once (a grid-stride loop over the steps).
+  steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
+  return p;
+}
+
+// As many CTAs as fit at once, at most one a step (a grid-stride loop over the steps); `resident`
+// caches the kernel's CTAs a SM.
+template <class Kernel>
+int64_t forward_grid(Kernel kernel, std::atomic<int> (&resident)[64], int64_t steps, const char* op) {
+  return std::min<int64_t>(steps, int64_t(current_sm_count(op)) * resident_ctas(resident, kernel, QK_THREADS, op));
+}
+
+void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
+  const char* op = "qk_norm_forward";
+  int64_t steps = 0;
+  const QkParams p = forward_params(a.x, a.weight, a.y, a.rstd, a.positions, a.eps, op, steps);
+  if (steps == 0) return;
+  const QkInvFreq inv = p.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, a.x.shape[2]) : QkInvFreq{};
+  with_shape(1, is_bf16(a.x) && is_bf16(a.y), [&](auto fmt, auto) {
     const auto kernel = qk_norm_forward_kernel<decltype(fmt)>;
     static std::atomic<int> resident[64] = {};
-    const unsigned grid = unsigned(std::min<int64_t>(steps, int64_t(current_sm_count(op)) * resident_ctas(resident, kernel, QK_THREADS, op)));
+    const unsigned grid = unsigned(forward_grid(kernel, resident, steps, op));
     launch_after_previous(kernel, dim3(grid), dim3(QK_THREADS), 0, stream_of(ctx.stream), op, p, inv);
   });
-  check(cudaGetLastError(), op, "kernel launch");
+}
+
+void qk_norm_pair_forward(const Context& ctx, const QkNormPairForwardArgs& a) {
+  const char* op = "qk_norm_pair_forward";
+  int64_t q_steps = 0, k_steps = 0;
+  const QkParams q = forward_params(a.q.x, a.q.weight, a.q.y, a.q.rstd, a.positions, a.eps, op, q_steps);
+  const QkParams k = forward_params(a.k.x, a.k.weight, a.k.y, a.k.rstd, a.positions, a.eps, op, k_steps);
+  if (q_steps == 0 || k_steps == 0) {  // a part with no rows: the other alone (parentheses: this file's, not ADL's)
+    for (const QkNormPart* part : {&a.q, &a.k})
+      (qk_norm_forward)(ctx, QkNormForwardArgs{part->x, part->weight, part->y, part->rstd, a.eps, a.positions, a.rope});
+    return;
+  }
+  const QkInvFreq inv = q.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, a.q.x.shape[2]) : QkInvFreq{};
+  const bool all_bf16 = is_bf16(a.q.x) && is_bf16(a.q.y) && is_bf16(a.k.x) && is_bf16(a.k.y);
+  with_shape(1, all_bf16, [&](auto fmt, auto) {
+    const auto kernel = qk_norm_pair_forward_kernel<decltype(fmt)>;
+    static std::atomic<int> resident[64] = {};
+    const int64_t q_grid = forward_grid(kernel, resident, q_steps, op), k_grid = forward_grid(kernel, resident, k_steps, op);
+    launch_after_previous(kernel, dim3(unsigned(q_grid + k_grid)), dim3(QK_THREADS), 0, stream_of(ctx.stream), op, q,
+                          k, inv, int(q_grid));
+  });
 }
 
 void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
@@ -349,6 +405,7 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
 }  // namespace
 
 SAMEBITS_REGISTER_KERNEL(qk_norm_forward, Backend::cuda, QkNormForwardArgs, qk_norm_forward);
+SAMEBITS_REGISTER_KERNEL(qk_norm_pair_forward, Backend::cuda, QkNormPairForwardArgs, qk_norm_pair_forward);
 SAMEBITS_REGISTER_KERNEL(qk_norm_backward, Backend::cuda, QkNormBackwardArgs, qk_norm_backward);
 
 }  // namespace samebits::cuda
