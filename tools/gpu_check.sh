@@ -90,6 +90,7 @@ families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecod
 families+=':CudaLogprob.NonFiniteLogitsPoisonOnlyTheirRow:CudaLmHead.RecomputedStatisticsGiveTheSavedOnesBits'
 families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBitsIgnoreBatchOffsetAndAlignment'
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'
+families+=':CudaNormRope.QkNormPairGivesEachPartItsOwnCallsBits'
 families+=':CudaElementwise.*:CudaChain.ActivationsNeedNoPoison:CudaDeviceTensor.*'
 families+=':CudaSampling.BadRowsAreReportedAndTheOthersDrawn:CudaSampling.ARowsTokenDoesNotDependOnItsNeighbours'
 families+=':EngineGraphs.DecodeStepsReplayedFromGraphsGiveTheEagerBits'  # decode steps as graph replays
