@@ -25,6 +25,16 @@ void device_fill(Backend backend, void* ptr, int byte, size_t bytes);
 // with the very same bytes — and never overlapping the source). Asynchronous on the CUDA backend (on this thread's device stream, below).
 void copy_rows_indexed(Backend backend, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
+// The same for two (destination, source) pairs that share the row size and the row maps, in one
+// launch on CUDA (a layer's keys and values into the cache).
+struct RowCopy {
+  void* dst;
+  size_t dst_pitch;
+  const void* src;
+  size_t src_pitch;
+};
+void copy_rows_indexed(Backend backend, const RowCopy& first, const RowCopy& second, size_t row_bytes,
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
 void device_synchronize(Backend backend);
 
 // The stream this thread's device memory work (allocations, frees, copies, fills) is ordered on

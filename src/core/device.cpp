@@ -20,6 +20,8 @@ void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t 
 void fill(void* ptr, int byte, size_t bytes, void* stream);
 void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n, void* stream);
+void copy_rows_indexed_pair(const RowCopy& first, const RowCopy& second, size_t row_bytes, const int32_t* dst_rows,
+                            const int32_t* src_rows, int64_t n, void* stream);
 void synchronize();
 void* stream_create();
 void stream_destroy(void* stream);
@@ -147,6 +149,16 @@ void copy_rows_indexed(Backend b, void* dst, size_t dst_pitch, const void* src, 
     return;
   }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed(dst, dst_pitch, src, src_pitch, row_bytes, dst_rows, src_rows, n, current_stream));
+}
+
+void copy_rows_indexed(Backend b, const RowCopy& first, const RowCopy& second, size_t row_bytes,
+                       const int32_t* dst_rows, const int32_t* src_rows, int64_t n) {
+  if (b == Backend::cpu) {
+    for (const RowCopy* c : {&first, &second})
+      copy_rows_indexed(b, c->dst, c->dst_pitch, c->src, c->src_pitch, row_bytes, dst_rows, src_rows, n);
+    return;
+  }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed_pair(first, second, row_bytes, dst_rows, src_rows, n, current_stream));
 }
 
 void device_memory_release(Backend b) {

@@ -200,10 +200,9 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
       const int64_t ps = cache->page_size();
       const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
-      copy_rows_indexed(ctx_.backend, cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes, row_bytes,
-                        kv_map, kv_map + kv_rows, kv_rows);
-      copy_rows_indexed(ctx_.backend, cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes, row_bytes,
-                        kv_map, kv_map + kv_rows, kv_rows);
+      copy_rows_indexed(ctx_.backend, {cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes},
+                        {cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes}, row_bytes, kv_map,
+                        kv_map + kv_rows, kv_rows);
       at.k = cache->k_[size_t(l)].view();
       at.v = cache->v_[size_t(l)].view();
       at.block_table = block_table.view();

@@ -6,6 +6,7 @@
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
+#include "samebits/device.hpp"
 
 namespace samebits::cuda {
 
@@ -74,14 +75,23 @@ void copy_blocks_on_device(void* dst, size_t dst_pitch, const void* src, size_t 
         "device copy", "blocks, device to device");
 }
 
-// One CTA a row; 16-byte moves where the row, both pitches and both bases allow, else bytes.
-__global__ void copy_rows_kernel(uint8_t* dst, size_t dst_pitch, const uint8_t* src, size_t src_pitch, size_t row_bytes,
-                                 const int32_t* dst_rows, const int32_t* src_rows, bool wide) {
+// One CTA a row of a pair (blockIdx.y); 16-byte moves where the row, both pitches and both bases
+// allow, else bytes.
+struct RowCopies {
+  uint8_t* dst[2];
+  const uint8_t* src[2];
+  size_t dst_pitch[2], src_pitch[2];
+  bool wide[2];
+};
+
+__global__ void copy_rows_kernel(const __grid_constant__ RowCopies c, size_t row_bytes, const int32_t* dst_rows,
+                                 const int32_t* src_rows) {
   pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
   pdl_launch_dependents();
-  uint8_t* d = dst + size_t(dst_rows[blockIdx.x]) * dst_pitch;
-  const uint8_t* s = src + size_t(src_rows[blockIdx.x]) * src_pitch;
-  if (wide) {
+  const int k = blockIdx.y;
+  uint8_t* d = c.dst[k] + size_t(dst_rows[blockIdx.x]) * c.dst_pitch[k];
+  const uint8_t* s = c.src[k] + size_t(src_rows[blockIdx.x]) * c.src_pitch[k];
+  if (c.wide[k]) {
     for (size_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
       reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
   } else {
@@ -89,13 +99,32 @@ __global__ void copy_rows_kernel(uint8_t* dst, size_t dst_pitch, const uint8_t* 
   }
 }
 
+static void copy_row_pairs(const RowCopy* copies, int count, size_t row_bytes, const int32_t* dst_rows,
+                    const int32_t* src_rows, int64_t n, void* stream) {
+  if (n <= 0 || row_bytes == 0) return;
+  RowCopies c{};
+  for (int k = 0; k < count; ++k) {
+    c.dst[k] = static_cast<uint8_t*>(copies[k].dst);
+    c.src[k] = static_cast<const uint8_t*>(copies[k].src);
+    c.dst_pitch[k] = copies[k].dst_pitch;
+    c.src_pitch[k] = copies[k].src_pitch;
+    c.wide[k] = (row_bytes | copies[k].dst_pitch | copies[k].src_pitch | reinterpret_cast<uintptr_t>(copies[k].dst) |
+                 reinterpret_cast<uintptr_t>(copies[k].src)) % 16 == 0;
+  }
+  launch_after_previous(copy_rows_kernel, dim3(unsigned(n), unsigned(count)), dim3(128), 0, or_legacy(stream),
+                        "device copy", c, row_bytes, dst_rows, src_rows);
+}
+
 void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n, void* stream) {
-  if (n <= 0 || row_bytes == 0) return;
-  const bool wide = (row_bytes | dst_pitch | src_pitch | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 == 0;
-  launch_after_previous(copy_rows_kernel, dim3(unsigned(n)), dim3(128), 0, or_legacy(stream), "device copy",
-                        static_cast<uint8_t*>(dst), dst_pitch, static_cast<const uint8_t*>(src), src_pitch, row_bytes,
-                        dst_rows, src_rows, wide);
+  const RowCopy one{dst, dst_pitch, src, src_pitch};
+  copy_row_pairs(&one, 1, row_bytes, dst_rows, src_rows, n, stream);
+}
+
+void copy_rows_indexed_pair(const RowCopy& first, const RowCopy& second, size_t row_bytes, const int32_t* dst_rows,
+                            const int32_t* src_rows, int64_t n, void* stream) {
+  const RowCopy both[2] = {first, second};
+  copy_row_pairs(both, 2, row_bytes, dst_rows, src_rows, n, stream);
 }
 
 void fill(void* p, int byte, size_t bytes, void* stream) {
