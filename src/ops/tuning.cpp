@@ -17,4 +17,9 @@ bool& norm_any_dtype_path_override() {
   return value;
 }
 
+int& programmatic_launch_override() {
+  static int value = 0;
+  return value;
+}
+
 }  // namespace samebits::detail

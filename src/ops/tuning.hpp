@@ -15,4 +15,8 @@ int& lm_head_vocab_chunk_override();
 // bf16; true: always the run-time-dtype instance (the same bits; tests/test_cuda_norm_rope.cpp).
 bool& norm_any_dtype_path_override();
 
+// 0: programmatic dependent launches where the device and SAMEBITS_PDL allow them
+// (cuda/common/pdl.cuh); 1: wherever the device allows them; -1: never (tests compare the two).
+int& programmatic_launch_override();
+
 }  // namespace samebits::detail

@@ -7,8 +7,10 @@
 #include <cstring>
 #include <map>
 
+#include "ops/tuning.hpp"
 #include "samebits/chain.hpp"
 #include "samebits/device.hpp"
+#include "samebits/engine.hpp"
 #include "samebits/chain_gate.hpp"
 #include "samebits/error.hpp"
 #include "samebits/model.hpp"
@@ -68,6 +70,50 @@ TEST_F(CudaChain, AChainOnAStreamOfItsOwnGivesTheDefaultStreamsBits) {
   EXPECT_EQ(std::memcmp(logp[0].data(), logp[1].data(), logp[0].size() * sizeof(double)), 0) << "logprob bits differ";
   for (auto& [name, t] : grads[0])
     EXPECT_EQ(std::memcmp(t.data(), grads[1].at(name).data(), t.bytes()), 0) << name << ": gradient bits differ";
+}
+
+TEST_F(CudaChain, ProgrammaticLaunchesChangeNoBit) {
+  // On a stream of its own the chain's kernels may start before the previous one ends (PDL,
+  // cuda/common/pdl.cuh): every one waits for it before touching memory. A wait missing or too late
+  // would read stale data somewhere in a forward + backward of three sequences, or in a paged
+  // prefill + decode: the same bits with programmatic launches forced on and off, five times each.
+  const Model m = Model::builtin(false);
+  const ChainBatch b = ChainBatch::packed({{1, 2, 3, 4, 5, 6, 7}, {9, 8, 7}, {4, 4, 4, 4, 4}});
+  DeviceStream stream(Backend::cuda);
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  ctx.stream = stream.get();
+  auto run = [&] {
+    const Chain chain(m, ctx);
+    const ChainForward f = chain.forward(b);
+    ModelGrads g(m, DType::f32, Backend::cuda);
+    chain.backward(b, f, std::vector<double>(size_t(b.rows()), 1.0), g);
+    std::vector<HostTensor> out{HostTensor(DType::f64, {int64_t(f.logp.size())})};
+    std::memcpy(out[0].data(), f.logp.data(), f.logp.size() * sizeof(double));
+    for (const std::string& n : g.names()) out.push_back(g.gradient(n));
+    EngineOptions o;
+    o.backend = Backend::cuda;
+    o.page_size = 16;
+    GenerationRequest r{{5, 6, 7, 8, 9, 10, 11, 12, 13}, {}};
+    r.sampling.n = 3;
+    r.sampling.max_new_tokens = 6;
+    r.sampling.seed = 4;
+    for (const Completion& c : generate(m, {r}, o)) {
+      HostTensor t(DType::f64, {int64_t(c.logprobs.size())});
+      std::memcpy(t.data(), c.logprobs.data(), c.logprobs.size() * sizeof(double));
+      out.push_back(t);
+    }
+    return out;
+  };
+  detail::programmatic_launch_override() = -1;
+  const std::vector<HostTensor> plain = run();
+  detail::programmatic_launch_override() = 1;
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    const std::vector<HostTensor> early = run();
+    ASSERT_EQ(early.size(), plain.size());
+    for (size_t i = 0; i < plain.size(); ++i) expect_same_bits(early[i], plain[i], "result " + std::to_string(i));
+  }
+  detail::programmatic_launch_override() = 0;
 }
 
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {

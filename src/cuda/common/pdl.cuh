@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "cuda/common/runtime.cuh"
+#include "ops/tuning.hpp"
 
 namespace samebits::cuda {
 
@@ -33,21 +34,25 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Whether launch_after_previous sets the attribute: a Hopper (or later) device, and SAMEBITS_PDL
-// not "0".
+// Whether launch_after_previous sets the attribute: a compute capability 9.0 device (the waits are
+// compiled for sm_90a only; on another device the kernels come from the sm_80 PTX, which has
+// none, so the attribute would let them read too early), and SAMEBITS_PDL not "0" (the test hook
+// detail::programmatic_launch_override decides where set).
 inline bool programmatic_launch_enabled(const char* op) {
   static const bool env_on = [] {
     const char* v = std::getenv("SAMEBITS_PDL");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  static std::atomic<int> major[64] = {};
-  const int cc = once_per_device(major, op, [&] {
-    int dev = 0, m = 0;
+  static std::atomic<int> hopper[64] = {};  // 2: compute capability 9.0; 1: another
+  const bool sm90 = once_per_device(hopper, op, [&] {
+    int dev = 0, major = 0, minor = 0;
     check(cudaGetDevice(&dev), op, "device");
-    check(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev), op, "compute capability");
-    return m > 0 ? m : 1;
-  });
-  return env_on && cc >= 9;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), op, "compute capability");
+    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), op, "compute capability");
+    return major == 9 && minor == 0 ? 2 : 1;
+  }) == 2;
+  const int forced = detail::programmatic_launch_override();
+  return sm90 && (forced != 0 ? forced > 0 : env_on);
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), allowed to start before the previous kernel in
