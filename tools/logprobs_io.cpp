@@ -101,7 +101,7 @@ void write_logprobs(const Model& model, Backend backend, const std::vector<Input
                     bool entropy, int batch_size, const ProgressFn& progress) {
   const Chain chain = chain_on(model, backend);
   in_batches(seqs, batch_size, progress, [&](const ChainBatch& b, const InputSequence* first) {
-    const ChainForward f = chain.forward(b);
+    const ChainForward f = chain.score(b);  // no backward: a layer's activations go as the next begins
     for (size_t k = 0; k < b.seqs.size(); ++k) {
       nlohmann::json lp = nlohmann::json::array(), en = nlohmann::json::array();
       lp.push_back(nullptr);

@@ -126,6 +126,7 @@ struct ChainForward {
   Backend backend = Backend::cpu;
   // Every activation, in forward order, for the backward and for drift reports.
   std::deque<std::pair<std::string, DeviceTensor>> trace;
+  bool activations_kept = true;  // false: made by Chain::score (or a cached step); no backward takes it
   const DeviceTensor& at(const std::string& name) const;
 };
 
@@ -135,6 +136,10 @@ class Chain {
   Chain(const Model& model, Context ctx);
   // Scores a batch in one call; keys are the batch's own rows (training / rescoring).
   ChainForward forward(const ChainBatch& batch) const;
+  // forward()'s logprobs and entropies, bit for bit, without the activations a backward needs: each
+  // layer's are freed as the next one begins, so scoring holds about two layers' activations, not
+  // all of them (the result's trace holds the final norm's rows only; no backward can take it).
+  ChainForward score(const ChainBatch& batch) const;
   // Runs a step against the cache: each sequence's rows are appended to its slot (after `cached`
   // tokens, which must equal the slot's length) and attend to everything cached before them. A step
   // keeps no activations for a backward: a layer's are freed as the next begins, and the result's
@@ -187,8 +192,10 @@ class Chain {
     TensorView kv_map;       // int32 [2, rows]: each row's cache row, then its batch row
     TensorView block_table;  // int32 [seqs, cols]: a copy of the block table run() builds (cols wide)
   };
+  // keep: every activation stays in the result's trace (for a backward); else, as in a cached
+  // step, a layer's go when the next begins.
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
-                   bool score_rows = true, const StepTables* given = nullptr) const;
+                   bool score_rows = true, const StepTables* given = nullptr, bool keep = true) const;
   // Sampling on the device: for every row of `hidden` [S, hidden] (final-norm rows), the token drawn
   // under params [S, 5] (f64) into tokens [S] (i32), its fused LM-head logprob into logp [S] (f32)
   // and the draw's {token weight, kept total} into weights [S, 2] (f32).

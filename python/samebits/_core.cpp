@@ -338,8 +338,9 @@ class PyChain {
   PyChain(const Model& model, const std::string& backend) : model_(model), chain_(model, ctx_for(backend)) {}
 
   // Per sequence an array of its length: entry i is log p(token i | tokens < i); entry 0 is NaN.
+  // No activations are kept (Chain::score): scoring holds about two layers' activations, not all.
   py::object logprobs(const std::vector<std::vector<int64_t>>& seqs, bool entropy) const {
-    const std::shared_ptr<PyForward> kept = forward(seqs);
+    const std::shared_ptr<PyForward> kept = forward(seqs, /*keep=*/false);
     const ChainForward& f = kept->fwd;
     py::list lp, en;
     for (const ChainSequence& s : kept->batch.seqs) {
@@ -357,12 +358,12 @@ class PyChain {
     return std::move(lp);
   }
 
-  // A forward kept for backward (the sequences packed back to back).
-  std::shared_ptr<PyForward> forward(const std::vector<std::vector<int64_t>>& seqs) const {
+  // A forward kept for backward (the sequences packed back to back); keep = false: scores only.
+  std::shared_ptr<PyForward> forward(const std::vector<std::vector<int64_t>>& seqs, bool keep = true) const {
     auto f = std::make_shared<PyForward>();
     f->batch = ChainBatch::packed(token_lists(seqs, model_.config()));
     py::gil_scoped_release unlocked;
-    f->fwd = chain_.forward(f->batch);
+    f->fwd = keep ? chain_.forward(f->batch) : chain_.score(f->batch);
     return f;
   }
 
@@ -742,9 +743,10 @@ PYBIND11_MODULE(_core, m) {
            "(logprobs, entropies) pair. A sequence's values never depend on the others in the call.")
       .def("gradients", &PyChain::gradients, py::arg("sequences"), py::arg("micro_batch") = 16,
            "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch.")
-      .def("forward", &PyChain::forward, py::arg("sequences"), py::keep_alive<0, 1>(),
+      .def("forward", &PyChain::forward, py::arg("sequences"), py::arg("keep") = true, py::keep_alive<0, 1>(),
            "A forward of the packed sequences kept for backward(); .logp / .entropy: the scored tokens, flat "
-           "(sequence s gives len_s - 1 values: tokens 1 ... len_s - 1).")
+           "(sequence s gives len_s - 1 values: tokens 1 ... len_s - 1). keep=False: the same logp / entropy bits "
+           "without the activations a backward needs (each layer's freed as the next begins); backward() refuses it.")
       .def("backward", &PyChain::backward, py::arg("forward"), py::arg("dlogp"), py::arg("grads") = py::none(),
            "Adds d(sum dlogp * logp)/d(every weight) into grads (new Grads when None) and returns them; dlogp: one "
            "value per scored token, as forward's logp.")

@@ -158,10 +158,17 @@ class Scorer(_OnModel):
     def token_logprobs(self, sequences, entropy: bool = False):
         """Per sequence a float32 tensor [len - 1] on the model's device: log p(token i | tokens < i)
         for i = 1 … len - 1, differentiable with respect to the model's parameters (backward runs
-        the chain's backward). With entropy, also the entropies (not differentiable)."""
+        the chain's backward). Under torch.no_grad (or with no parameter requiring a gradient) the
+        chain keeps no activations: the same bits in about two layers' memory. With entropy, also
+        the entropies (not differentiable)."""
         seqs = _lists(sequences)
-        f = self._call(self.chain.forward, seqs)
-        flat = _ChainLogprobs.apply(self, f, *[p for _, p in self._params])
+        wants_grad = torch.is_grad_enabled() and any(p.requires_grad for _, p in self._params)
+        # Without a gradient to come, no activations are kept (Chain::score: the same bits).
+        f = self._call(self.chain.forward, seqs, wants_grad)
+        if wants_grad:
+            flat = _ChainLogprobs.apply(self, f, *[p for _, p in self._params])
+        else:
+            flat = torch.from_numpy(f.logp).to(self.device, torch.float32)
         lengths = [len(s) - 1 for s in seqs]
         logps = list(flat.split(lengths))
         if not entropy:

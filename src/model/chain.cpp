@@ -77,13 +77,17 @@ DeviceTensor Chain::activation(DType dtype, std::vector<int64_t> shape) const {
 
 ChainForward Chain::forward(const ChainBatch& batch) const { return run(batch, nullptr, nullptr); }
 
+ChainForward Chain::score(const ChainBatch& batch) const {
+  return run(batch, nullptr, nullptr, /*score_rows=*/true, nullptr, /*keep=*/false);
+}
+
 ChainForward Chain::forward_cached(const ChainBatch& batch, KvCache& cache,
                                    std::vector<std::vector<double>>* last_logits, bool score_rows) const {
   return run(batch, &cache, last_logits, score_rows);
 }
 
 ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
-                        bool score_rows, const StepTables* given) const {
+                        bool score_rows, const StepTables* given, bool keep) const {
   const DeviceStreamScope on(ctx_.stream);
   const ModelConfig& c = model_.config();
   const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
@@ -252,8 +256,10 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     rstd1 = &acc(next + "rstd1", {T});
     norm(d, &x_mid, last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1), *n1,
          x_in, *rstd1);
-    if (cache)  // a cached step keeps no activation for a backward: this layer's go (stream-ordered frees)
+    if (cache || !keep) {  // no backward will read this layer's activations: they go (stream-ordered frees)
       while (f.trace.front().first != next + "x_in") f.trace.pop_front();
+      f.activations_kept = false;
+    }
   }
   if (cache && !given)
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
@@ -431,6 +437,8 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
   if (f.model != &model_ || f.backend != ctx_.backend)
     throw Error("Chain::backward", "forward", "was made by a chain over another model or on another backend: run the "
                                               "backward on the chain that ran the forward");
+  if (!f.activations_kept)
+    throw Error("Chain::backward", "forward", "kept no activations (Chain::score or a cached step): run forward() for a backward");
   if (int64_t(f.logp.size()) != T) throw Error("Chain::backward", "forward", "was made for another batch (its rows differ)");
   if (int64_t(dlogp.size()) != T) throw Error("Chain::backward", "dlogp", "needs one entry per row");
   for (auto& s : batch.seqs)

@@ -456,3 +456,29 @@ TEST(Model, ActivationsFileHoldsEveryActivationOfTheForward) {
   EXPECT_THROW(tools::write_activations(m, Backend::cpu, none, path), Error);
   fs::remove_all(dir);
 }
+
+TEST(Model, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
+  // Chain::score: forward()'s logprobs and entropies, bit for bit, with each layer's activations
+  // freed as the next begins (the trace ends with the final norm's rows alone); a backward refuses it.
+  for (bool tied : {false, true}) {
+    const Model m = Model::builtin(tied);
+    const Chain chain(m, Context{});
+    const ChainBatch b = ChainBatch::packed({{1, 2, 3, 4, 5, 6, 7, 8}, {9, 10, 11}, {12, 13, 14, 15, 16}});
+    const ChainForward full = chain.forward(b), scored = chain.score(b);
+    ASSERT_EQ(scored.logp.size(), full.logp.size());
+    EXPECT_EQ(std::memcmp(scored.logp.data(), full.logp.data(), full.logp.size() * sizeof(double)), 0);
+    EXPECT_EQ(std::memcmp(scored.entropy.data(), full.entropy.data(), full.entropy.size() * sizeof(double)), 0);
+    EXPECT_TRUE(full.activations_kept);
+    EXPECT_FALSE(scored.activations_kept);
+    EXPECT_LT(scored.trace.size() * 4, full.trace.size()) << "scoring kept " << scored.trace.size() << " of "
+                                                          << full.trace.size() << " activations";
+    for (const auto& [name, t] : scored.trace) EXPECT_EQ(name.rfind("layer", 0), std::string::npos) << name;
+    ModelGrads g(m, DType::f32);
+    try {
+      chain.backward(b, scored, std::vector<double>(size_t(b.rows()), 1.0), g);
+      ADD_FAILURE() << "a backward took a forward without activations";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("kept no activations"), std::string::npos) << e.what();
+    }
+  }
+}

@@ -116,6 +116,35 @@ TEST_F(CudaChain, ProgrammaticLaunchesChangeNoBit) {
   detail::programmatic_launch_override() = 0;
 }
 
+TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
+  // Chain::score on the GPU: forward()'s logprob and entropy bits, in a fraction of the memory (a
+  // layer's activations are freed as the next begins; measured by the pool's peak).
+  const Model m = Model::builtin(false);
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  const Chain chain(m, ctx);
+  std::vector<std::vector<int32_t>> seqs;
+  for (int s = 0; s < 8; ++s) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < 250; ++i) t.push_back((s * 131 + i * 17) % 2560);
+    seqs.push_back(t);
+  }
+  const ChainBatch b = ChainBatch::packed(seqs);
+  device_memory_peak(Backend::cuda, /*reset=*/true);
+  const size_t before = device_memory_in_use(Backend::cuda);
+  std::vector<double> logp, entropy;
+  {
+    const ChainForward full = chain.forward(b);
+    logp = full.logp, entropy = full.entropy;
+  }
+  const size_t full_peak = device_memory_peak(Backend::cuda, /*reset=*/true) - before;
+  const ChainForward scored = chain.score(b);
+  const size_t score_peak = device_memory_peak(Backend::cuda, /*reset=*/false) - before;
+  EXPECT_EQ(std::memcmp(scored.logp.data(), logp.data(), logp.size() * sizeof(double)), 0) << "logprob bits differ";
+  EXPECT_EQ(std::memcmp(scored.entropy.data(), entropy.data(), entropy.size() * sizeof(double)), 0);
+  EXPECT_LT(2 * score_peak, full_peak) << "scoring peak " << score_peak << " B against the kept forward's " << full_peak;
+}
+
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {
   const Model m = Model::builtin(false);
   Context ctx;

@@ -206,3 +206,13 @@ def test_cuda_graphs_on_or_off_give_the_same_bits(model):
     for a, b in zip(sum(runs[True], []), sum(runs[False], [])):
         assert a.tokens == b.tokens
         assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
+
+
+def test_a_forward_without_kept_activations_scores_the_same_bits(model, chain):
+    """Chain.forward(keep=False) (Chain::score): the kept forward's logp / entropy bits; no backward."""
+    seqs = prompts(4, seed=41)
+    kept, scored = chain.forward(seqs), chain.forward(seqs, keep=False)
+    assert np.array_equal(kept.logp.view(np.uint64), scored.logp.view(np.uint64))
+    assert np.array_equal(kept.entropy.view(np.uint64), scored.entropy.view(np.uint64))
+    with pytest.raises(samebits.Error, match="kept no activations"):
+        chain.backward(scored, np.ones(len(scored.logp)))
