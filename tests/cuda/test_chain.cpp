@@ -117,12 +117,10 @@ TEST_F(CudaChain, ProgrammaticLaunchesChangeNoBit) {
 }
 
 TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
-  // Chain::score on the GPU: forward()'s logprob and entropy bits, in a fraction of the memory (a
-  // layer's activations are freed as the next begins; measured by the pool's peak).
-  const Model m = Model::builtin(false);
-  Context ctx;
-  ctx.backend = Backend::cuda;
-  const Chain chain(m, ctx);
+  // Chain::score on the GPU: forward()'s logprob and entropy bits, in memory that does not grow with
+  // the depth (a layer's activations are freed as the next begins; measured by the pool's peak). The
+  // kept forward's peak grows by a layer's activations a layer; the scoring peak must not: 2 and 8
+  // layers of the built-in shape, the same batch.
   std::vector<std::vector<int32_t>> seqs;
   for (int s = 0; s < 8; ++s) {
     std::vector<int32_t> t;
@@ -130,19 +128,35 @@ TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
     seqs.push_back(t);
   }
   const ChainBatch b = ChainBatch::packed(seqs);
-  device_memory_peak(Backend::cuda, /*reset=*/true);
-  const size_t before = device_memory_in_use(Backend::cuda);
-  std::vector<double> logp, entropy;
-  {
-    const ChainForward full = chain.forward(b);
-    logp = full.logp, entropy = full.entropy;
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  size_t full_peak[2], score_peak[2];
+  for (int deep = 0; deep < 2; ++deep) {
+    ModelConfig config = Model::builtin(false).config();
+    config.num_layers = deep ? 8 : 2;
+    const Model m = Model::random(config, 77);
+    const Chain chain(m, ctx);
+    device_memory_peak(Backend::cuda, /*reset=*/true);
+    const size_t before = device_memory_in_use(Backend::cuda);
+    std::vector<double> logp, entropy;
+    {
+      const ChainForward full = chain.forward(b);
+      logp = full.logp, entropy = full.entropy;
+    }
+    full_peak[deep] = device_memory_peak(Backend::cuda, /*reset=*/true) - before;
+    const ChainForward scored = chain.score(b);
+    score_peak[deep] = device_memory_peak(Backend::cuda, /*reset=*/false) - before;
+    EXPECT_EQ(std::memcmp(scored.logp.data(), logp.data(), logp.size() * sizeof(double)), 0) << "logprob bits differ";
+    EXPECT_EQ(std::memcmp(scored.entropy.data(), entropy.data(), entropy.size() * sizeof(double)), 0);
+    EXPECT_FALSE(scored.activations_kept);
   }
-  const size_t full_peak = device_memory_peak(Backend::cuda, /*reset=*/true) - before;
-  const ChainForward scored = chain.score(b);
-  const size_t score_peak = device_memory_peak(Backend::cuda, /*reset=*/false) - before;
-  EXPECT_EQ(std::memcmp(scored.logp.data(), logp.data(), logp.size() * sizeof(double)), 0) << "logprob bits differ";
-  EXPECT_EQ(std::memcmp(scored.entropy.data(), entropy.data(), entropy.size() * sizeof(double)), 0);
-  EXPECT_LT(2 * score_peak, full_peak) << "scoring peak " << score_peak << " B against the kept forward's " << full_peak;
+  const size_t per_layer = (full_peak[1] - full_peak[0]) / 6;  // what the kept forward holds a layer
+  EXPECT_GT(full_peak[1], full_peak[0] + 3 * (full_peak[0] / 4)) << "the kept forward's peak should grow with depth";
+  EXPECT_LT(score_peak[1], score_peak[0] + per_layer / 2)
+      << "scoring 8 layers peaked at " << score_peak[1] << " B, 2 layers at " << score_peak[0] << " B (a layer keeps "
+      << per_layer << " B)";
+  EXPECT_LT(3 * score_peak[1], full_peak[1]) << "scoring peak " << score_peak[1] << " B against the kept forward's "
+                                             << full_peak[1];
 }
 
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {
