@@ -8,8 +8,11 @@ Two parts (both unless one is named):
    C in 1024, 4096 (a case whose KV cache does not fit the GPU's free memory is skipped and says
    so): B prompts of C random tokens are submitted to one engine (Engine.submit), stepped until
    every request is decoding (a step that draws B tokens: every request drew in it), then N decode
-   steps are timed one by one (wall clock around Engine.step() and a device synchronisation; the
-   engine copies the drawn tokens to the host, so a step is synchronous anyway): the median.
+   steps are timed together (wall clock from a device synchronisation to one after the N-th step,
+   divided by N: with overlap_steps, the default, a step returns once it is launched and the step
+   before it is applied, so steps are only measured back to back), three ways: CUDA graphs with
+   overlapped steps (the default), graphs with every step waiting for its draws
+   (overlap_steps=False), and eager steps (cuda_graphs=False).
    bound = (weight bytes read + B × C × layers × 2 × kv_heads × head_dim × 2 bytes of KV) / copy
    bandwidth, the bandwidth measured in this process (a device-to-device torch copy, bytes read +
    written, median of 20). The weight bytes read are every weight's but the embedding table's, of
@@ -46,7 +49,6 @@ import argparse
 import math
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -140,9 +142,9 @@ def random_prompts(count, length, vocab, seed):
 
 
 # ---------------------------------------------------------------------------------------- decode
-def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temperature, graphs):
-    """One (B, C) case: the median decode step in seconds, or a string saying why it was skipped;
-    decode steps replayed from CUDA graphs or run eagerly."""
+def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temperature, graphs, overlap=True):
+    """One (B, C) case: the mean of `steps` back-to-back decode steps in seconds, or a string saying
+    why it was skipped; decode steps replayed from CUDA graphs or run eagerly, overlapped or not."""
     warm = 2
     prefill_steps = math.ceil(B * C / max(1, mbt - B)) + 2  # an upper bound: decode rows share each step's budget
     max_new = prefill_steps + warm + steps + 8  # the first request decodes while the others prefill
@@ -154,7 +156,7 @@ def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temp
         return (f"skipped: its KV cache ({B} × {context} tokens, {kv / GIB:.1f} GiB) and the step's reserve "
                 f"({reserve / GIB:.1f} GiB) do not fit the free {free / GIB:.1f} GiB")
     engine = samebits.Engine(sb_model, "cuda", max_slots=B, max_batch_tokens=mbt, max_context=context,
-                             page_size=PAGE, kv_pages=pages, cuda_graphs=graphs)
+                             page_size=PAGE, kv_pages=pages, cuda_graphs=graphs, overlap_steps=overlap)
     for i, p in enumerate(random_prompts(B, C, cfg.vocab_size, seed=1000 + B + C)):
         engine.submit(p, samebits.SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=i))
     t0, last, n = time.perf_counter(), engine.generated, 0
@@ -168,24 +170,30 @@ def decode_case(samebits, sb_model, cfg, B, C, steps, mbt, reserve, memory, temp
         if n > 4 * prefill_steps:
             raise SystemExit(f"decode B={B} C={C}: not every request decodes after {n} steps")
     prefill_s = time.perf_counter() - t0
-    times = []
-    for i in range(warm + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        drew, last = engine.generated - last, engine.generated
-        if drew != B:
-            raise SystemExit(f"decode B={B} C={C}: a timed step drew {drew} tokens, not {B}")
-        if i >= warm:
-            times.append(dt)
-    if graphs and engine.graph_steps < steps:
-        raise SystemExit(f"decode B={B} C={C}: {engine.graph_steps} of the timed steps replayed a graph")
-    print(f"decode B={B} C={C} ({'graphs' if graphs else 'eager'}): prefill {n} steps in {prefill_s:.1f} s; step median "
-          f"{statistics.median(times) * 1e3:.2f} ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f})", flush=True)
+    def run_steps(count):
+        nonlocal last
+        for _ in range(count):
+            engine.step()
+            drew, last = engine.generated - last, engine.generated
+            if drew != B:
+                raise SystemExit(f"decode B={B} C={C}: a timed step drew {drew} tokens, not {B}")
+
+    run_steps(warm)
+    graph_steps, overlapped = engine.graph_steps, engine.overlapped_steps
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run_steps(steps)
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    if graphs and engine.graph_steps - graph_steps < steps:
+        raise SystemExit(f"decode B={B} C={C}: {engine.graph_steps - graph_steps} of the timed steps replayed a graph")
+    if overlap and engine.overlapped_steps - overlapped < steps:
+        raise SystemExit(f"decode B={B} C={C}: {engine.overlapped_steps - overlapped} of the timed steps overlapped")
+    how = ('graphs' if graphs else 'eager') + ('' if overlap else ', steps waited')
+    print(f"decode B={B} C={C} ({how}): prefill {n} steps in {prefill_s:.1f} s; {steps} steps, "
+          f"{step_s * 1e3:.2f} ms a step", flush=True)
     del engine
-    return statistics.median(times)
+    return step_s
 
 
 def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
@@ -195,28 +203,32 @@ def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
     for C in args.contexts:
         for B in args.batches:
             reserve = int(per_row * max(args.max_batch_tokens, B) * 1.1) + int(args.reserve_gib * GIB)
-            t, eager = (decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens, reserve, memory,
-                                    args.temperature, graphs) for graphs in (True, False))
+            t, waited, eager = (decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens, reserve,
+                                            memory, args.temperature, graphs, overlap)
+                                for graphs, overlap in ((True, True), (True, False), (False, True)))
             if isinstance(t, str):
                 print(f"decode B={B} C={C}: {t}", flush=True)
                 notes.append(f"- B = {B}, C = {C}: {t}.")
                 continue
             bound = (weight_bytes(hf, B) + B * C * kvb) / bw
-            rows.append(f"| {B} | {C} | {t * 1e3:.2f} | {eager * 1e3:.2f} | {bound * 1e3:.2f} | {100 * bound / t:.0f}% | "
-                        f"{100 * bound / eager:.0f}% | {B / t:,.0f} |")
+            rows.append(f"| {B} | {C} | {t * 1e3:.2f} | {waited * 1e3:.2f} | {eager * 1e3:.2f} | {bound * 1e3:.2f} | "
+                        f"{100 * bound / t:.0f}% | {100 * bound / waited:.0f}% | {100 * bound / eager:.0f}% | {B / t:,.0f} |")
             print(rows[-1], flush=True)
     out = ["## Decode step", "",
            f"B prompts of C random tokens submitted to one engine (`Engine.submit`), stepped until every request "
-           f"decodes, then the median of {args.steps} decode steps (wall clock around `Engine.step()` and a device "
-           f"synchronisation), each step one CUDA graph replay (`cuda_graphs=True`, the default) and, in an engine of "
-           f"its own, eager (`cuda_graphs=False`); temperature {args.temperature}, `max_batch_tokens` {args.max_batch_tokens}, pages of "
+           f"decodes, then {args.steps} decode steps back to back (wall clock from a device synchronisation to one "
+           f"after the last, over {args.steps}), each step one CUDA graph replay launched while the step before it "
+           f"runs (`cuda_graphs=True`, `overlap_steps=True`: the defaults); in engines of their own, graph replays "
+           f"each waiting for its draws before the next step is prepared (`overlap_steps=False`), and eager steps "
+           f"(`cuda_graphs=False`); temperature {args.temperature}, `max_batch_tokens` {args.max_batch_tokens}, pages of "
            f"{PAGE} tokens. bound = (weights read {weight_bytes(hf) / 1e9:.2f} GB + B embedding rows + B × C × "
            f"{cfg.num_hidden_layers} layers × 2 × {cfg.num_key_value_heads} kv heads × {cfg.head_dim} × 2 bytes of "
            f"KV) / {bw / 1e12:.2f} TB/s (the measured copy bandwidth): every weight but the input embedding table, "
            "of which a step gathers B rows. (Until session 17 the whole table counted, 1.24 GB more: a bound 7-8% "
            "more lenient.)", "",
-           "| B | C | step ms (graphs) | step ms (eager) | bound ms | % of bound (graphs) | % of bound (eager) | tokens/s (graphs) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"] + rows
+           "| B | C | step ms (graphs) | step ms (graphs, steps waited) | step ms (eager) | bound ms | % of bound "
+           "(graphs) | % of bound (steps waited) | % of bound (eager) | tokens/s (graphs) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + rows
     return out + ([""] + notes if notes else [])
 
 

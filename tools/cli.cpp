@@ -168,6 +168,9 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
   generate_cmd->add_option("--kv-memory-mib", gen.kv_memory_mib, "Or: the KV pool's size in MiB")->capture_default_str();
   generate_cmd->add_flag("--no-cuda-graphs", gen.no_cuda_graphs,
                          "Run every decode step eagerly (by default a Hopper GPU replays one CUDA graph a step; same bits)");
+  generate_cmd->add_flag("--no-overlap", gen.no_overlap,
+                         "Wait for every step's draws before the next step is prepared (by default step N + 1 is "
+                         "launched while step N runs; same bits)");
   generate_cmd->add_flag("--sampling-logprobs", gen.sampling_logprobs,
                          "Also write \"sampling_logprobs\": each token's logprob under the distribution it was drawn from "
                          "(temperature, top-k / top-p / min-p applied; 0 for greedy)");

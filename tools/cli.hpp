@@ -62,6 +62,7 @@ struct GenerateRequest {
   SamplingParams sampling;  // the defaults a line may override
   int64_t max_slots = 64, max_batch_tokens = 2048, max_context = 0, page_size = 64, kv_pages = 0, kv_memory_mib = 0;
   bool no_cuda_graphs = false;
+  bool no_overlap = false;
   bool sampling_logprobs = false;  // also write each token's logprob under its sampling distribution
   ProgressMode progress = ProgressMode::automatic;
 };

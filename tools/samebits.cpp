@@ -174,6 +174,7 @@ int run(const GenerateRequest& r) {
   opt.kv_pages = r.kv_pages;
   opt.kv_memory_bytes = r.kv_memory_mib << 20;
   opt.cuda_graphs = !r.no_cuda_graphs;
+  opt.overlap_steps = !r.no_overlap;
   const Model model = load_model(r.model);
   doing = "reading " + (r.input == "-" ? std::string("standard input") : r.input);
   std::ifstream file;

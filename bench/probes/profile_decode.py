@@ -56,10 +56,10 @@ def main():
 
 
 def timeline(engine, steps):
-    """Where the GPU waits, from the profiler's timeline of `steps` consecutive steps: the kernels'
-    busy time (their union), the gaps between consecutive kernels inside a step (launch latency,
-    dependencies), and the GPU idle between steps (the host's part: bookkeeping, staging, the
-    launch), and how long after the graph launch call begins its first kernel starts."""
+    """Where the GPU waits, from the profiler's timeline of `steps` consecutive steps run back to back
+    (no synchronisation between them: with overlap_steps a step is launched while the one before it
+    runs): the kernels' busy time (their union) against their span, and the gaps between kernels —
+    those over 20 µs are the GPU waiting for the host (bookkeeping, staging, the graph launch)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch = bench_chain.torch
@@ -69,38 +69,26 @@ def timeline(engine, steps):
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
     events = prof.events()
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
                      if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
-    launches = sorted(e.time_range.start for e in events if e.name in ("cudaGraphLaunch", "cuGraphLaunch"))
-    if not kernels or len(launches) != steps:
-        print(f"  timeline: {len(kernels)} kernels, {len(launches)} graph launches for {steps} steps: not a graph "
-              "step each, no breakdown")
+    if not kernels:
+        print("  timeline: no kernels recorded")
         return
-    per_step = []  # (first start, last end, busy, gaps, gaps over 2 µs, first start − launch) a step, µs
-    for i, launch in enumerate(launches):
-        until = launches[i + 1] if i + 1 < steps else float("inf")
-        ks = [k for k in kernels if launch <= k[0] < until]
-        if not ks:
-            print(f"  timeline: no kernel after graph launch {i}")
-            return
-        busy, gaps, big, end = 0.0, 0.0, 0, ks[0][0]
-        for a, b in ks:
-            gaps += max(0.0, a - end)
-            big += a - end > 2.0
-            busy += max(0.0, b - max(a, end))
-            end = max(end, b)
-        per_step.append((ks[0][0], end, busy, gaps, big, ks[0][0] - launch))
-    between = [per_step[i + 1][0] - per_step[i][1] for i in range(steps - 1)]
-    print(f"  timeline of {steps} graph steps, wall {wall:.2f} ms: a step's kernels span "
-          f"{', '.join(f'{(b - a) / 1e3:.2f}' for a, b, *_ in per_step)} ms, busy "
-          f"{', '.join(f'{x[2] / 1e3:.2f}' for x in per_step)} ms, gaps between kernels "
-          f"{', '.join(f'{x[3] / 1e3:.2f} ({x[4]} over 2 µs)' for x in per_step)} ms; GPU idle between steps "
-          f"{', '.join(f'{x / 1e3:.2f}' for x in between)} ms; first kernel "
-          f"{', '.join(f'{x[5]:.0f}' for x in per_step)} µs after its graph launch call began")
-
+    busy, gaps, end = 0.0, [], kernels[0][0]
+    for a, b in kernels:
+        if a > end:
+            gaps.append(a - end)
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    span = end - kernels[0][0]
+    long_gaps = sorted((g for g in gaps if g > 20.0), reverse=True)
+    print(f"  timeline of {steps} steps back to back: wall {wall:.2f} ms ({wall / steps:.2f} a step); kernels span "
+          f"{span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms ({busy / steps / 1e3:.2f} a step); gaps {sum(gaps) / 1e3:.2f} ms "
+          f"in {len(gaps)}, of which {len(long_gaps)} over 20 µs hold {sum(long_gaps) / 1e3:.2f} ms (largest "
+          f"{', '.join(f'{g:.0f}' for g in long_gaps[:6])} µs)")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ struct RowCopy {
 };
 void copy_rows_indexed(Backend backend, const RowCopy& first, const RowCopy& second, size_t row_bytes,
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n);
+// n token ids, in one launch: dst[dst_rows[i]] ← src[src_rows[i]], a negative id (a draw that met
+// NaN or Inf logits) written as 0 — the row fed so is dropped by its caller (the int32 arrays on
+// the backend's device; asynchronous on CUDA). A decode step's tokens from the step before it.
+void gather_tokens(Backend backend, int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows,
+                   int64_t n);
 void device_synchronize(Backend backend);
 
 // The stream this thread's device memory work (allocations, frees, copies, fills) is ordered on
@@ -69,6 +74,23 @@ class DeviceStream {
  private:
   Backend backend_;
   void* stream_ = nullptr;
+};
+
+// A point in this thread's device stream (a CUDA event; on the CPU backend, whose work is done when
+// its call returns, nothing): record() marks the work given to the stream so far, wait() blocks the
+// host until that work has run (at once if nothing was recorded).
+class DeviceEvent {
+ public:
+  explicit DeviceEvent(Backend backend);
+  ~DeviceEvent();
+  DeviceEvent(const DeviceEvent&) = delete;
+  DeviceEvent& operator=(const DeviceEvent&) = delete;
+  void record();
+  void wait() const;
+
+ private:
+  Backend backend_;
+  void* event_ = nullptr;
 };
 
 // Page-locked host memory (plain memory on the CPU backend): what asynchronous copies stage through.

@@ -46,6 +46,12 @@ struct EngineOptions {
                                     // a step needs it: meanwhile no other thread of the process may
                                     // use the legacy default stream (such work fails there, and the
                                     // step runs eagerly from then on)
+  bool overlap_steps = true;        // a step is launched before the previous one's draws are read
+                                    // back (its decode rows take those tokens on the device), so
+                                    // the host prepares step N + 1 while the GPU runs step N; a
+                                    // sample that stops at step N has drawn one more token in step
+                                    // N + 1, which is dropped. The same bits; false: every step
+                                    // waits for its draws
 };
 
 struct GenerationRequest {
@@ -93,6 +99,8 @@ class Engine {
   int64_t preemptions_with_finished_samples() const { return preempted_with_done_; }
   int64_t kv_pages() const { return cache_.pages(); }
   int64_t graph_steps() const { return graph_steps_; }  // steps run as a CUDA graph replay
+  // Steps launched while the step before them was still in flight (overlap_steps).
+  int64_t overlapped_steps() const { return overlapped_steps_; }
   int64_t captured_graphs() const;                      // batch-size buckets captured so far
   // Empty while decode steps may replay graphs; else why they run eagerly from now on (a step that
   // could not be captured: it ran eagerly, as every later one does).
@@ -102,7 +110,11 @@ class Engine {
  private:
   struct Sample;
   struct Request;
+  struct InFlight;  // a step launched whose draws are not applied yet
   void admit();
+  bool decode_only_ahead() const;  // whether the next step may run before the draws in flight are applied
+  void settle_in_flight();         // waits for the draws in flight (a graph replay's) without applying them
+  void apply_in_flight();          // appends them to their samples, finishing those that stop
   void release(Sample& s);  // its pages and slot back (free slots kept descending: the lowest is taken first)
   void finish(Sample& s, const char* reason);
   bool preempt_latest_after(size_t index);  // the last running request, if after `index`; false: none
@@ -117,9 +129,10 @@ class Engine {
   std::deque<std::shared_ptr<Request>> waiting_;
   std::vector<std::shared_ptr<Request>> running_;
   std::vector<Completion> done_;
-  int64_t next_id_ = 0, generated_ = 0, steps_ = 0, graph_steps_ = 0;
+  int64_t next_id_ = 0, generated_ = 0, steps_ = 0, graph_steps_ = 0, overlapped_steps_ = 0;
   std::function<void(int64_t, int64_t)> progress_;
   std::unique_ptr<DecodeGraphs> graphs_;  // null: every step eager
+  std::unique_ptr<InFlight> in_flight_;
   std::string graphs_off_reason_;
 };
 

@@ -509,9 +509,10 @@ class PyEngine {
  public:
   PyEngine(const Model& model, const std::string& backend, int64_t max_slots, int64_t max_batch_tokens,
            int64_t max_context, bool share_prefix, int64_t page_size, int64_t kv_pages, int64_t kv_memory_bytes,
-           bool cuda_graphs)
+           bool cuda_graphs, bool overlap_steps)
       : engine_(model, EngineOptions{choose_backend(backend.c_str(), "Engine", "backend"), max_slots, max_batch_tokens,
-                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes, cuda_graphs}) {}
+                                     max_context, share_prefix, page_size, kv_pages, kv_memory_bytes, cuda_graphs,
+                                     overlap_steps}) {}
 
   int64_t submit(const std::vector<int64_t>& prompt, const SamplingParams& params) {
     GenerationRequest r;
@@ -575,6 +576,7 @@ class PyEngine {
   int64_t generated() const { return engine_.generated(); }
   int64_t graph_steps() const { return engine_.graph_steps(); }
   int64_t captured_graphs() const { return engine_.captured_graphs(); }
+  int64_t overlapped_steps() const { return engine_.overlapped_steps(); }
 
  private:
   Engine engine_;
@@ -631,11 +633,12 @@ void bind_engine(py::module_& m) {
   py::class_<PyEngine>(m, "Engine",
                        "Rollouts whose logprobs are the trainer's, bit for bit: continuous batching, chunked prefill, "
                        "a prompt's prefill shared by its samples, batch-invariant sampling.")
-      .def(py::init<const Model&, const std::string&, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t, bool>(),
+      .def(py::init<const Model&, const std::string&, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t, bool,
+                    bool>(),
            py::arg("model"), py::arg("backend") = "auto", py::arg("max_slots") = 64, py::arg("max_batch_tokens") = 2048,
            py::arg("max_context") = 0, py::arg("share_prefix") = true, py::arg("page_size") = 64,
            py::arg("kv_pages") = 0, py::arg("kv_memory_bytes") = 0, py::arg("cuda_graphs") = true,
-           py::keep_alive<1, 2>())
+           py::arg("overlap_steps") = true, py::keep_alive<1, 2>())
       .def("generate", &PyEngine::generate, py::arg("prompts"), py::arg("params"),
            "Per prompt, its completions (n of them; one with finish_reason 'error' for a bad prompt). params: one "
            "SamplingParams for all, or one per prompt.")
@@ -644,7 +647,8 @@ void bind_engine(py::module_& m) {
            "request is not queued: the next run() returns its error Completion.")
       .def("step", &PyEngine::step,
            "One scheduler step (decode rows, then prompt chunks, under max_batch_tokens); False when nothing is "
-           "left to run.")
+           "left to run. With overlap_steps (the default) a step returns once it is launched and the step before "
+           "it has been applied: its own draws are applied by the next call.")
       .def("run", &PyEngine::run,
            "Steps until every submitted request is done; returns every Completion not returned before, ordered by "
            "(request, sample).")
@@ -655,7 +659,9 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("generated", &PyEngine::generated, "Tokens drawn so far, over every request.")
       .def_property_readonly("graph_steps", &PyEngine::graph_steps,
                              "Steps run as a CUDA graph replay (decode steps, with cuda_graphs on a Hopper GPU).")
-      .def_property_readonly("captured_graphs", &PyEngine::captured_graphs, "Batch-size buckets captured so far.");
+      .def_property_readonly("captured_graphs", &PyEngine::captured_graphs, "Batch-size buckets captured so far.")
+      .def_property_readonly("overlapped_steps", &PyEngine::overlapped_steps,
+                             "Steps launched while the step before them was still in flight (overlap_steps).");
   m.def("sampling_candidates", [](const std::vector<double>& logits, const SamplingParams& p) {
     return sampling_candidates(logits, p);
   }, py::arg("logits"), py::arg("params"), "The ids sampling may draw from a logits row under params (ascending).");

@@ -252,8 +252,8 @@ class Generator(_OnModel):
     place, so an optimizer's in-place update is what the next generate() samples from, with no new
     Generator; a replaced parameter (or, on a backend that copied the weights, a changed one) is
     refused with samebits.Error. `engine_options` are samebits.Engine's (max_slots,
-    max_batch_tokens, max_context, share_prefix, page_size, kv_pages, kv_memory_bytes, cuda_graphs); the engine
-    and its KV cache live as long as the Generator."""
+    max_batch_tokens, max_context, share_prefix, page_size, kv_pages, kv_memory_bytes, cuda_graphs,
+    overlap_steps); the engine and its KV cache live as long as the Generator."""
 
     def __init__(self, hf_model, backend: str = "auto", **engine_options):
         super().__init__(hf_model, backend)

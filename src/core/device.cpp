@@ -1,5 +1,6 @@
 #include "samebits/device.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -22,10 +23,16 @@ void copy_rows_indexed(void* dst, size_t dst_pitch, const void* src, size_t src_
                        const int32_t* dst_rows, const int32_t* src_rows, int64_t n, void* stream);
 void copy_rows_indexed_pair(const RowCopy& first, const RowCopy& second, size_t row_bytes, const int32_t* dst_rows,
                             const int32_t* src_rows, int64_t n, void* stream);
+void gather_tokens(int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows, int64_t n,
+                   void* stream);
 void synchronize();
 void* stream_create();
 void stream_destroy(void* stream);
 void stream_synchronize(void* stream);
+void* event_create();
+void event_destroy(void* event);
+void event_record(void* event, void* stream);
+void event_synchronize(void* event);
 void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
 size_t memory_peak(bool reset);
@@ -69,6 +76,27 @@ void DeviceStream::synchronize() const {
 void device_stream_synchronize(Backend b, void* stream) {
   if (b == Backend::cpu) return;
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::stream_synchronize(stream));
+}
+
+DeviceEvent::DeviceEvent(Backend backend) : backend_(backend) {
+  if (backend == Backend::cpu) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(event_ = cuda::event_create());
+}
+
+DeviceEvent::~DeviceEvent() {
+#if SAMEBITS_WITH_CUDA
+  if (event_) cuda::event_destroy(event_);
+#endif
+}
+
+void DeviceEvent::record() {
+  if (!event_) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::event_record(event_, current_stream));
+}
+
+void DeviceEvent::wait() const {
+  if (!event_) return;
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::event_synchronize(event_));
 }
 
 PinnedBuffer::PinnedBuffer(Backend backend, size_t bytes) : backend_(backend), bytes_(bytes) {
@@ -159,6 +187,15 @@ void copy_rows_indexed(Backend b, const RowCopy& first, const RowCopy& second, s
     return;
   }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed_pair(first, second, row_bytes, dst_rows, src_rows, n, current_stream));
+}
+
+void gather_tokens(Backend b, int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows,
+                   int64_t n) {
+  if (b == Backend::cpu) {
+    for (int64_t i = 0; i < n; ++i) dst[dst_rows[i]] = std::max(src[src_rows[i]], 0);
+    return;
+  }
+  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::gather_tokens(dst, src, dst_rows, src_rows, n, current_stream));
 }
 
 void device_memory_release(Backend b) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -23,8 +24,18 @@ struct Engine::Sample {
   int64_t cached = 0;            // tokens of prompt + generated held in the slot
   bool waits_for_prefix = false; // shares the prompt's prefill: its slot gets the prompt by copy
   bool done = false;
-  std::vector<int32_t> tokens;   // generated
+  std::vector<int32_t> tokens;   // generated (applied)
   std::vector<double> logprobs, sampling_logprobs;
+  int64_t in_flight = 0;         // tokens drawn by launched steps and not applied yet (1; 2 for a moment)
+  int32_t fed_row = -1;          // the draw of the latest launch that holds the newest of them
+  int64_t drawn() const { return int64_t(tokens.size()) + in_flight; }
+};
+
+// A launched step: whose draws are which, and the draws (a graph replay's once collected).
+struct Engine::InFlight {
+  std::vector<std::pair<std::shared_ptr<Request>, Sample*>> draws;
+  std::optional<DecodeGraphs::Launched> graph;
+  Chain::RowDraws drawn;
 };
 
 struct Engine::Request {
@@ -34,10 +45,11 @@ struct Engine::Request {
   int64_t prompt_len() const { return int64_t(req.prompt.size()); }
   // Tokens the slot must hold before the sample's next row: the prompt, and after a preemption its
   // generated tokens but the last (which the next decode row feeds).
-  int64_t prefill_target(const Sample& s) const {
-    return prompt_len() + (s.tokens.empty() ? 0 : int64_t(s.tokens.size()) - 1);
-  }
-  bool decoding(const Sample& s) const { return !s.tokens.empty() && s.cached == prefill_target(s); }
+  int64_t prefill_target(const Sample& s) const { return prompt_len() + (s.drawn() == 0 ? 0 : s.drawn() - 1); }
+  bool decoding(const Sample& s) const { return s.drawn() > 0 && s.cached == prefill_target(s); }
+  // A decoding sample with tokens still to draw (one that has drawn max_new_tokens, the last not yet
+  // applied, is ending).
+  bool draws_on(const Sample& s) const { return !s.done && decoding(s) && s.drawn() < req.sampling.max_new_tokens; }
   bool prefilling(const Sample& s) const { return !s.done && !s.waits_for_prefix && s.cached < prefill_target(s); }
 };
 
@@ -213,7 +225,78 @@ bool Engine::preempt_latest_after(size_t index) {
   return true;
 }
 
+bool Engine::decode_only_ahead() const {
+  if (!options_.overlap_steps) return false;
+  // A request that could be admitted now, a prompt to prefill, or a page to take from another
+  // request: the next step needs the state the draws in flight leave (it waits for them).
+  if (!waiting_.empty()) {
+    const auto& front = waiting_.front()->samples;
+    if (int64_t(free_slots_.size()) >= std::count_if(front.begin(), front.end(), [](const Sample& x) { return !x.done; }))
+      return false;
+  }
+  int64_t rows = 0, need = 0;
+  for (const auto& rp : running_)
+    for (const Sample& s : rp->samples) {
+      if (s.done) continue;
+      if (s.waits_for_prefix || rp->prefilling(s) || !rp->decoding(s)) return false;
+      if (!rp->draws_on(s)) continue;
+      ++rows;
+      need += cache_.pages_for(s.cached + 1) - int64_t(cache_.block_table(s.slot).size());
+    }
+  return rows > 0 && rows <= options_.max_batch_tokens && need <= cache_.free_pages();
+}
+
+void Engine::settle_in_flight() {
+  if (!in_flight_ || !in_flight_->graph) return;
+  in_flight_->drawn = graphs_->collect(*in_flight_->graph);
+  in_flight_->graph.reset();
+}
+
+void Engine::apply_in_flight() {
+  if (!in_flight_) return;
+  settle_in_flight();
+  const std::unique_ptr<InFlight> f = std::move(in_flight_);
+  for (size_t i = 0; i < f->draws.size(); ++i) {
+    const Request& r = *f->draws[i].first;
+    Sample& s = *f->draws[i].second;
+    --s.in_flight;
+    if (s.done) continue;  // it ended at the step before (this token was drawn past its end: dropped)
+    if (f->drawn.tokens[i] < 0) {  // the model's logits hold NaN / Inf here: this sample ends, the rest run on
+      const std::string what = fmt::format("request {} sample {}: the model's logits at position {} hold NaN or Inf",
+                                            r.id, s.index, r.prompt_len() + int64_t(s.tokens.size()));
+      const size_t before = done_.size();
+      finish(s, "error");
+      done_[before].request = r.id;
+      done_[before].error = what;
+      continue;
+    }
+    const int32_t token = f->drawn.tokens[i];
+    s.tokens.push_back(token);
+    s.logprobs.push_back(f->drawn.logprobs[i]);
+    s.sampling_logprobs.push_back(f->drawn.sampling_logprobs[i]);
+    ++generated_;
+    const auto& stop = r.req.sampling.stop_token_ids;
+    const bool stopped = std::find(stop.begin(), stop.end(), token) != stop.end();
+    const bool full = int64_t(s.tokens.size()) >= r.req.sampling.max_new_tokens;
+    if (stopped || full) {
+      const size_t before = done_.size();
+      finish(s, stopped ? "stop" : "length");
+      done_[before].request = r.id;
+    }
+  }
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [](const std::shared_ptr<Request>& r) {
+                                  return std::all_of(r->samples.begin(), r->samples.end(),
+                                                     [](const Sample& s) { return s.done; });
+                                }),
+                 running_.end());
+  if (progress_) progress_(generated_, steps_);
+}
+
 bool Engine::step() {
+  // The draws in flight are applied after this step is launched when it can do without them (every
+  // row a decode row, its token taken from the step in flight); else first.
+  if (in_flight_ && !decode_only_ahead()) apply_in_flight();
   admit();
   if (running_.empty()) {
     if (!waiting_.empty())  // never drop a request: submit checks it fits an empty engine
@@ -223,34 +306,39 @@ bool Engine::step() {
   // The batch: decode rows first (one a sample), then prompt chunks, within the token budget and
   // the pages the cache can give. A decode row that finds no page preempts the latest other request.
   struct Part {
-    Request* r;
+    std::shared_ptr<Request> r;
     Sample* s;
     bool draws_first;  // its last row ends the prompt: draw the first token (of every sharing sample)
   };
   std::vector<Part> parts;
   ChainBatch b;
+  std::vector<int32_t> fed;  // a row's token drawn by the step in flight: that step's draw; else −1
   int64_t budget = options_.max_batch_tokens;
-  auto add = [&](Request& r, Sample& s, int64_t len) {
+  auto add = [&](const std::shared_ptr<Request>& rp, Sample& s, int64_t len) {
+    const Request& r = *rp;
     const int64_t P = r.prompt_len();
     b.seqs.push_back({b.rows(), len, s.slot, s.cached});
     for (int64_t i = 0; i < len; ++i) {
       const int64_t pos = s.cached + i;
-      b.tokens.push_back(pos < P ? r.req.prompt[size_t(pos)] : s.tokens[size_t(pos - P)]);
+      const bool in_flight = pos >= P && pos - P >= int64_t(s.tokens.size());
+      b.tokens.push_back(pos < P ? r.req.prompt[size_t(pos)] : in_flight ? 0 : s.tokens[size_t(pos - P)]);
+      fed.push_back(in_flight ? s.fed_row : -1);
       b.positions.push_back(int32_t(pos));
       b.targets.push_back(-100);
       b.loss_mask.push_back(0);
     }
-    parts.push_back({&r, &s, s.tokens.empty() && s.cached + len == P});
+    parts.push_back({rp, &s, s.drawn() == 0 && s.cached + len == P});
     budget -= len;
   };
   // Decode rows, request by request in admission order: a request whose rows need pages the pool
   // lacks preempts the latest requests after it (which have added nothing yet), else waits itself.
   for (size_t i = 0; i < running_.size(); ++i) {
-    Request& r = *running_[i];
+    const std::shared_ptr<Request> rp = running_[i];
+    Request& r = *rp;
     std::vector<Sample*> rows_of_r;
     int64_t need = 0;
     for (Sample& s : r.samples)
-      if (!s.done && r.decoding(s) && budget - int64_t(rows_of_r.size()) > 0) {
+      if (r.draws_on(s) && budget - int64_t(rows_of_r.size()) > 0) {
         rows_of_r.push_back(&s);
         need += cache_.pages_for(s.cached + 1) - int64_t(cache_.block_table(s.slot).size());
       }
@@ -259,14 +347,14 @@ bool Engine::step() {
     if (cache_.free_pages() < need) continue;  // waits for pages (those ahead of it finish first)
     for (Sample* s : rows_of_r) {
       cache_.reserve(s->slot, s->cached + 1);
-      add(r, *s, 1);
+      add(rp, *s, 1);
     }
   }
   // Prompt chunks (and recomputation after a preemption) in what remains of the budget and the
   // pool. A chunk that ends a shared prompt also holds back a page for each sample's copy of the
   // prompt's last partial page.
   int64_t promised = 0;
-  for (auto& rp : running_) {
+  for (const std::shared_ptr<Request>& rp : running_) {
     Request& r = *rp;
     for (Sample& s : r.samples) {
       if (!r.prefilling(s) || budget <= 0) continue;
@@ -279,7 +367,7 @@ bool Engine::step() {
       if (copies > 0 && free - (cache_.pages_for(s.cached + len) - held) < copies) --len;  // end the prompt later
       if (len <= 0 || !cache_.reserve(s.slot, s.cached + len)) continue;
       if (s.tokens.empty() && s.cached + len == r.prompt_len()) promised += copies;
-      add(r, s, len);
+      add(rp, s, len);
     }
   }
   if (parts.empty()) {  // every running request waits for pages: the latest gives way
@@ -293,7 +381,7 @@ bool Engine::step() {
   std::vector<char> decode(parts.size());
   for (size_t k = 0; k < parts.size(); ++k) decode[k] = parts[k].r->decoding(*parts[k].s);
   struct Draw {
-    Request* r;
+    std::shared_ptr<Request> r;
     Sample* s;
     int64_t row;
   };
@@ -311,23 +399,33 @@ bool Engine::step() {
   std::vector<double> params;
   for (const Draw& d : draws) {
     const SamplingParams& sp = d.r->req.sampling;
-    const int64_t position = d.r->prompt_len() + int64_t(d.s->tokens.size());
+    const int64_t position = d.r->prompt_len() + d.s->drawn();
     draw_rows.push_back(d.row);
     const auto row = sampling_row(sp, sampling_uniform(sp.seed, d.s->index, position));
     params.insert(params.end(), row.begin(), row.end());
   }
+  // Tokens still on the device are read from the step in flight there (a graph replay feeding a
+  // graph replay); anywhere else they are waited for and written into the batch.
+  const bool any_fed = std::any_of(fed.begin(), fed.end(), [](int32_t j) { return j >= 0; });
+  auto fed_on_host = [&] {
+    settle_in_flight();
+    for (size_t row = 0; row < fed.size(); ++row)
+      if (fed[row] >= 0) b.tokens[row] = std::max(in_flight_->drawn.tokens[size_t(fed[row])], 0);  // < 0: dropped
+  };
   // A decode step (every row a sample's next token) replays its bucket's CUDA graph: forward, LM
   // head and draw in one launch. Any other step runs eagerly: the forward (logits of the drawing
   // rows only), then the draws. A step that cannot be captured runs eagerly, and so does every
   // later one (graphs_off_reason() says why).
   Chain::RowDraws drawn;
+  std::optional<DecodeGraphs::Launched> launched;
   bool graphed = graphs_ && std::all_of(decode.begin(), decode.end(), [](char d) { return d != 0; }) && graphs_->takes(b);
   if (graphed) {
-    std::optional<Chain::RowDraws> replayed = graphs_->run(b, params);
-    if (replayed) {
-      drawn = std::move(*replayed);
-    } else {
+    const bool on_device = any_fed && in_flight_->graph.has_value();
+    if (any_fed && !on_device) fed_on_host();
+    launched = graphs_->launch(b, params, on_device ? fed : std::vector<int32_t>{});
+    if (!launched) {
       graphs_off_reason_ = graphs_->capture_error();
+      settle_in_flight();  // before the graphs go: the tokens in flight are read from them
       graphs_.reset();
       graphed = false;
     }
@@ -335,6 +433,7 @@ bool Engine::step() {
   {  // the engine's device work (eager steps, prompt copies) on its stream; not the progress callback's
     const DeviceStreamScope on(stream_.get());
     if (!graphed) {
+      if (any_fed) fed_on_host();
       const ChainForward f = chain_.forward_cached(b, cache_, nullptr, /*score_rows=*/false);
       drawn = chain_.sample_rows(f, draw_rows, params);
     }
@@ -354,39 +453,19 @@ bool Engine::step() {
           }
     }
   }
+  auto launched_now = std::make_unique<InFlight>();
+  launched_now->graph = launched;
+  launched_now->drawn = std::move(drawn);
   for (size_t i = 0; i < draws.size(); ++i) {
-    Sample& s = *draws[i].s;
-    if (drawn.tokens[i] < 0) {  // the model's logits hold NaN / Inf here: this sample ends, the rest run on
-      const std::string what = fmt::format("request {} sample {}: the model's logits at position {} hold NaN or Inf",
-                                            draws[i].r->id, s.index, draws[i].r->prompt_len() + int64_t(s.tokens.size()));
-      const size_t before = done_.size();
-      finish(s, "error");
-      done_[before].request = draws[i].r->id;
-      done_[before].error = what;
-      continue;
-    }
-    const int32_t token = drawn.tokens[i];
-    s.tokens.push_back(token);
-    s.logprobs.push_back(drawn.logprobs[i]);
-    s.sampling_logprobs.push_back(drawn.sampling_logprobs[i]);
-    ++generated_;
-    const auto& stop = draws[i].r->req.sampling.stop_token_ids;
-    const bool stopped = std::find(stop.begin(), stop.end(), token) != stop.end();
-    const bool full = int64_t(s.tokens.size()) >= draws[i].r->req.sampling.max_new_tokens;
-    if (stopped || full) {
-      const size_t before = done_.size();
-      finish(s, stopped ? "stop" : "length");
-      done_[before].request = draws[i].r->id;
-    }
+    launched_now->draws.emplace_back(draws[i].r, draws[i].s);
+    ++draws[i].s->in_flight;
+    draws[i].s->fed_row = int32_t(i);
   }
-  running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                [](const std::shared_ptr<Request>& r) {
-                                  return std::all_of(r->samples.begin(), r->samples.end(),
-                                                     [](const Sample& s) { return s.done; });
-                                }),
-                 running_.end());
   ++steps_;
-  if (progress_) progress_(generated_, steps_);
+  overlapped_steps_ += in_flight_ ? 1 : 0;
+  apply_in_flight();  // the step before this one's draws (waited for here, while this one runs)
+  in_flight_ = std::move(launched_now);
+  if (!options_.overlap_steps) apply_in_flight();
   return true;
 }
 

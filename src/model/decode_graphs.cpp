@@ -69,12 +69,17 @@ DecodeGraphs::Bucket DecodeGraphs::make_bucket(int64_t seqs) const {
   b.at.kv_map = aligned(seqs * chain_tables::ROW_TABLE_BYTES);
   b.at.block_table = b.at.kv_map + aligned(2 * seqs * 4);
   b.at.params = b.at.block_table + aligned(seqs * cols_ * 4);
-  b.at.bytes = b.at.params + seqs * sampling_rule::PARAMS * 8;
+  b.at.feed = b.at.params + aligned(seqs * sampling_rule::PARAMS * 8);
+  b.at.bytes = b.at.feed + 2 * seqs * 4;
   const Backend be = chain_.backend();
   b.inputs = DeviceTensor::uninitialized(be, DType::u8, {b.at.bytes});
   b.outputs = DeviceTensor::uninitialized(be, DType::u8, {2 * aligned(seqs * 4) + seqs * 8});  // tokens, logp, weights
-  b.staging = std::make_unique<PinnedBuffer>(be, size_t(b.at.bytes));
-  b.results = std::make_unique<PinnedBuffer>(be, size_t(b.outputs.bytes()));
+  for (int i = 0; i < 2; ++i) {
+    b.staging[size_t(i)] = std::make_unique<PinnedBuffer>(be, size_t(b.at.bytes));
+    b.results[size_t(i)] = std::make_unique<PinnedBuffer>(be, size_t(b.outputs.bytes()));
+    b.uploaded[size_t(i)] = std::make_unique<DeviceEvent>(be);
+    b.done[size_t(i)] = std::make_unique<DeviceEvent>(be);
+  }
   return b;
 }
 
@@ -105,23 +110,39 @@ void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
 }
 
 std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const std::vector<double>& params) {
+  const std::optional<Launched> l = launch(batch, params);
+  if (!l) return std::nullopt;
+  return collect(*l);
+}
+
+std::optional<DecodeGraphs::Launched> DecodeGraphs::launch(const ChainBatch& batch, const std::vector<double>& params,
+                                                           const std::vector<int32_t>& fed) {
   constexpr int64_t P = sampling_rule::PARAMS;
   if (!takes(batch)) throw Error(OP, "batch", "is not a decode step of at most max_seqs sequences (cannot happen)");
   const int64_t B = int64_t(batch.seqs.size());
   Chain::check_draw_params(OP, params, B);
+  if (!fed.empty() && int64_t(fed.size()) != B) throw Error(OP, "fed", "needs one entry a row (cannot happen)");
+  for (int32_t j : fed)
+    if (j >= 0 && (!last_tokens_ || j >= last_rows_))
+      throw Error(OP, "fed", fmt::format("row {} of the previous launch, which had {} (cannot happen)", j, last_rows_));
   const DeviceStreamScope on(chain_.ctx_.stream);
   const int64_t n = bucket_of(B, max_seqs_);
   auto found = buckets_.find(n);
   std::optional<Bucket> fresh;  // a bucket not captured yet: kept only once its capture succeeds
   if (found == buckets_.end()) fresh.emplace(make_bucket(n));
   Bucket& b = fresh ? *fresh : found->second;
-  // The bucket's batch: rows past B repeat sequence 0.
+  // The bucket's batch: rows past B repeat sequence 0 (and take its token from where it does).
   ChainBatch padded = batch;
-  for (int64_t i = B; i < n; ++i) {
+  std::vector<int32_t> feed_dst, feed_src;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t from = fed.empty() ? -1 : fed[size_t(i < B ? i : 0)];
+    if (from >= 0) feed_dst.push_back(int32_t(i)), feed_src.push_back(from);
+    if (from >= 0 && i < B) padded.tokens[size_t(i)] = 0;  // a placeholder the checks pass: the device writes the token
+    if (i < B) continue;
     ChainSequence s = batch.seqs[0];
     s.row = i;
     padded.seqs.push_back(s);
-    padded.tokens.push_back(batch.tokens[0]);
+    padded.tokens.push_back(padded.tokens[0]);
     padded.positions.push_back(batch.positions[0]);
     padded.targets.push_back(batch.targets[0]);
     padded.loss_mask.push_back(batch.loss_mask.empty() ? 0 : batch.loss_mask[0]);
@@ -131,13 +152,21 @@ std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const 
   const HostTensor seqs = chain_tables::attention_table(padded, &cache_, cache_.capacity(), &cache_.lengths_);
   const HostTensor table = cache_.block_table_of(padded.seqs, cols_), kv_map = cache_.write_rows_of(padded.seqs);
   if (table.shape()[1] != cols_) throw Error(OP, "cache", "a slot holds more pages than its capacity (cannot happen)");
-  auto* st = static_cast<uint8_t*>(b.staging->data());
+  if (fresh) {  // nothing of an earlier launch may still run while a graph is captured on the stream
+    device_stream_synchronize(chain_.backend(), chain_.ctx_.stream);
+  }
+  const int k = b.next;
+  b.uploaded[size_t(k)]->wait();  // the launch before last that used this staging has uploaded it
+  auto* st = static_cast<uint8_t*>(b.staging[size_t(k)]->data());
   std::memcpy(st + b.at.rows, rows.data(), rows.bytes());
   std::memcpy(st + b.at.kv_map, kv_map.data(), kv_map.bytes());
   std::memcpy(st + b.at.block_table, table.data(), table.bytes());
   auto* settings = reinterpret_cast<double*>(st + b.at.params);
   for (int64_t i = 0; i < n; ++i)
     std::memcpy(settings + i * P, params.data() + (i < B ? i : 0) * P, P * sizeof(double));
+  auto* feed = reinterpret_cast<int32_t*>(st + b.at.feed);
+  std::copy(feed_dst.begin(), feed_dst.end(), feed);
+  std::copy(feed_src.begin(), feed_src.end(), feed + n);
   if (fresh) {
     try {
       capture(b, padded);
@@ -146,17 +175,34 @@ std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const 
       return std::nullopt;
     }
   }
-  copy_async(chain_.backend(), b.inputs.view().data, st, size_t(b.at.bytes));
+  auto* in = static_cast<uint8_t*>(b.inputs.view().data);
+  copy_async(chain_.backend(), in, st, size_t(b.at.bytes));
+  b.uploaded[size_t(k)]->record();
+  if (!feed_dst.empty()) {  // the previous launch's tokens into this step's rows (before the replay reads them)
+    const auto* map = reinterpret_cast<const int32_t*>(in + b.at.feed);
+    gather_tokens(chain_.backend(), reinterpret_cast<int32_t*>(in + b.at.rows), static_cast<const int32_t*>(last_tokens_),
+                  map, map + n, int64_t(feed_dst.size()));
+  }
   b.graph->replay(static_cast<const int32_t*>(seqs.data()), n);
-  copy_async(chain_.backend(), b.results->data(), b.outputs.view().data, b.outputs.bytes());
-  device_stream_synchronize(chain_.backend(), chain_.ctx_.stream);
+  copy_async(chain_.backend(), b.results[size_t(k)]->data(), b.outputs.view().data, b.outputs.bytes());
+  b.done[size_t(k)]->record();
+  b.next = 1 - k;
   for (const ChainSequence& s : batch.seqs) cache_.lengths_[size_t(s.slot)] = s.cached + s.len;
-  const auto* res = static_cast<const uint8_t*>(b.results->data());
-  Chain::RowDraws drawn =
-      Chain::draws_of(B, reinterpret_cast<const int32_t*>(res), reinterpret_cast<const float*>(res + aligned(n * 4)),
-                      reinterpret_cast<const float*>(res + 2 * aligned(n * 4)));
+  last_tokens_ = b.outputs.view().data;
+  last_rows_ = n;
   if (fresh) buckets_.emplace(n, std::move(*fresh));
-  return drawn;
+  return Launched{n, B, k};
+}
+
+Chain::RowDraws DecodeGraphs::collect(const Launched& l) {
+  auto found = buckets_.find(l.bucket);
+  if (found == buckets_.end()) throw Error(OP, "launched", "names no captured bucket (cannot happen)");
+  const Bucket& b = found->second;
+  b.done[size_t(l.buffer)]->wait();
+  const int64_t n = b.seqs;
+  const auto* res = static_cast<const uint8_t*>(b.results[size_t(l.buffer)]->data());
+  return Chain::draws_of(l.seqs, reinterpret_cast<const int32_t*>(res), reinterpret_cast<const float*>(res + aligned(n * 4)),
+                         reinterpret_cast<const float*>(res + 2 * aligned(n * 4)));
 }
 
 }  // namespace samebits

@@ -7,7 +7,12 @@
 // and are dropped. Before a replay the step's tables (rows, cache rows, block table, sampling
 // settings) go to the graph's device buffer in one copy from page-locked memory, the recorded
 // attention calls are re-planned, and after it one copy brings the tokens and logprobs back.
+// A step can be launched before the previous one is collected (the engine's overlapped steps):
+// its rows' tokens may be the ones the previous launch drew, gathered on the device from that
+// launch's outputs, so the host prepares step N + 1 while the GPU runs step N. Each bucket keeps two
+// staging and two result buffers (a launch's, and the one before it, still being read).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -35,19 +40,35 @@ class DecodeGraphs {
   // when the step's bucket cannot be captured (capture_error() says why), having changed nothing:
   // the caller runs the step eagerly.
   std::optional<Chain::RowDraws> run(const ChainBatch& batch, const std::vector<double>& params);
+  // run() in two halves. launch() enqueues the step (the tables' upload, the replay, the results'
+  // copy) and returns without waiting; collect() waits for it and returns its draws. `fed` (empty,
+  // or one entry a row of `batch`): −1, the row's token is batch.tokens'; j ≥ 0, it is the token the
+  // previous launch drew at its row j, taken on the device (batch.tokens' entry is not read). At most
+  // two launches may be uncollected at once.
+  struct Launched {
+    int64_t bucket = 0, seqs = 0;
+    int buffer = 0;
+  };
+  std::optional<Launched> launch(const ChainBatch& batch, const std::vector<double>& params,
+                                 const std::vector<int32_t>& fed = {});
+  Chain::RowDraws collect(const Launched& launched);
   size_t captured() const { return buckets_.size(); }
   const std::string& capture_error() const { return capture_error_; }
   static int64_t bucket_of(int64_t seqs, int64_t max_seqs);
 
  private:
   struct Layout {  // byte offsets in a bucket's input buffer
-    int64_t rows = 0, kv_map = 0, block_table = 0, params = 0, bytes = 0;
+    int64_t rows = 0, kv_map = 0, block_table = 0, params = 0, feed = 0, bytes = 0;
   };
   struct Bucket {
     int64_t seqs = 0;
     Layout at;
-    DeviceTensor inputs, outputs;  // u8: the layout above; tokens (i32) then logprobs (f32)
-    std::unique_ptr<PinnedBuffer> staging, results;
+    DeviceTensor inputs, outputs;  // u8: the layout above; tokens (i32), logprobs (f32), weights (f32 × 2)
+    // Two of each, used in turn: a launch's staging is not rewritten until its upload has run
+    // (uploaded), nor its results before collect() has read them (after `done`).
+    std::array<std::unique_ptr<PinnedBuffer>, 2> staging, results;
+    std::array<std::unique_ptr<DeviceEvent>, 2> uploaded, done;
+    int next = 0;  // the buffer the next launch takes
     std::unique_ptr<CapturedGraph> graph;
   };
   Bucket make_bucket(int64_t seqs) const;
@@ -56,6 +77,8 @@ class DecodeGraphs {
   KvCache& cache_;
   int64_t max_seqs_, cols_;
   std::map<int64_t, Bucket> buckets_;  // the captured ones
+  const void* last_tokens_ = nullptr;  // the last launch's drawn tokens (device), and its rows
+  int64_t last_rows_ = 0;
   std::string capture_error_;
 };
 

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -17,6 +19,7 @@
 #include "core/captured_graph.hpp"
 #include "model/decode_graphs.hpp"
 #include "samebits/device.hpp"
+#include "samebits/device_tensor.hpp"
 #include "samebits/engine.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"
@@ -394,6 +397,69 @@ TEST_P(EngineOn, StopTokensEndASampleAndAreKept) {
   ASSERT_EQ(stopped[0].finish_reason, "stop");
   const auto first = std::find(free_run[0].tokens.begin(), free_run[0].tokens.end(), free_run[0].tokens[2]);
   EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(free_run[0].tokens.begin(), first + 1));
+}
+
+TEST_P(EngineOn, OverlappedStepsChangeNoBit) {
+  // overlap_steps launches step N + 1 before step N's draws are applied (its decode rows take those
+  // tokens on the device, or from the host's copy of an eager step's draws): the same completions,
+  // bit for bit, as steps that wait for their draws — through stop tokens (a sample that stopped at
+  // step N has drawn once more in N + 1, dropped), lengths ending, n samples sharing a prompt,
+  // arrivals mid-decode and a pool small enough to preempt.
+  const Model m = Model::builtin(false);
+  std::vector<GenerationRequest> reqs = others(12, 31);
+  for (int i = 0; i < 4; ++i) {
+    GenerationRequest g = sampled_request(40 + uint64_t(i), 20 + 9 * i, 3, 1.0, 0, 1.0, 24, 7 + uint64_t(i));
+    for (int32_t t = 0; t < 2560; t += 19 + i) g.sampling.stop_token_ids.push_back(t);  // ~5% a draw: some stop
+    reqs.push_back(g);
+  }
+  auto run = [&](bool overlap, int64_t kv_pages) {
+    EngineOptions o = opts();
+    o.overlap_steps = overlap;
+    o.page_size = 8;
+    o.kv_pages = kv_pages;
+    o.max_batch_tokens = kv_pages ? 16 : 2048;
+    auto e = std::make_unique<Engine>(m, o);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      e->submit(reqs[i]);
+      if (i % 4 == 3) e->step();  // arrivals while others decode
+    }
+    std::vector<Completion> out = e->run();
+    std::sort(out.begin(), out.end(), [](const Completion& a, const Completion& b) {
+      return std::tie(a.request, a.sample) < std::tie(b.request, b.sample);
+    });
+    for (const Completion& c : out) EXPECT_NE(c.finish_reason, "error") << c.error;
+    return std::make_pair(std::move(out), std::move(e));
+  };
+  const auto waited = run(false, 0);
+  const auto overlapped = run(true, 0);
+  EXPECT_EQ(waited.second->overlapped_steps(), 0);
+  EXPECT_GT(overlapped.second->overlapped_steps(), 10) << "decode steps should overlap";
+  const int64_t stops = std::count_if(waited.first.begin(), waited.first.end(),
+                                      [](const Completion& c) { return c.finish_reason == "stop"; });
+  EXPECT_GE(stops, 3) << "the test should end samples on stop tokens";
+  expect_same(overlapped.first, waited.first, "overlapped vs waiting steps");
+  const auto tight = run(true, 40);
+  EXPECT_GT(tight.second->preemptions(), 0) << "the pool was meant to force preemption";
+  expect_same(tight.first, waited.first, "overlapped steps under preemption");
+}
+
+TEST_P(EngineOn, GatheredTokensAreTheDrawsANegativeOneAsZero) {
+  // gather_tokens (a decode step's tokens from the step before, on the device): dst[dst_rows[i]] ←
+  // src[src_rows[i]], a failed draw's −1 written as 0 (an id the embedding can read; its row is dropped).
+  const std::vector<int32_t> src{7, -1, 2559, 4}, dst_rows{3, 0, 1}, src_rows{2, 1, 3};
+  std::vector<int32_t> dst{9, 9, 9, 9, 9};
+  const Backend be = backend();
+  auto up = [&](const std::vector<int32_t>& v) {
+    HostTensor h(DType::i32, {int64_t(v.size())});
+    std::memcpy(h.data(), v.data(), v.size() * 4);
+    return DeviceTensor::from_host(be, h);
+  };
+  DeviceTensor d_src = up(src), d_dst = up(dst), d_dr = up(dst_rows), d_sr = up(src_rows);
+  gather_tokens(be, static_cast<int32_t*>(d_dst.view().data), static_cast<const int32_t*>(d_src.view().data),
+                static_cast<const int32_t*>(d_dr.view().data), static_cast<const int32_t*>(d_sr.view().data), 3);
+  const HostTensor got = d_dst.to_host();
+  const std::vector<int32_t> want{0, 4, 9, 2559, 9};
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(got.get(i), want[size_t(i)]) << "row " << i;
 }
 
 TEST_P(EngineOn, BadRequestsFailAloneNamingTheRequest) {

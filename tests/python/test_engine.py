@@ -208,6 +208,22 @@ def test_cuda_graphs_on_or_off_give_the_same_bits(model):
         assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
 
 
+def test_overlapped_steps_on_or_off_give_the_same_bits(model):
+    """overlap_steps (the default) launches a step before the previous one's draws are applied:
+    the same tokens and logprobs as steps that wait for their draws, and step() still runs all."""
+    backend = "cuda" if samebits.cuda_available() else "cpu"
+    ps = prompts(9, seed=23)
+    params = samebits.SamplingParams(n=3, temperature=1.0, max_new_tokens=11, seed=8, stop_token_ids=list(range(0, 2560, 29)))
+    runs = {}
+    for overlap in (True, False):
+        engine = samebits.Engine(model, backend, page_size=16, overlap_steps=overlap)
+        runs[overlap] = engine.generate(ps, params)
+        assert (engine.overlapped_steps > 0) == overlap
+    for a, b in zip(sum(runs[True], []), sum(runs[False], [])):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        assert np.array_equal(a.logprobs.view(np.uint64), b.logprobs.view(np.uint64))
+
+
 def test_a_forward_without_kept_activations_scores_the_same_bits(model, chain):
     """Chain.forward(keep=False) (Chain::score): the kept forward's logp / entropy bits; no backward."""
     seqs = prompts(4, seed=41)

@@ -127,6 +127,21 @@ void copy_rows_indexed_pair(const RowCopy& first, const RowCopy& second, size_t 
   copy_row_pairs(both, 2, row_bytes, dst_rows, src_rows, n, stream);
 }
 
+__global__ void gather_tokens_kernel(int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows,
+                                     int64_t n) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[dst_rows[i]] = max(src[src_rows[i]], 0);
+}
+
+void gather_tokens(int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows, int64_t n,
+                   void* stream) {
+  if (n <= 0) return;
+  launch_after_previous(gather_tokens_kernel, dim3(unsigned((n + 127) / 128)), dim3(128), 0, or_legacy(stream),
+                        "gather tokens", dst, src, dst_rows, src_rows, n);
+}
+
 void fill(void* p, int byte, size_t bytes, void* stream) {
   check(cudaMemsetAsync(p, byte, bytes, or_legacy(stream)), "device fill", "bytes");
 }
@@ -156,6 +171,20 @@ void stream_destroy(void* s) {
 }
 
 void stream_synchronize(void* s) { check(cudaStreamSynchronize(or_legacy(s)), "device_stream", "synchronise"); }
+
+void* event_create() {
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "device_event", "create");
+  return e;
+}
+
+void event_destroy(void* e) {
+  if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+
+void event_record(void* e, void* s) { check(cudaEventRecord(static_cast<cudaEvent_t>(e), or_legacy(s)), "device_event", "record"); }
+
+void event_synchronize(void* e) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "device_event", "wait"); }
 
 void* pinned_alloc(size_t bytes) {
   void* p = nullptr;
