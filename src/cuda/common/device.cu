@@ -129,8 +129,7 @@ void copy_rows_indexed_pair(const RowCopy& first, const RowCopy& second, size_t 
 
 __global__ void gather_tokens_kernel(int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows,
                                      int64_t n) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_wait();  // its dependents (the graph replay) start after it ends: it lets none start early
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dst[dst_rows[i]] = max(src[src_rows[i]], 0);
 }
