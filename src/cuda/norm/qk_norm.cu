@@ -327,6 +327,11 @@ QkParams forward_params(const TensorView& x, const TensorView& weight, const Ten
   // decode step's one token walks 2 rows a slot, not the 32 of a full step. Which thread takes a
   // row never changes its bits (a row's sum runs over its own slot's lanes, fixed by D).
   p.tokens_per_step = int(std::min<int64_t>(p.tokens_per_step, (T + base - 1) / base * base));
+  // And, where the steps would leave SMs idle (a decode batch: 64 tokens were 8 CTAs of q and 4 of k,
+  // 16 rows a slot walked one after another, 16 µs on the H100), steps of fewer tokens, down to
+  // `base`: about a step a SM.
+  const int64_t sms = current_sm_count(op), per_sm = (T + sms - 1) / sms;
+  p.tokens_per_step = int(std::min<int64_t>(p.tokens_per_step, std::max<int64_t>(base, (per_sm + base - 1) / base * base)));
   steps = (T + p.tokens_per_step - 1) / p.tokens_per_step;
   return p;
 }
