@@ -54,7 +54,7 @@ namespace {
 
 using namespace sm90;
 
-constexpr int BM = 128, BN = 128, STAGES = 2, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+constexpr int BM = 128, BN = 128, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
 constexpr int SPLIT_BLOCKS = ATTENTION_SPLIT_KEYS / BN;
 constexpr unsigned FULL = 0xffffffffu;
 static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
@@ -97,42 +97,56 @@ struct Params {
 
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 
-template <int D>
+// A CTA's shared memory. The general kernel: Q of two consumers, a 2-stage ring of K / V blocks and
+// the running O of the spans folded so far. The single-span kernel (SINGLE: every item one span of
+// at most 64 rows — decode steps, whose items are one span each): Q of one consumer, no running O
+// (its one span is folded into the empty state in registers, the same arithmetic), and the room
+// that frees as a deeper ring (3 stages of K / V at D = 128, 4 where a CTA reads one V box), so a CTA
+// walking a span's blocks has more of them in flight. V stages hold only the 64-column boxes of the
+// CTA's O columns.
+template <int D, int PARTS, bool SINGLE>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
-  static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, O_BYTES = BM * D * 4;
-  static constexpr int BARRIERS = CONSUMERS + 3 * STAGES + 1;
-  static constexpr size_t BYTES = size_t(Q_BYTES) + 2 * STAGES * KV_BYTES + O_BYTES + BARRIERS * 8 + 1024;
-  static_assert(BYTES <= 227 * 1024, "shared memory of one Hopper CTA");
+  static constexpr int ON = D / PARTS, V_BOXES = (ON + 63) / 64;
+  static constexpr int Q_CONSUMERS = SINGLE ? 1 : CONSUMERS;
+  static constexpr int Q_BYTES = Q_CONSUMERS * 64 * D * 2, K_BYTES = BOXES * BN * 128, V_BYTES = V_BOXES * BN * 128;
+  static constexpr int O_BYTES = SINGLE ? 0 : BM * D * 4;
+  static constexpr int LIMIT = 227 * 1024, SLACK = 1024 + 64 * 8;  // alignment, barriers
+  static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - SLACK) / (K_BYTES + V_BYTES);
+  static constexpr int STAGES = SINGLE ? (FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS) : 2;
+  static constexpr int BARRIERS = Q_CONSUMERS + 3 * STAGES + 1;
+  static constexpr size_t BYTES = size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + BARRIERS * 8 + 1024;
+  static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
 };
 
 // PARTS > 1: a small grid (fewer CTAs than SMs) of one-span items runs each item as PARTS CTAs,
 // each computing D / PARTS of O's columns: a decode CTA is bound by its tensor work (64 query rows
 // of which a few are real), P·V is half of it, and every element of O is formed by the same
 // products in the same order whichever N the wgmma has (tested: decode in parts == prefill).
-template <class T, int D, int PARTS>
+template <class T, int D, int PARTS, bool SINGLE>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_launch_dependents();  // the next kernel (the O GEMM) may start its prologue (cuda/common/pdl.cuh)
-  using S = Smem<D>;
+  using S = Smem<D, PARTS, SINGLE>;
+  constexpr int STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sk = sq + S::Q_BYTES;
-  uint8_t* sv = sk + STAGES * S::KV_BYTES;
-  float* so = reinterpret_cast<float*>(sv + STAGES * S::KV_BYTES);
-  uint64_t* full_q = reinterpret_cast<uint64_t*>(so + BM * D);
-  uint64_t* full_k = full_q + CONSUMERS;
+  uint8_t* sv = sk + STAGES * S::K_BYTES;
+  float* so = reinterpret_cast<float*>(sv + STAGES * S::V_BYTES);  // the running O (not in SINGLE)
+  uint64_t* full_q = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(so) + S::O_BYTES);
+  uint64_t* full_k = full_q + S::Q_CONSUMERS;
   uint64_t* full_v = full_k + STAGES;
   uint64_t* empty = full_v + STAGES;
   uint64_t* tail_v = empty + STAGES;  // the producer's own wait for the last block's V
   const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
-  const int consumers = it.rows > 64 ? 2 : 1;
+  const int consumers = !SINGLE && it.rows > 64 ? 2 : 1;
   constexpr int ON = D / PARTS;  // O's columns this CTA computes
   const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of them
   const bool writes_stats = PARTS == 1 || it.d_split == 1;
   const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
-    for (int c = 0; c < CONSUMERS; ++c) mbar_init(&full_q[c], 1);
+    for (int c = 0; c < S::Q_CONSUMERS; ++c) mbar_init(&full_q[c], 1);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
@@ -161,8 +175,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     for (int j = it.block_begin, n = 0; j < it.block_end; ++j, ++n) {
       const int st = n % STAGES;
       if (n >= STAGES) mbar_wait(&empty[st], ((n / STAGES) - 1) & 1);
-      uint8_t* kdst = sk + st * S::KV_BYTES;
-      uint8_t* vdst = sv + st * S::KV_BYTES;
+      uint8_t* kdst = sk + st * S::K_BYTES;
+      uint8_t* vdst = sv + st * S::V_BYTES;  // its first box is the CTA's first V box (vb_lo)
       const int key0 = j * BN;
       // The first row of each kv_box-row piece of the block (one piece unless pages are smaller);
       // a piece wholly past the keys loads row 0 (its scores are masked, its V zeroed below).
@@ -174,7 +188,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const bool tail = key0 + BN > it.k_len;
       const int vb_lo = d0 / 64, vb_hi = (d0 + ON + 63) / 64;  // V: the 64-column boxes holding this CTA's columns
       if (lane == 0) {
-        mbar_expect_tx(&full_k[st], uint32_t(S::KV_BYTES));
+        mbar_expect_tx(&full_k[st], uint32_t(S::K_BYTES));
         mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(vb_hi - vb_lo) * BN * 128);
       }
       __syncwarp();
@@ -184,13 +198,13 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
       for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
         for (int b = vb_lo; b < vb_hi; ++b)
-          tma_load_3d(vdst + b * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
+          tma_load_3d(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
       if (tail) {  // the sequence's last block (one an item): its V rows past the end zeroed before the consumers see it
         mbar_wait(tail_v, 0);
         const int valid = it.k_len - key0, chunks = (BN - valid) * 8;  // 16-byte pieces of a box past the end
         for (int b = vb_lo; b < vb_hi; ++b)
           for (int idx = lane; idx < chunks; idx += 32)
-            *reinterpret_cast<uint4*>(vdst + b * BN * 128 + (valid + idx / 8) * 128 + (idx % 8) * 16) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(vdst + (b - vb_lo) * BN * 128 + (valid + idx / 8) * 128 + (idx % 8) * 16) = make_uint4(0, 0, 0, 0);
         fence_async_shared();
         __syncwarp();
         if (lane == 0) mbar_arrive(&full_v[st]);
@@ -207,9 +221,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int pos0 = it.first_pos + row0 / group, pos1 = it.first_pos + row1 / group;
   const int warp_first_pos = it.first_pos + (c * 64 + warp * 16) / group;
   const float c2 = p.scale_log2;
-  float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256]
+  float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
+  if constexpr (!SINGLE) {
 #pragma unroll
-  for (int i = 0; i < ON / 2; ++i) my_o[i * 256] = 0.0f;
+    for (int i = 0; i < ON / 2; ++i) my_o[i * 256] = 0.0f;
+  }
   float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
   float o[ON / 2];
@@ -239,7 +255,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint64_t dq = smem_desc(qbase + (kk / 4) * 64 * 128) + uint64_t((kk % 4) * 2);
-        const uint64_t dk = smem_desc(sk + st * S::KV_BYTES + (kk / 4) * BN * 128) + uint64_t((kk % 4) * 2);
+        const uint64_t dk = smem_desc(sk + st * S::K_BYTES + (kk / 4) * BN * 128) + uint64_t((kk % 4) * 2);
         Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -306,7 +322,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)
-        WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::KV_BYTES + (d0 / 64) * BN * 128 + (d0 % 64) * 2 + kt * 16 * 128, BN * 128));
+        WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::V_BYTES + (d0 % 64) * 2 + kt * 16 * 128, BN * 128));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }
     // The span ends: fold it into the running state (or keep it, for a split-KV item).
@@ -323,7 +339,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 #pragma unroll
       for (int i = 0; i < ON / 2; ++i) {
         const bool second = (i & 2) != 0;
-        if (second ? f1 : f0) my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
+        if constexpr (SINGLE)  // the one span into the empty state (O = 0): what the general kernel stores
+          o[i] = (second ? f1 : f0) ? fold_value(0.0f, o[i], second ? a1 : a0, second ? b1 : b0) : 0.0f;
+        else if (second ? f1 : f0)
+          my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
       }
     }
   }
@@ -350,7 +369,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 #pragma unroll
     for (int nt = 0; nt < ON / 8; ++nt) {
       const int i = nt * 4 + (second ? 2 : 0);
-      dst[(d0 + nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(my_o[i * 256], L), __fdiv_rn(my_o[(i + 1) * 256], L));
+      const float o0 = SINGLE ? o[i] : my_o[i * 256], o1 = SINGLE ? o[i + 1] : my_o[(i + 1) * 256];
+      dst[(d0 + nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(o0, L), __fdiv_rn(o1, L));
     }
     if (p.lse && writes_stats && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
   };
@@ -404,6 +424,7 @@ struct Plan {
   std::vector<Combine> combines;
   int64_t part_rows = 0;
   int parts = 1;
+  bool single = false;    // every item one span of at most 64 rows: the single-span kernel (a deeper ring)
   int32_t most_rows = 0;  // the most rows of a combine
 };
 
@@ -456,6 +477,11 @@ Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D,
       }
     items.swap(split);
   }
+  // Which kernel runs an item never changes its arithmetic: the single-span kernel folds its one
+  // span into the empty state as the general kernel does (tested: decode == prefill bits).
+  w.single = std::all_of(items.begin(), items.end(), [](const Item& x) {
+    return x.rows <= 64 && x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
+  });
   // The longest items first, so the tail of the grid is short ones (which CTA runs an item never
   // changes its arithmetic).
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
@@ -464,23 +490,40 @@ Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D,
   return w;
 }
 
-// The forward kernel of each O-column split (index 0, 1, 2: parts 1, 2, 4; null where D / 4 is too
-// narrow), each opted into its shared memory once per device.
+int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
+
+// A forward kernel and the shared memory it launches with.
+struct ForwardKernel {
+  void* fn = nullptr;
+  unsigned smem = 0;
+};
+// [single][parts index]: the general and the single-span kernel of each O-column split (index 0, 1,
+// 2: parts 1, 2, 4; null where D / 4 is too narrow), each opted into its shared memory once per device.
+using ForwardKernels = std::array<std::array<ForwardKernel, 3>, 2>;
+
+template <class T, int D, int PARTS, bool SINGLE>
+void add_forward_kernel(ForwardKernels& k, std::atomic<int> (&allowed)[64], const char* op) {
+  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE>;
+  allow_dynamic_smem(fn, Smem<D, PARTS, SINGLE>::BYTES, allowed, op);
+  k[SINGLE][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(Smem<D, PARTS, SINGLE>::BYTES)};
+}
+
 template <class T, int D>
-std::array<void*, 3> forward_kernels(const char* op) {
-  static std::atomic<int> allowed[3][64] = {};
-  std::array<void*, 3> k{reinterpret_cast<void*>(attention_forward_sm90_kernel<T, D, 1>),
-                         reinterpret_cast<void*>(attention_forward_sm90_kernel<T, D, 2>), nullptr};
-  allow_dynamic_smem(attention_forward_sm90_kernel<T, D, 1>, Smem<D>::BYTES, allowed[0], op);
-  allow_dynamic_smem(attention_forward_sm90_kernel<T, D, 2>, Smem<D>::BYTES, allowed[1], op);
+ForwardKernels forward_kernels(const char* op) {
+  static std::atomic<int> allowed[2][3][64] = {};
+  ForwardKernels k{};
+  add_forward_kernel<T, D, 1, false>(k, allowed[0][0], op);
+  add_forward_kernel<T, D, 2, false>(k, allowed[0][1], op);
+  add_forward_kernel<T, D, 1, true>(k, allowed[1][0], op);
+  add_forward_kernel<T, D, 2, true>(k, allowed[1][1], op);
   if constexpr (D / 4 >= 32) {
-    k[2] = reinterpret_cast<void*>(attention_forward_sm90_kernel<T, D, 4>);
-    allow_dynamic_smem(attention_forward_sm90_kernel<T, D, 4>, Smem<D>::BYTES, allowed[2], op);
+    add_forward_kernel<T, D, 4, false>(k, allowed[0][2], op);
+    add_forward_kernel<T, D, 4, true>(k, allowed[1][2], op);
   }
   return k;
 }
 
-int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
+const ForwardKernel& kernel_of(const ForwardKernels& k, const Plan& w) { return k[w.single][size_t(kernel_index(w.parts))]; }
 
 }  // namespace
 
@@ -490,7 +533,7 @@ int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
 struct RecordedCall {
   cudaGraphNode_t forward = nullptr, combine = nullptr;
   std::unique_ptr<Params> params;
-  std::array<void*, 3> kernels{};
+  ForwardKernels kernels{};
   void* combine_kernel = nullptr;
   int D = 0;
 };
@@ -505,7 +548,7 @@ struct GraphRecording {
   // The launch shape the nodes were last set to {items, parts, combines, most rows}: a step whose
   // plan has the same shape (most decode steps: only the keys' lengths in the table change) sets
   // no node.
-  std::array<int64_t, 4> applied{-1, -1, -1, -1};
+  std::array<int64_t, 5> applied{-1, -1, -1, -1, -1};
   size_t items_bytes() const { return size_t(max_items) * sizeof(Item); }
   size_t table_bytes() const { return items_bytes() + size_t(max_combines) * sizeof(Combine); }
   ~GraphRecording() {
@@ -596,8 +639,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.scale_log2 = float(scale * 1.4426950408889634);
   const auto kernels = forward_kernels<T, D>(op);
   void* args[] = {&p};
-  check(cudaLaunchKernel(kernels[size_t(kernel_index(w.parts))], dim3(unsigned(w.items.size())), dim3(THREADS), args,
-                         Smem<D>::BYTES, stream),
+  const ForwardKernel& fk = kernel_of(kernels, w);
+  check(cudaLaunchKernel(fk.fn, dim3(unsigned(w.items.size())), dim3(THREADS), args, fk.smem, stream),
         op, "kernel launch");
   RecordedCall call;
   if (rec) call.forward = last_captured_node(stream, op);
@@ -668,16 +711,18 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
                           w.combines.size() * sizeof(Combine), cudaMemcpyHostToDevice, stream),
           op, "combine table");
   check(cudaEventRecord(r.uploaded, stream), op, "event");
-  const std::array<int64_t, 4> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows};
+  const std::array<int64_t, 5> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows,
+                                     int64_t(w.single)};
   if (shape == r.applied) return;
-  r.applied = {-1, -1, -1, -1};  // until every node is set
+  r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
     void* args[] = {c.params.get()};
     cudaKernelNodeParams k{};
-    k.func = c.kernels[size_t(kernel_index(w.parts))];
+    const ForwardKernel& fk = kernel_of(c.kernels, w);
+    k.func = fk.fn;
     k.gridDim = dim3(unsigned(w.items.size()));
     k.blockDim = dim3(THREADS);
-    k.sharedMemBytes = c.D == 64 ? unsigned(Smem<64>::BYTES) : unsigned(Smem<128>::BYTES);
+    k.sharedMemBytes = fk.smem;
     k.kernelParams = args;
     check(cudaGraphExecKernelNodeSetParams(exec, c.forward, &k), op, "update the forward node");
     if (w.combines.empty()) {
