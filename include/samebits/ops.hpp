@@ -23,8 +23,12 @@ namespace samebits {
 
 // ---------------------------------------------------------------- linear (GEMM)
 // y[M,N] = x[M,K] · weight[N,K]ᵀ (+ bias[N], added in fp32 after the K reduction)
+// weight_settled: the weight was written before the kernel that runs just before this call on the
+// stream (a model's weights; never an output of that kernel). Then, on Hopper, the call's weight
+// loads may start while that kernel ends (programmatic dependent launch). Timing only: the same bits.
 struct LinearForwardArgs {
   TensorView x, weight, bias, y;
+  bool weight_settled = false;
 };
 // dx[M,K] = dy[M,N] · weight[N,K]
 struct LinearBackwardInputArgs {
@@ -50,6 +54,7 @@ struct LinearGroupForwardArgs {
   TensorView x;
   LinearPart parts[3];
   int count = 0;
+  bool weights_settled = false;  // every part's weight, as LinearForwardArgs::weight_settled
 };
 void linear_forward(const Context&, const LinearForwardArgs&);
 void linear_group_forward(const Context&, const LinearGroupForwardArgs&);

@@ -156,7 +156,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     const std::string p = fmt::format("model.layers.{}.", l);
     auto linear = [&](const char* name, const DeviceTensor& in, const std::string& w, int64_t n) -> DeviceTensor& {
       DeviceTensor& out = act(layer_name(l, name), {T, n});
-      linear_forward(ctx_, {in.view(), W(w), {}, out.view()});
+      linear_forward(ctx_, {in.view(), W(w), {}, out.view(), /*weight_settled=*/true});  // a model weight
       return out;
     };
     // Linears of one input in one call (Q, K, V; gate, up): each output bitwise its own call's.
@@ -168,6 +168,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     auto linears = [&](const DeviceTensor& in, std::initializer_list<Out> outs) {
       LinearGroupForwardArgs group;
       group.x = in.view();
+      group.weights_settled = true;  // model weights: never an output of the kernel before
       std::array<DeviceTensor*, 3> made{};
       for (const Out& o : outs) {
         DeviceTensor& y = act(layer_name(l, o.name), {T, o.n});
@@ -360,7 +361,7 @@ TensorView Chain::head_weight() const {
 
 DeviceTensor Chain::logits_of(const TensorView& hidden, DType dtype) const {
   DeviceTensor logits(ctx_.backend, dtype, {hidden.shape[0], model_.config().vocab_size});
-  linear_forward(ctx_, {hidden, head_weight(), {}, logits.view()});
+  linear_forward(ctx_, {hidden, head_weight(), {}, logits.view(), /*weight_settled=*/true});
   return logits;
 }
 

@@ -181,6 +181,53 @@ TEST_F(CudaLinear, GroupedPartsGiveEachPartsOwnBits) {
     }
 }
 
+TEST_F(CudaLinear, SettledWeightsLoadBeforeTheWaitAndChangeNoBit) {
+  // weight_settled: the ring's first weight loads go before the programmatic wait, while the kernel
+  // before may still run; x, which that kernel writes, only after it. Each linear here runs right
+  // after an RMSNorm that rewrites its x (from two inputs in turn, so a stale x would show), with
+  // programmatic launches forced on: the bits of unsettled calls with them off, one part and
+  // grouped, M across the tile widths (narrow decode tiles and full ones), three rounds.
+  const int64_t K = 4096;
+  Rng r(55);
+  const DeviceBuffer in_a(r.tensor(DType::bf16, {300, K}, -3, 3)), in_b(r.tensor(DType::bf16, {300, K}, -3, 3));
+  const DeviceBuffer norm_w(r.tensor(DType::bf16, {K}, 0.5, 1.5));
+  const DeviceBuffer w0(r.tensor(DType::bf16, {4096, K}, -1, 1)), w1(r.tensor(DType::bf16, {1024, K}, -1, 1));
+  auto run = [&](int64_t m, bool settled, int pdl) {
+    detail::programmatic_launch_override() = pdl;
+    DeviceBuffer x(DType::bf16, {m, K}), rstd(DType::f32, {m});
+    std::vector<HostTensor> out;
+    for (int round = 0; round < 3; ++round)
+      for (const DeviceBuffer* in : {&in_a, &in_b}) {
+        RmsNormForwardArgs n;
+        n.x = in->rows(0, m);
+        n.weight = norm_w.view();
+        n.y = x.view();
+        n.rstd = rstd.view();
+        n.eps = 1e-6;
+        rmsnorm_forward(cuda_ctx(), n);
+        DeviceBuffer y(DType::bf16, {m, 4096}), g0(DType::bf16, {m, 4096}), g1(DType::bf16, {m, 1024});
+        linear_forward(cuda_ctx(), {x.view(), w0.view(), {}, y.view(), settled});
+        rmsnorm_forward(cuda_ctx(), n);  // the group's x is written just before it too
+        LinearGroupForwardArgs g;
+        g.x = x.view();
+        g.parts[g.count++] = {w0.view(), {}, g0.view()};
+        g.parts[g.count++] = {w1.view(), {}, g1.view()};
+        g.weights_settled = settled;
+        linear_group_forward(cuda_ctx(), g);
+        out.push_back(y.host());
+        out.push_back(g0.host());
+        out.push_back(g1.host());
+      }
+    detail::programmatic_launch_override() = 0;
+    return out;
+  };
+  for (int64_t m : {1, 8, 64, 65, 300}) {
+    const std::vector<HostTensor> want = run(m, false, -1), got = run(m, true, 1);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i], want[i], "M=" + std::to_string(m) + " output " + std::to_string(i));
+  }
+}
+
 TEST_F(CudaLinear, WideTilesAreInvariantAcrossM) {
   const std::vector<int64_t> ms = {1, 2, 7, 64, 127, 128, 129, 300, 1000, 2049};
   sweep_forward_and_dx(DType::bf16, 16400, 136, ms);  // forward: 256-wide tiles, an edge tile in N

@@ -27,14 +27,16 @@ void gemm_generic(const GemmOperands<T>& p, cudaStream_t stream);
 // The Hopper path (gemm_sm90.cu): y[M,N] = x[M,K]·w[N,K]ᵀ (+ bias), K a multiple of 8.
 bool sm90_path_available();
 template <class T>
+// weights_settled: w may be read before the previous kernel on the stream ends (LinearForwardArgs).
 void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
-                       int64_t K, cudaStream_t stream);
+                       int64_t K, cudaStream_t stream, bool weights_settled = false);
 // y_g[M,N_g] = x·w_gᵀ (+ bias_g) for g < count <= kMaxLinearProducts, outputs in T, as one launch
 // whose tiles cover every product's columns; each y_g bitwise what gemm_sm90_forward gives alone.
 constexpr int kMaxLinearProducts = 3;
 template <class T>
 void gemm_sm90_forward_products(const T* x, const T* const* w, const T* const* bias, void* const* out,
-                                const int64_t* N, int count, int64_t M, int64_t K, cudaStream_t stream);
+                                const int64_t* N, int count, int64_t M, int64_t K, cudaStream_t stream,
+                                bool weights_settled = false);
 // dx[M,K] = dy[M,N]·w[N,K] on the Hopper path (N and K multiples of 8).
 template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,

@@ -139,6 +139,7 @@ struct ProductArgs {
   void* out[G];
   int64_t N[G];
   int count;
+  bool b_settled = false;  // the b may load before the previous kernel ends (weights_settled)
 };
 
 template <class T, class O, bool TRANS_B, int BN, bool COMPACT, bool ACCUMULATE, int G>
@@ -161,7 +162,7 @@ void launch_tile(const T* a, const ProductArgs<T, O, G>& pa, const float* acc_in
     if (p.store_by_tma) p.map_out = tma_map_2d(static_cast<const O*>(pa.out[g]), M, pa.N[g], 64);
   }
   sm90gemm::launch_products<T, TRANS_B, BN, COMPACT, Epi, G>(a, pa.b, ep, pa.N, pa.count, M, K, stream,
-                                                             "linear (cuda)");
+                                                             "linear (cuda)", pa.b_settled);
 }
 
 template <class T, class O, bool TRANS_B, bool ACCUMULATE = false, int G>
@@ -190,8 +191,8 @@ void launch_products(const T* a, const ProductArgs<T, O, G>& pa, int64_t M, int6
 // One product: y[M,N] = A·B (+ bias).
 template <class T, class O, bool TRANS_B, bool ACCUMULATE = false>
 void launch(const T* a, const T* b, const T* bias, void* out, int64_t M, int64_t N, int64_t K, cudaStream_t stream,
-            const float* acc_in = nullptr) {
-  const ProductArgs<T, O, 1> pa{{b}, {bias}, {out}, {N}, 1};
+            const float* acc_in = nullptr, bool b_settled = false) {
+  const ProductArgs<T, O, 1> pa{{b}, {bias}, {out}, {N}, 1, b_settled};
   launch_products<T, O, TRANS_B, ACCUMULATE, 1>(a, pa, M, K, stream, acc_in);
 }
 
@@ -210,19 +211,21 @@ bool sm90_path_available() {
 
 template <class T>
 void gemm_sm90_forward(const T* x, const T* w, const T* bias, void* out, DType out_dtype, int64_t M, int64_t N,
-                       int64_t K, cudaStream_t stream) {
+                       int64_t K, cudaStream_t stream, bool weights_settled) {
   switch (out_dtype) {
-    case DType::bf16: return launch<T, __nv_bfloat16, false>(x, w, bias, out, M, N, K, stream);
-    case DType::f16: return launch<T, __half, false>(x, w, bias, out, M, N, K, stream);
-    default: return launch<T, float, false>(x, w, bias, out, M, N, K, stream);
+    case DType::bf16: return launch<T, __nv_bfloat16, false>(x, w, bias, out, M, N, K, stream, nullptr, weights_settled);
+    case DType::f16: return launch<T, __half, false>(x, w, bias, out, M, N, K, stream, nullptr, weights_settled);
+    default: return launch<T, float, false>(x, w, bias, out, M, N, K, stream, nullptr, weights_settled);
   }
 }
 
 template <class T>
 void gemm_sm90_forward_products(const T* x, const T* const* w, const T* const* bias, void* const* out,
-                                const int64_t* N, int count, int64_t M, int64_t K, cudaStream_t stream) {
+                                const int64_t* N, int count, int64_t M, int64_t K, cudaStream_t stream,
+                                bool weights_settled) {
   ProductArgs<T, T, kMaxLinearProducts> pa{};
   pa.count = count;
+  pa.b_settled = weights_settled;
   for (int g = 0; g < count; ++g) {
     pa.b[g] = w[g];
     pa.bias[g] = bias[g];
@@ -254,14 +257,14 @@ void gemm_sm90_input_grad_continue(const T* dy, const T* w, const float* acc_in,
 }
 
 template void gemm_sm90_forward<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*,
-                                               DType, int64_t, int64_t, int64_t, cudaStream_t);
+                                               DType, int64_t, int64_t, int64_t, cudaStream_t, bool);
 template void gemm_sm90_forward<__half>(const __half*, const __half*, const __half*, void*, DType, int64_t, int64_t,
-                                        int64_t, cudaStream_t);
+                                        int64_t, cudaStream_t, bool);
 template void gemm_sm90_forward_products<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16* const*,
                                                         const __nv_bfloat16* const*, void* const*, const int64_t*, int,
-                                                        int64_t, int64_t, cudaStream_t);
+                                                        int64_t, int64_t, cudaStream_t, bool);
 template void gemm_sm90_forward_products<__half>(const __half*, const __half* const*, const __half* const*,
-                                                 void* const*, const int64_t*, int, int64_t, int64_t, cudaStream_t);
+                                                 void* const*, const int64_t*, int, int64_t, int64_t, cudaStream_t, bool);
 template void gemm_sm90_input_grad<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, void*, DType, int64_t,
                                                   int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_input_grad<__half>(const __half*, const __half*, void*, DType, int64_t, int64_t, int64_t,

@@ -41,7 +41,7 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
       require_tma_alignment(v, "weight", a.weight);
       gemm_sm90_forward<T>(a.x.as<const T>(), a.weight.as<const T>(),
                            a.bias.present() ? a.bias.as<const T>() : nullptr, a.y.data, a.y.dtype, M, N, K,
-                           stream_of(ctx.stream));
+                           stream_of(ctx.stream), a.weight_settled);
       return;
     }
     GemmOperands<T> p{a.x.as<const T>(), a.weight.as<const T>(), a.bias.present() ? a.bias.as<const T>() : nullptr,
@@ -86,7 +86,7 @@ void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
       N[i] = a.parts[i].weight.shape[0];
     }
     gemm_sm90_forward_products<T>(a.x.as<const T>(), w, bias, out, N, a.count, a.x.shape[0], a.x.shape[1],
-                                  stream_of(ctx.stream));
+                                  stream_of(ctx.stream), a.weights_settled);
   });
 }
 

@@ -82,6 +82,7 @@ struct Products {
   int64_t N[G];
   int64_t first_tile[G + 1];  // column tiles before product g; first_tile[count]: all of them
   int count;
+  int b_settled;  // the B_g were written before the previous kernel: the ring's first loads of B go before the wait
 };
 
 template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
@@ -124,9 +125,32 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   const int kt_count = int((K + BK - 1) / BK);
   init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
+  // Stage s's B tile: k-tile kt of the product's w, columns n0 … n0 + BN − 1.
+  auto load_b = [&](int s, const CUtensorMap* map_b, int kt, int64_t n0) {
+    if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
+      for (int i = 0; i < (BN + 63) / 64; ++i)
+        tma_load_2d(sb + s * B_TILE + i * 64 * BK, map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
+    } else {
+      tma_load_2d(sb + s * B_TILE, map_b, kt * BK, int32_t(n0), &full[s]);
+    }
+  };
+  // Settled weights: the producer fills the ring's first stages with the first tile's B before the
+  // wait below, while the previous kernel may still run (a decode step's GEMMs stream weights the
+  // previous kernel never writes); their A comes after it. Each stage's barrier expects both.
+  int early = 0;  // k-tiles of the CTA's first tile whose B is issued here
+  if (prod.b_settled && wg == 0 && t == 0 && int64_t(blockIdx.x) < tiles) {
+    int p;
+    int64_t m0, n0;
+    origin(blockIdx.x, p, m0, n0);
+    early = kt_count < STAGES ? kt_count : STAGES;
+    for (int kt = 0; kt < early; ++kt) {
+      mbar_expect_tx(&full[kt], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
+      load_b(kt, &prod.map_b[p], kt, n0);
+    }
+  }
   // Launched after the previous kernel (cuda/common/pdl.cuh): the CTA got here while that kernel
-  // may still run; every thread waits for it before touching global memory (x, w, C, the output),
-  // then lets the next kernel's CTAs be scheduled as this one's end.
+  // may still run; every thread waits for it before touching global memory (x, C, the output, and w
+  // but for the settled loads above), then lets the next kernel's CTAs be scheduled as this one's end.
   pdl_wait();
   pdl_launch_dependents();
 
@@ -141,15 +165,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         const CUtensorMap* map_b = &prod.map_b[p];
         for (int kt = 0; kt < kt_count; ++kt, ++g) {
           const int s = int(g % STAGES);
+          if (g < uint32_t(early)) {  // its B is on the way: A alone
+            tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
+            continue;
+          }
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
           mbar_expect_tx(&full[s], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
           tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
-          if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
-            for (int i = 0; i < (BN + 63) / 64; ++i)
-              tma_load_2d(sb + s * B_TILE + i * 64 * BK, map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
-          } else {
-            tma_load_2d(sb + s * B_TILE, map_b, kt * BK, int32_t(n0), &full[s]);
-          }
+          load_b(s, map_b, kt, n0);
         }
       }
     }
@@ -203,7 +226,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 // tile; the epilogues' parameters come ready-made.
 template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
 void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
-                     int count, int64_t M, int64_t K, cudaStream_t stream, const char* op) {
+                     int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled = false) {
   using Ring = Tile<BN, COMPACT>;
   // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
   // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
@@ -216,6 +239,7 @@ void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Par
   const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   Products<Epi, G> prod{};
   prod.count = count;
+  prod.b_settled = b_settled ? 1 : 0;
   prod.first_tile[0] = 0;
   for (int g = 0; g < count; ++g) {
     prod.map_b[g] = TRANS_B ? tma_map_2d(b[g], K, N[g], BK, streaming, BN == 32 ? 64 : 128)
