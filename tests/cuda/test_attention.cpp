@@ -166,6 +166,22 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
       expect_same_bits(batched.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
                        what + ": batched decode at " + std::to_string(t));
     }
+    // A decode batch too large for O-column parts (one CTA an item, a span's 8 blocks through the
+    // single-span kernel's ring): the steps 12 times over.
+    HostTensor qm(s.dt, {int64_t(steps.size()) * 12, s.hq, s.d});
+    std::vector<SeqRow> many;
+    for (int rep = 0; rep < 12; ++rep)
+      for (size_t i = 0; i < steps.size(); ++i) {
+        const int64_t row = int64_t(rep) * int64_t(steps.size()) + int64_t(i);
+        qm.copy_rows_from(q, steps[i], row, 1);
+        many.push_back({int32_t(row), 1, 0, steps[i] + 1});
+      }
+    const Fwd wide = run_gpu(qm, k, v, many);
+    for (size_t i = 0; i < many.size(); ++i) {
+      const int32_t t = steps[i % steps.size()];
+      expect_same_bits(wide.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
+                       what + ": decode among 96 at " + std::to_string(t));
+    }
     for (int32_t c0 : {1000, 2040}) {  // chunks across a span boundary, and decode-sized ones (q_len · G <= 128)
       for (int32_t n : {100, 7, 4, 3, 2}) {
         const Fwd part = run_gpu(q.slice_rows(c0, c0 + n), k, v, {{0, n, 0, c0 + n}});

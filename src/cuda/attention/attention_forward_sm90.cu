@@ -3,7 +3,8 @@
 //
 // Why this shape.
 //  * A CTA is three warpgroups: a producer (one warp issues the TMA loads of Q once and of K / V
-//    key blocks into a 2-stage ring) and two consumers of 64 query rows each. S = Q·Kᵀ is one
+//    key blocks into a ring: 2 stages, or 3–6 in the single-span kernel below) and two consumers of
+//    64 query rows each. S = Q·Kᵀ is one
 //    wgmma m64n128k16 chain over head_dim in ascending 16-wide steps (A and B from shared memory);
 //    O += P·V is one wgmma m64nDk16 chain over the block's 128 keys with P in registers. A wgmma
 //    never mixes rows, so which rows share a CTA changes no bit.
@@ -26,6 +27,10 @@
 //    its V rows past the end zeroed by the producer warp (after its own wait for the TMA) before
 //    the consumers are told the stage is full. K rows past the end only reach masked scores, which
 //    a select replaces.
+//  * Decode steps (every item one span of at most 64 rows) run a single-span variant: one consumer,
+//    no running O in shared memory (the span folds into the empty state in registers, the same
+//    arithmetic), and that room as a deeper ring, so a CTA walking a span's 8 blocks has several
+//    loads ahead instead of one.
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -479,7 +484,8 @@ Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D,
   }
   // Which kernel runs an item never changes its arithmetic: the single-span kernel folds its one
   // span into the empty state as the general kernel does (tested: decode == prefill bits).
-  w.single = std::all_of(items.begin(), items.end(), [](const Item& x) {
+  static const bool single_span = env_switch("SAMEBITS_SINGLE_SPAN");  // "0": the general kernel (A/B runs)
+  w.single = single_span && std::all_of(items.begin(), items.end(), [](const Item& x) {
     return x.rows <= 64 && x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
   });
   // The longest items first, so the tail of the grid is short ones (which CTA runs an item never

@@ -34,6 +34,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// A switch for A/B runs: false where the environment sets `name` to "0" (callers keep it in a
+// static: read once). SAMEBITS_EARLY_WEIGHTS (sm90_gemm_kernel.cuh), SAMEBITS_SINGLE_SPAN
+// (attention_forward_sm90.cu).
+inline bool env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 // Whether launch_after_previous sets the attribute: a compute capability 9.0 device (the waits are
 // compiled for sm_90a only; on another device the kernels come from the sm_80 PTX, which has
 // none, so the attribute would let them read too early), and SAMEBITS_PDL not "0" (the test hook

@@ -239,7 +239,8 @@ void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Par
   const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   Products<Epi, G> prod{};
   prod.count = count;
-  prod.b_settled = b_settled ? 1 : 0;
+  static const bool early_weights = env_switch("SAMEBITS_EARLY_WEIGHTS");
+  prod.b_settled = b_settled && early_weights ? 1 : 0;
   prod.first_tile[0] = 0;
   for (int g = 0; g < count; ++g) {
     prod.map_b[g] = TRANS_B ? tma_map_2d(b[g], K, N[g], BK, streaming, BN == 32 ? 64 : 128)
