@@ -83,7 +83,11 @@ class Engine {
   // than the slots, bad sampling settings) is not queued: its completions carry the error and the
   // other requests run on.
   int64_t submit(GenerationRequest request);
-  // One scheduler step; false when nothing is left to run.
+  // One scheduler step; false when nothing is left to run. With overlap_steps a decode step returns
+  // once it is launched and the step before it applied: its own draws are applied (and counted in
+  // generated(), and its finished samples returned) by the next call, and its device work may still
+  // run — on the engine's stream, which is ordered with the legacy default stream (PyTorch's
+  // default): weights updated there wait for it; from another stream, synchronise first.
   bool step();
   // Steps until every request is done; returns every completion not returned before, ordered by
   // (request, sample).
@@ -113,8 +117,10 @@ class Engine {
   struct InFlight;  // a step launched whose draws are not applied yet
   void admit();
   bool decode_only_ahead() const;  // whether the next step may run before the draws in flight are applied
-  void settle_in_flight();         // waits for the draws in flight (a graph replay's) without applying them
-  void apply_in_flight();          // appends them to their samples, finishing those that stop
+  void settle(InFlight& f);         // waits for a launched step's draws (a graph replay's) without applying them
+  void settle_in_flight();
+  void apply(std::unique_ptr<InFlight> f);  // appends its draws to their samples, finishing those that stop
+  void apply_in_flight();
   void release(Sample& s);  // its pages and slot back (free slots kept descending: the lowest is taken first)
   void finish(Sample& s, const char* reason);
   bool preempt_latest_after(size_t index);  // the last running request, if after `index`; false: none

@@ -648,7 +648,8 @@ void bind_engine(py::module_& m) {
       .def("step", &PyEngine::step,
            "One scheduler step (decode rows, then prompt chunks, under max_batch_tokens); False when nothing is "
            "left to run. With overlap_steps (the default) a step returns once it is launched and the step before "
-           "it has been applied: its own draws are applied by the next call.")
+           "it has been applied: its own draws are applied by the next call, and its GPU work may still run "
+           "(ordered before later work on PyTorch's default stream; from another stream, synchronise first).")
       .def("run", &PyEngine::run,
            "Steps until every submitted request is done; returns every Completion not returned before, ordered by "
            "(request, sample).")

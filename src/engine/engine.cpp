@@ -246,20 +246,28 @@ bool Engine::decode_only_ahead() const {
   return rows > 0 && rows <= options_.max_batch_tokens && need <= cache_.free_pages();
 }
 
+void Engine::settle(InFlight& f) {
+  if (!f.graph) return;
+  f.drawn = graphs_->collect(*f.graph);
+  f.graph.reset();
+}
+
 void Engine::settle_in_flight() {
-  if (!in_flight_ || !in_flight_->graph) return;
-  in_flight_->drawn = graphs_->collect(*in_flight_->graph);
-  in_flight_->graph.reset();
+  if (in_flight_) settle(*in_flight_);
 }
 
 void Engine::apply_in_flight() {
   if (!in_flight_) return;
-  settle_in_flight();
-  const std::unique_ptr<InFlight> f = std::move(in_flight_);
+  settle(*in_flight_);  // may throw (a device error): the step stays in flight, nothing applied
+  apply(std::move(in_flight_));
+}
+
+void Engine::apply(std::unique_ptr<InFlight> f) {
+  settle(*f);
+  for (auto& [r, s] : f->draws) --s->in_flight;  // first, all: no sample is left counting this step
   for (size_t i = 0; i < f->draws.size(); ++i) {
     const Request& r = *f->draws[i].first;
     Sample& s = *f->draws[i].second;
-    --s.in_flight;
     if (s.done) continue;  // it ended at the step before (this token was drawn past its end: dropped)
     if (f->drawn.tokens[i] < 0) {  // the model's logits hold NaN / Inf here: this sample ends, the rest run on
       const std::string what = fmt::format("request {} sample {}: the model's logits at position {} hold NaN or Inf",
@@ -290,17 +298,18 @@ void Engine::apply_in_flight() {
                                                      [](const Sample& s) { return s.done; });
                                 }),
                  running_.end());
-  if (progress_) progress_(generated_, steps_);
 }
 
 bool Engine::step() {
   // The draws in flight are applied after this step is launched when it can do without them (every
   // row a decode row, its token taken from the step in flight); else first.
+  const int64_t generated_before = generated_;
   if (in_flight_ && !decode_only_ahead()) apply_in_flight();
   admit();
   if (running_.empty()) {
     if (!waiting_.empty())  // never drop a request: submit checks it fits an empty engine
       throw Error("Engine", "request " + std::to_string(waiting_.front()->id), "cannot be admitted (cannot happen)");
+    if (progress_ && generated_ != generated_before) progress_(generated_, steps_);
     return false;
   }
   // The batch: decode rows first (one a sample), then prompt chunks, within the token budget and
@@ -463,9 +472,13 @@ bool Engine::step() {
   }
   ++steps_;
   overlapped_steps_ += in_flight_ ? 1 : 0;
-  apply_in_flight();  // the step before this one's draws (waited for here, while this one runs)
+  // The step before this one's draws are applied (waited for here, while this one runs); this one
+  // is in flight from now on, whatever that throws (its samples count it).
+  std::unique_ptr<InFlight> before = std::move(in_flight_);
   in_flight_ = std::move(launched_now);
+  if (before) apply(std::move(before));
   if (!options_.overlap_steps) apply_in_flight();
+  if (progress_) progress_(generated_, steps_);  // last: a callback that throws leaves the engine whole
   return true;
 }
 

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <tuple>
 
 #include <nlohmann/json.hpp>
@@ -441,6 +442,22 @@ TEST_P(EngineOn, OverlappedStepsChangeNoBit) {
   const auto tight = run(true, 40);
   EXPECT_GT(tight.second->preemptions(), 0) << "the pool was meant to force preemption";
   expect_same(tight.first, waited.first, "overlapped steps under preemption");
+}
+
+TEST_P(EngineOn, AProgressCallbackThatThrowsLeavesTheEngineWhole) {
+  // The callback runs last in a step, after the step is in flight and the one before applied: a
+  // throw there loses nothing, and run() again carries on to the same completions.
+  const Model m = Model::builtin(false);
+  const std::vector<GenerationRequest> reqs = others(6, 41);
+  const std::vector<Completion> want = generate(m, reqs, opts());
+  Engine e(m, opts());
+  for (const auto& r : reqs) e.submit(r);
+  int calls = 0;
+  e.on_progress([&](int64_t, int64_t) {
+    if (++calls == 4) throw std::runtime_error("a callback's own error");
+  });
+  EXPECT_THROW(e.run(), std::runtime_error);
+  expect_same(e.run(), want, "run() again after the callback threw");
 }
 
 TEST_P(EngineOn, GatheredTokensAreTheDrawsANegativeOneAsZero) {
