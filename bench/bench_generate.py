@@ -203,16 +203,20 @@ def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
     for C in args.contexts:
         for B in args.batches:
             reserve = int(per_row * max(args.max_batch_tokens, B) * 1.1) + int(args.reserve_gib * GIB)
-            t, waited, eager = (decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens, reserve,
-                                            memory, args.temperature, graphs, overlap)
-                                for graphs, overlap in ((True, True), (True, False), (False, True)))
+            # The default engine always; the other two unless --graphs-only (quick A/B runs).
+            modes = ((True, True),) if args.graphs_only else ((True, True), (True, False), (False, True))
+            t, waited, eager = (list(decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens,
+                                                 reserve, memory, args.temperature, graphs, overlap)
+                                     for graphs, overlap in modes) + [None, None])[:3]
             if isinstance(t, str):
                 print(f"decode B={B} C={C}: {t}", flush=True)
                 notes.append(f"- B = {B}, C = {C}: {t}.")
                 continue
             bound = (weight_bytes(hf, B) + B * C * kvb) / bw
-            rows.append(f"| {B} | {C} | {t * 1e3:.2f} | {waited * 1e3:.2f} | {eager * 1e3:.2f} | {bound * 1e3:.2f} | "
-                        f"{100 * bound / t:.0f}% | {100 * bound / waited:.0f}% | {100 * bound / eager:.0f}% | {B / t:,.0f} |")
+            ms = lambda x: "–" if x is None else f"{x * 1e3:.2f}"  # noqa: E731
+            pct = lambda x: "–" if x is None else f"{100 * bound / x:.0f}%"  # noqa: E731
+            rows.append(f"| {B} | {C} | {ms(t)} | {ms(waited)} | {ms(eager)} | {bound * 1e3:.2f} | "
+                        f"{pct(t)} | {pct(waited)} | {pct(eager)} | {B / t:,.0f} |")
             print(rows[-1], flush=True)
     out = ["## Decode step", "",
            f"B prompts of C random tokens submitted to one engine (`Engine.submit`), stepped until every request "
@@ -377,6 +381,8 @@ def main():
     ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], help="decode C values (1024,4096)")
     ap.add_argument("--steps", type=int, help="timed decode steps a case (32)")
     ap.add_argument("--temperature", type=float, default=1.0, help="the decode part's sampling temperature")
+    ap.add_argument("--graphs-only", action="store_true",
+                    help="decode: only the default engine (graphs, overlapped steps), not the waited and eager ones")
     ap.add_argument("--prompts", type=int, help="rollout prompts P (64)")
     ap.add_argument("--prompt-len", type=int, help="rollout prompt length L (512)")
     ap.add_argument("-n", type=int, help="rollout samples a prompt (8)")
