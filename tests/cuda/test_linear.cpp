@@ -183,48 +183,56 @@ TEST_F(CudaLinear, GroupedPartsGiveEachPartsOwnBits) {
 
 TEST_F(CudaLinear, SettledWeightsLoadBeforeTheWaitAndChangeNoBit) {
   // weight_settled: the ring's first weight loads go before the programmatic wait, while the kernel
-  // before may still run; x, which that kernel writes, only after it. Each linear here runs right
-  // after an RMSNorm that rewrites its x (from two inputs in turn, so a stale x would show), with
-  // programmatic launches forced on: the bits of unsettled calls with them off, one part and
-  // grouped, M across the tile widths (narrow decode tiles and full ones), three rounds.
-  const int64_t K = 4096;
-  Rng r(55);
-  const DeviceBuffer in_a(r.tensor(DType::bf16, {300, K}, -3, 3)), in_b(r.tensor(DType::bf16, {300, K}, -3, 3));
-  const DeviceBuffer norm_w(r.tensor(DType::bf16, {K}, 0.5, 1.5));
-  const DeviceBuffer w0(r.tensor(DType::bf16, {4096, K}, -1, 1)), w1(r.tensor(DType::bf16, {1024, K}, -1, 1));
-  auto run = [&](int64_t m, bool settled, int pdl) {
-    detail::programmatic_launch_override() = pdl;
-    DeviceBuffer x(DType::bf16, {m, K}), rstd(DType::f32, {m});
-    std::vector<HostTensor> out;
-    for (int round = 0; round < 3; ++round)
-      for (const DeviceBuffer* in : {&in_a, &in_b}) {
-        RmsNormForwardArgs n;
-        n.x = in->rows(0, m);
-        n.weight = norm_w.view();
-        n.y = x.view();
-        n.rstd = rstd.view();
-        n.eps = 1e-6;
-        rmsnorm_forward(cuda_ctx(), n);
-        DeviceBuffer y(DType::bf16, {m, 4096}), g0(DType::bf16, {m, 4096}), g1(DType::bf16, {m, 1024});
-        linear_forward(cuda_ctx(), {x.view(), w0.view(), {}, y.view(), settled});
-        rmsnorm_forward(cuda_ctx(), n);  // the group's x is written just before it too
-        LinearGroupForwardArgs g;
-        g.x = x.view();
-        g.parts[g.count++] = {w0.view(), {}, g0.view()};
-        g.parts[g.count++] = {w1.view(), {}, g1.view()};
-        g.weights_settled = settled;
-        linear_group_forward(cuda_ctx(), g);
-        out.push_back(y.host());
-        out.push_back(g0.host());
-        out.push_back(g1.host());
-      }
-    detail::programmatic_launch_override() = 0;
-    return out;
-  };
-  for (int64_t m : {1, 8, 64, 65, 300}) {
-    const std::vector<HostTensor> want = run(m, false, -1), got = run(m, true, 1);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i) expect_same_bits(got[i], want[i], "M=" + std::to_string(m) + " output " + std::to_string(i));
+  // before may still run; x, which that kernel writes, only after it. On a stream of its own (the
+  // legacy stream never launches programmatically), each linear runs right after an RMSNorm that
+  // rewrites its x from two inputs in turn (a stale x would show), programmatic launches forced on:
+  // the bits of unsettled calls with them off — one part and grouped, M across the tile widths,
+  // K = 4096 and a K shorter than the ring (K = 256 at M = 300: persistent CTAs run several tiles,
+  // the later ones on the ordinary path), three rounds.
+  DeviceStream stream(Backend::cuda);
+  Context ctx = cuda_ctx();
+  ctx.stream = stream.get();
+  const DeviceStreamScope on(stream.get());
+  for (const int64_t K : {int64_t(4096), int64_t(256)}) {
+    Rng r(55 + uint64_t(K));
+    const DeviceBuffer in_a(r.tensor(DType::bf16, {300, K}, -3, 3)), in_b(r.tensor(DType::bf16, {300, K}, -3, 3));
+    const DeviceBuffer norm_w(r.tensor(DType::bf16, {K}, 0.5, 1.5));
+    const DeviceBuffer w0(r.tensor(DType::bf16, {4096, K}, -1, 1)), w1(r.tensor(DType::bf16, {1024, K}, -1, 1));
+    auto run = [&](int64_t m, bool settled, int pdl) {
+      detail::programmatic_launch_override() = pdl;
+      DeviceBuffer x(DType::bf16, {m, K}), rstd(DType::f32, {m});
+      DeviceBuffer y(DType::bf16, {m, 4096}), g0(DType::bf16, {m, 4096}), g1(DType::bf16, {m, 1024});
+      std::vector<HostTensor> out;
+      for (int round = 0; round < 3; ++round)
+        for (const DeviceBuffer* in : {&in_a, &in_b}) {
+          RmsNormForwardArgs n;
+          n.x = in->rows(0, m);
+          n.weight = norm_w.view();
+          n.y = x.view();
+          n.rstd = rstd.view();
+          n.eps = 1e-6;
+          rmsnorm_forward(ctx, n);
+          linear_forward(ctx, {x.view(), w0.view(), {}, y.view(), settled});
+          rmsnorm_forward(ctx, n);  // the group's x is written just before it too
+          LinearGroupForwardArgs g;
+          g.x = x.view();
+          g.parts[g.count++] = {w0.view(), {}, g0.view()};
+          g.parts[g.count++] = {w1.view(), {}, g1.view()};
+          g.weights_settled = settled;
+          linear_group_forward(ctx, g);
+          out.push_back(y.host());
+          out.push_back(g0.host());
+          out.push_back(g1.host());
+        }
+      detail::programmatic_launch_override() = 0;
+      return out;
+    };
+    for (int64_t m : {1, 8, 64, 65, 300}) {
+      const std::vector<HostTensor> want = run(m, false, -1), got = run(m, true, 1);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i)
+        expect_same_bits(got[i], want[i], "K=" + std::to_string(K) + " M=" + std::to_string(m) + " output " + std::to_string(i));
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 // Programmatic dependent launch (Hopper): a kernel launched with launch_after_previous may start
 // (its CTAs become resident, its prologue runs) while the kernel before it in the stream is still
 // finishing; it must call pdl_wait() in every thread before its first global-memory access, which
-// returns once that kernel has completed and its writes are visible. A kernel that calls
+// returns once that kernel has completed and its writes are visible — but for data that kernel
+// cannot have written (the GEMM's settled weights: sm90_gemm_kernel.cuh). A kernel that calls
 // pdl_launch_dependents() lets such a successor be scheduled from then on (without the call, at
 // its end). Neither changes what any thread computes: only when the successor's CTAs start. In a
 // CUDA graph the attribute becomes a programmatic edge.

@@ -70,7 +70,7 @@ void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
   }
   if (!one_launch) {
     for (int i = 0; i < a.count; ++i)  // this file's kernel (the parentheses keep ADL from the public op)
-      (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[i].weight, a.parts[i].bias, a.parts[i].y});
+      (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[i].weight, a.parts[i].bias, a.parts[i].y, a.weights_settled});
     return;
   }
   with_16bit_storage(a.x.dtype, [&](auto tag) {
