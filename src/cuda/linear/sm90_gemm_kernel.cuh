@@ -52,10 +52,20 @@ constexpr int SMEM_LIMIT = 227 * 1024;
 // stages of the weight, which is what such a call streams (12 instead of 8 stages for BN = 64, 5
 // instead of 4 for BN = 256), and 64 < M <= 128 gets twice the tiles. The second consumer warpgroup
 // has no rows and leaves at once. Every stored row runs the same wgmma sequence as in a full tile.
-template <int BN, bool COMPACT>
+//
+// A stage holds KB k-boxes of BK: narrow compact forward tiles (32 / 48 columns, decode-sized M) take
+// 4 / 2 where K is a multiple of KB boxes (wide_boxes), so a stage carries 16 / 12 KiB of the
+// weight instead of 4 / 6 and the ring hands over a quarter / half as many stages for the same bytes
+// in flight (each hand-over is a barrier wait, a fence, a commit and a release). The wgmma sequence
+// is the same: k16 steps in ascending order into the same accumulators.
+constexpr int wide_boxes(int bn, bool compact, bool trans_b) {
+  return !trans_b && compact ? (bn == 32 ? 4 : bn == 48 ? 2 : 1) : 1;
+}
+template <int BN, bool COMPACT, int KB = 1>
 struct Tile {
   static constexpr int A_ROWS = COMPACT ? 64 : BM, RELEASERS = COMPACT ? 1 : CONSUMERS;
-  static constexpr int A_TILE = A_ROWS * BK, B_TILE = BN * BK;  // elements
+  static constexpr int A_BOX = A_ROWS * BK, B_BOX = BN * BK;   // elements of one k-box
+  static constexpr int A_TILE = A_BOX * KB, B_TILE = B_BOX * KB;  // elements of a stage
   static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
   static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
   static constexpr int BARRIER_BYTES = 2 * STAGES * 8, ALIGN_SLACK = 1024;
@@ -85,7 +95,7 @@ struct Products {
   int b_settled;  // the B_g were written before the previous kernel: the ring's first loads of B go before the wait
 };
 
-template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ Products<Epi, G> prod, int64_t M,
               int64_t K, int a_rows) {
@@ -93,8 +103,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
-  using Ring = Tile<BN, COMPACT>;
+  using Ring = Tile<BN, COMPACT, KB>;
   constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
+  constexpr int A_BOX = Ring::A_BOX, B_BOX = Ring::B_BOX;
   T* sb = sa + STAGES * A_TILE;
   uint8_t* staging = base + Ring::RING_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
@@ -123,15 +134,22 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (i < prod.count && column_tile >= prod.first_tile[i]) p = i;
     n0 = (column_tile - prod.first_tile[p]) * BN;
   };
-  const int kt_count = int((K + BK - 1) / BK);
+  // Stages a tile: K's boxes of BK, KB a stage (the launch takes KB > 1 only where KB divides them).
+  const int kt_count = int((K + BK - 1) / BK) / KB;
+  const uint32_t stage_bytes = uint32_t(KB * (a_rows * BK + B_BOX) * int(sizeof(T)));
   init_ring_barriers(full, empty, STAGES, Ring::RELEASERS);
-  // Stage s's B tile: k-tile kt of the product's w, columns n0 … n0 + BN − 1.
+  // Stage s's A and B tiles: stage kt's k-boxes of x rows m0 … and of the product's w, columns n0 ….
+  auto load_a = [&](int s, int kt, int64_t m0) {
+    for (int b = 0; b < KB; ++b)
+      tma_load_2d(sa + s * A_TILE + b * A_BOX, &map_a, (kt * KB + b) * BK, int32_t(m0), &full[s]);
+  };
   auto load_b = [&](int s, const CUtensorMap* map_b, int kt, int64_t n0) {
     if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
       for (int i = 0; i < (BN + 63) / 64; ++i)
         tma_load_2d(sb + s * B_TILE + i * 64 * BK, map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
     } else {
-      tma_load_2d(sb + s * B_TILE, map_b, kt * BK, int32_t(n0), &full[s]);
+      for (int b = 0; b < KB; ++b)
+        tma_load_2d(sb + s * B_TILE + b * B_BOX, map_b, (kt * KB + b) * BK, int32_t(n0), &full[s]);
     }
   };
   // Settled weights: the producer fills the ring's first stages with the first tile's B before the
@@ -144,7 +162,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     origin(blockIdx.x, p, m0, n0);
     early = kt_count < STAGES ? kt_count : STAGES;
     for (int kt = 0; kt < early; ++kt) {
-      mbar_expect_tx(&full[kt], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
+      mbar_expect_tx(&full[kt], stage_bytes);
       load_b(kt, &prod.map_b[p], kt, n0);
     }
   }
@@ -166,12 +184,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kt = 0; kt < kt_count; ++kt, ++g) {
           const int s = int(g % STAGES);
           if (g < uint32_t(early)) {  // its B is on the way: A alone
-            tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
+            load_a(s, kt, m0);
             continue;
           }
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
-          mbar_expect_tx(&full[s], uint32_t((a_rows * BK + B_TILE) * sizeof(T)));
-          tma_load_2d(sa + s * A_TILE, &map_a, kt * BK, int32_t(m0), &full[s]);
+          mbar_expect_tx(&full[s], stage_bytes);
+          load_a(s, kt, m0);
           load_b(s, map_b, kt, n0);
         }
       }
@@ -197,12 +215,15 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_wait(&full[s], (g / STAGES) & 1);
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t da = smem_desc(sa + s * A_TILE + c * 64 * BK) + uint64_t(kk * 2);  // +32 bytes per k16
-        const uint64_t db = !TRANS_B  ? smem_desc(sb + s * B_TILE) + uint64_t(kk * 2)
-                            : BN == 32 ? smem_desc_mn_64b(sb + s * B_TILE) + uint64_t(kk * (1024 >> 4))  // +16 rows
-                                       : smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4));
-        Wgmma<T, false, TRANS_B, BN>::mma(d, da, db, 1);
+      for (int b = 0; b < KB; ++b) {
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          const uint64_t da = smem_desc(sa + s * A_TILE + b * A_BOX + c * 64 * BK) + uint64_t(kk * 2);  // +32 bytes per k16
+          const uint64_t db = !TRANS_B  ? smem_desc(sb + s * B_TILE + b * B_BOX) + uint64_t(kk * 2)
+                              : BN == 32 ? smem_desc_mn_64b(sb + s * B_TILE) + uint64_t(kk * (1024 >> 4))  // +16 rows
+                                         : smem_desc_mn(sb + s * B_TILE) + uint64_t(kk * (2048 >> 4));
+          Wgmma<T, false, TRANS_B, BN>::mma(d, da, db, 1);
+        }
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       // Keep this k-tile's MMAs in flight; the previous tile's are done, so its stage can be refilled.
@@ -224,10 +245,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 // Tile<BN, COMPACT>::A_ROWS rows: B_g is w_g[N_g,K] (forward) or, with TRANS_B, w_g[K,N_g] read
 // along N (dX). The tensor maps of A and the B_g are made here because their boxes depend on the
 // tile; the epilogues' parameters come ready-made.
-template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
-void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
-                     int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled = false) {
-  using Ring = Tile<BN, COMPACT>;
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB>
+void launch_products_kb(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
+                        int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled) {
+  using Ring = Tile<BN, COMPACT, KB>;
   // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
   // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
   // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
@@ -250,12 +271,24 @@ void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Par
     prod.first_tile[g + 1] = prod.first_tile[g] + (N[g] + BN - 1) / BN;
   }
   static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G>, Ring::SMEM_BYTES, smem_allowed, op);
+  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB>, Ring::SMEM_BYTES, smem_allowed, op);
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
   const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * prod.first_tile[count];
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count(op)));
-  launch_after_previous(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G>, dim3(grid), dim3(THREADS), Ring::SMEM_BYTES, stream,
-                        op, ma, prod, M, K, a_rows);
+  launch_after_previous(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB>, dim3(grid), dim3(THREADS), Ring::SMEM_BYTES,
+                        stream, op, ma, prod, M, K, a_rows);
+}
+
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
+void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
+                     int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled = false) {
+  constexpr int kb = wide_boxes(BN, COMPACT, TRANS_B);
+  static const bool wide = env_switch("SAMEBITS_WIDE_STAGES");  // "0": one k-box a stage (A/B runs)
+  if constexpr (kb > 1) {
+    if (wide && ((K + BK - 1) / BK) % kb == 0)
+      return launch_products_kb<T, TRANS_B, BN, COMPACT, Epi, G, kb>(a, b, ep, N, count, M, K, stream, op, b_settled);
+  }
+  launch_products_kb<T, TRANS_B, BN, COMPACT, Epi, G, 1>(a, b, ep, N, count, M, K, stream, op, b_settled);
 }
 
 // One product: C[M,N] = A[M,K]·B.
