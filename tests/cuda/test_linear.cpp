@@ -99,11 +99,13 @@ TEST_F(CudaLinear, TileWidthsGiveIdenticalBits) {
   // problems, give every element the same bits (forward and dX; bf16 and fp16; edge tiles; N = 1001:
   // fp32 rows whose pitch TMA cannot store, written by the threads). Tiles are compact (64 rows, one
   // consumer) at widths 32 and 48 always, at 64, 192 and 256 for M <= 64, and at 64 for M = 100 here;
-  // the 128-wide ones are full, so M = 1, 33 and 100 compare the two.
+  // the 128-wide ones are full, so M = 1, 33 and 100 compare the two. Narrow compact forward tiles
+  // hold 4 / 2 k-boxes a stage where K allows (K = 1536, 4096, 12288; K = 1480: a last box partly
+  // past K inside a wide stage; K = 1544: the one-box fallback).
   struct Shape { int64_t M, N, K; };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Shape& sh : {Shape{1, 4096, 4096}, Shape{33, 2000, 1544}, Shape{77, 6144, 4096}, Shape{100, 1000, 1536}, Shape{512, 4096, 12288}, Shape{300, 1000, 1536},
-                            Shape{1024, 200, 136}, Shape{300, 1001, 136}}) {
+                            Shape{1024, 200, 136}, Shape{300, 1001, 136}, Shape{5, 3000, 1480}}) {
       Rng r(uint64_t(sh.M + sh.N));
       const DeviceBuffer x(r.tensor(dt, {sh.M, sh.K}, -1, 1)), w(r.tensor(dt, {sh.N, sh.K}, -1, 1)),
           dy(r.tensor(dt, {sh.M, sh.N}, -1, 1));

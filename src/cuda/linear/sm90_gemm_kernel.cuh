@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   using Ring = Tile<BN, COMPACT, KB>;
   constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
   constexpr int A_BOX = Ring::A_BOX, B_BOX = Ring::B_BOX;
+  static_assert(!TRANS_B || KB == 1, "the dX path loads and multiplies one k-box a stage");
   T* sb = sa + STAGES * A_TILE;
   uint8_t* staging = base + Ring::RING_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
