@@ -125,6 +125,8 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
                         "Sequences per micro-batch (the bits depend on the sequences' order, never on this)")
       ->check(positive_integer())
       ->capture_default_str();
+  grads_cmd->add_flag("--recompute", grads.recompute,
+                      "Keep only each layer's input and rerun the layer in the backward: less memory, the same bits");
   add_progress(grads_cmd, gr_quiet, gr_progress);
 
   ActivationsRequest activations;

@@ -40,6 +40,7 @@ struct GradsRequest {
   ModelChoice model;
   std::string input, output, backend = "auto";
   int micro_batch = 16;
+  bool recompute = false;  // keep layer inputs alone; the backward reruns each layer (same bits)
   ProgressMode progress = ProgressMode::automatic;
 };
 

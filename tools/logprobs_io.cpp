@@ -143,7 +143,7 @@ int64_t write_activations(const Model& model, Backend backend, std::istream& in,
 }
 
 int64_t write_gradients(const Model& model, Backend backend, const std::vector<InputSequence>& seqs,
-                        const std::string& path, int batch_size, const ProgressFn& progress) {
+                        const std::string& path, int batch_size, const ProgressFn& progress, ForwardKeep keep) {
   const Chain chain = chain_on(model, backend);
   ModelGrads grads(model, DType::f32, backend);
   int64_t scored = 0;
@@ -154,7 +154,7 @@ int64_t write_gradients(const Model& model, Backend backend, const std::vector<I
         dlogp[i] = 1.0;
         ++scored;
       }
-    chain.backward(b, chain.forward(b), dlogp, grads);
+    chain.backward(b, chain.forward(b, keep), dlogp, grads);
   });
   std::vector<HostTensor> host;
   const std::vector<std::string> names = grads.names();

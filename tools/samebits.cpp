@@ -151,7 +151,8 @@ int run(const GradsRequest& r) {
   const SafetensorsJob job = prepare("grads", r.backend, r.output, r.model, r.input);
   doing = "computing the gradients";
   const int64_t n = write_gradients(job.model, job.backend, job.seqs, r.output, r.micro_batch,
-                                    progress_printer("grads", r.progress));
+                                    progress_printer("grads", r.progress),
+                                    r.recompute ? ForwardKeep::layer_inputs : ForwardKeep::all);
   std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, r.output);
   return 0;
 }

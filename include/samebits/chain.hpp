@@ -119,13 +119,29 @@ class ModelGrads {
   std::map<std::string, DeviceTensor> acc_;
 };
 
+// Named activations in the order the forward made them.
+using ActivationTrace = std::deque<std::pair<std::string, DeviceTensor>>;
+
+// What a forward keeps for the backward.
+//   all           every activation (the fastest backward; memory grows with layers × rows).
+//   layer_inputs  per layer only what rerunning it needs (its input residual stream `embed` /
+//                 `layerN.x_in`, its normed input `layerN.n1` and `layerN.rstd1`) plus the final
+//                 norm's and the LM head's. The backward reruns each layer's forward (the same code,
+//                 so the same bits) just before that layer's backward and frees it after: about one
+//                 layer's activations at a time for one more forward of the layers' time. The
+//                 gradients are those of `all`, bit for bit.
+//   none          logprobs and entropies only (Chain::score); no backward takes it.
+enum class ForwardKeep { all, layer_inputs, none };
+
 struct ChainForward {
   std::vector<double> logp, entropy;  // [rows]; 0 where not scored
   // The chain that made it: a backward refuses a forward of another model or backend.
   const Model* model = nullptr;
   Backend backend = Backend::cpu;
-  // Every activation, in forward order, for the backward and for drift reports.
-  std::deque<std::pair<std::string, DeviceTensor>> trace;
+  // The activations kept (every one unless `keep` says otherwise), in forward order, for the
+  // backward and for drift reports.
+  ActivationTrace trace;
+  ForwardKeep keep = ForwardKeep::all;
   bool activations_kept = true;  // false: made by Chain::score (or a cached step); no backward takes it
   const DeviceTensor& at(const std::string& name) const;
 };
@@ -134,11 +150,14 @@ class Chain {
  public:
   // ctx.precision == truth_fp64 requires a widened (fp64) model.
   Chain(const Model& model, Context ctx);
-  // Scores a batch in one call; keys are the batch's own rows (training / rescoring).
-  ChainForward forward(const ChainBatch& batch) const;
-  // forward()'s logprobs and entropies, bit for bit, without the activations a backward needs: each
-  // layer's are freed as the next one begins, so scoring holds about two layers' activations, not
-  // all of them (the result's trace holds the final norm's rows only; no backward can take it).
+  // Scores a batch in one call; keys are the batch's own rows (training / rescoring). `keep` says
+  // which activations stay for backward() (ForwardKeep above); every choice gives the same logprob,
+  // entropy and, where a backward takes it, gradient bits.
+  ChainForward forward(const ChainBatch& batch, ForwardKeep keep = ForwardKeep::all) const;
+  // forward(batch, ForwardKeep::none): forward()'s logprobs and entropies, bit for bit, without the
+  // activations a backward needs: each layer's are freed as the next one begins, so scoring holds
+  // about two layers' activations, not all of them (the result's trace holds the final norm's rows
+  // only; no backward can take it).
   ChainForward score(const ChainBatch& batch) const;
   // Runs a step against the cache: each sequence's rows are appended to its slot (after `cached`
   // tokens, which must equal the slot's length) and attend to everything cached before them. A step
@@ -174,7 +193,7 @@ class Chain {
   };
   RowDraws sample_rows(const ChainForward& f, const std::vector<int64_t>& rows, const std::vector<double>& params) const;
   // Backward of L = Σ dlogp[row]·logp[row] (`fwd` from this chain's forward() of `batch`): adds every weight's gradient into `grads` (on the
-  // chain's backend) and returns the gradient of the input embeddings [rows, hidden] (in the
+  // chain's backend; a forward that kept layer inputs alone has each layer rerun first) and returns the gradient of the input embeddings [rows, hidden] (in the
   // activation dtype, on the chain's backend: to_host() it when wanted, a trainer seldom does).
   DeviceTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,
                         ModelGrads& grads) const;
@@ -192,10 +211,24 @@ class Chain {
     TensorView kv_map;       // int32 [2, rows]: each row's cache row, then its batch row
     TensorView block_table;  // int32 [seqs, cols]: a copy of the block table run() builds (cols wide)
   };
-  // keep: every activation stays in the result's trace (for a backward); else, as in a cached
-  // step, a layer's go when the next begins.
+  // keep: what stays in the result's trace (a cached step keeps what ForwardKeep::none does).
   ChainForward run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
-                   bool score_rows = true, const StepTables* given = nullptr, bool keep = true) const;
+                   bool score_rows = true, const StepTables* given = nullptr,
+                   ForwardKeep keep = ForwardKeep::all) const;
+  // One layer's forward, from its input (x_in, and n1 = its input norm) to its SwiGLU output: the
+  // forward and the backward's recomputation both run it, so a rerun layer has the forward's bits.
+  // Every activation it makes is appended to `out`.
+  struct LayerStep;
+  struct LayerOut {
+    const DeviceTensor *x_mid, *swiglu;
+  };
+  LayerOut layer_forward(int64_t l, const DeviceTensor& x_in, const DeviceTensor& n1, const LayerStep& step,
+                         ActivationTrace& out) const;
+  // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
+  void norm(const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight, DeviceTensor& y,
+            DeviceTensor* residual_out, DeviceTensor& rstd) const;
+  // A new activation named `name`, appended to `trace`.
+  DeviceTensor& record(ActivationTrace& trace, std::string name, DType dtype, std::vector<int64_t> shape) const;
   // Sampling on the device: for every row of `hidden` [S, hidden] (final-norm rows), the token drawn
   // under params [S, 5] (f64) into tokens [S] (i32), its fused LM-head logprob into logp [S] (f32)
   // and the draw's {token weight, kept total} into weights [S, 2] (f32).

@@ -332,6 +332,11 @@ struct PyKvCache {
   }
 };
 
+// What a Python forward keeps: everything, each layer's input alone (recompute), or nothing (keep=False).
+ForwardKeep keep_of(bool keep, bool recompute) {
+  return !keep ? ForwardKeep::none : recompute ? ForwardKeep::layer_inputs : ForwardKeep::all;
+}
+
 // The model chain of one model on one backend. Keeps its Model alive (keep_alive below).
 class PyChain {
  public:
@@ -358,12 +363,15 @@ class PyChain {
     return std::move(lp);
   }
 
-  // A forward kept for backward (the sequences packed back to back); keep = false: scores only.
-  std::shared_ptr<PyForward> forward(const std::vector<std::vector<int64_t>>& seqs, bool keep = true) const {
+  // A forward kept for backward (the sequences packed back to back); keep = false: scores only;
+  // recompute: keeps each layer's input alone (ForwardKeep::layer_inputs), the backward reruns it.
+  std::shared_ptr<PyForward> forward(const std::vector<std::vector<int64_t>>& seqs, bool keep = true,
+                                     bool recompute = false) const {
+    if (recompute && !keep) throw Error("Chain.forward", "recompute", "is for a forward kept for backward (keep=True)");
     auto f = std::make_shared<PyForward>();
     f->batch = ChainBatch::packed(token_lists(seqs, model_.config()));
     py::gil_scoped_release unlocked;
-    f->fwd = keep ? chain_.forward(f->batch) : chain_.score(f->batch);
+    f->fwd = chain_.forward(f->batch, keep_of(keep, recompute));
     return f;
   }
 
@@ -382,7 +390,7 @@ class PyChain {
 
   // d(Σ logp over every scored token)/d(every weight), fp32, accumulated over micro-batches of
   // `micro_batch` sequences (the bits do not depend on it). A tied embedding's is the sum of its uses.
-  py::dict gradients(const std::vector<std::vector<int64_t>>& seqs, int micro_batch) const {
+  py::dict gradients(const std::vector<std::vector<int64_t>>& seqs, int micro_batch, bool recompute) const {
     if (micro_batch < 1) throw Error("Chain", "micro_batch", "must be at least 1");
     const auto lists = token_lists(seqs, model_.config());
     PyGrads grads = new_grads();
@@ -393,7 +401,7 @@ class PyChain {
                                                      lists.begin() + long(std::min(lists.size(), at + size_t(micro_batch))));
         const ChainBatch b = ChainBatch::packed(part);
         std::vector<double> dlogp(b.loss_mask.begin(), b.loss_mask.end());
-        chain_.backward(b, chain_.forward(b), dlogp, *grads.grads);
+        chain_.backward(b, chain_.forward(b, keep_of(true, recompute)), dlogp, *grads.grads);
       }
     }
     py::dict out;
@@ -749,11 +757,16 @@ PYBIND11_MODULE(_core, m) {
            "Per sequence: log p(token i | tokens < i) for every i (entry 0: NaN); with entropy, a "
            "(logprobs, entropies) pair. A sequence's values never depend on the others in the call.")
       .def("gradients", &PyChain::gradients, py::arg("sequences"), py::arg("micro_batch") = 16,
-           "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch.")
-      .def("forward", &PyChain::forward, py::arg("sequences"), py::arg("keep") = true, py::keep_alive<0, 1>(),
+           py::arg("recompute") = false,
+           "{weight name: fp32 gradient of the summed logprobs}; the same bits for any micro_batch, with or "
+           "without recompute (see forward).")
+      .def("forward", &PyChain::forward, py::arg("sequences"), py::arg("keep") = true, py::arg("recompute") = false,
+           py::keep_alive<0, 1>(),
            "A forward of the packed sequences kept for backward(); .logp / .entropy: the scored tokens, flat "
            "(sequence s gives len_s - 1 values: tokens 1 ... len_s - 1). keep=False: the same logp / entropy bits "
-           "without the activations a backward needs (each layer's freed as the next begins); backward() refuses it.")
+           "without the activations a backward needs (each layer's freed as the next begins); backward() refuses it. "
+           "recompute=True: keeps only each layer's input and backward() reruns the layer before its backward "
+           "(about one layer's activations at a time instead of all; the same gradient bits).")
       .def("backward", &PyChain::backward, py::arg("forward"), py::arg("dlogp"), py::arg("grads") = py::none(),
            "Adds d(sum dlogp * logp)/d(every weight) into grads (new Grads when None) and returns them; dlogp: one "
            "value per scored token, as forward's logp.")

@@ -75,34 +75,170 @@ DeviceTensor Chain::activation(DType dtype, std::vector<int64_t> shape) const {
                                  : DeviceTensor::uninitialized(ctx_.backend, dtype, std::move(shape));
 }
 
-ChainForward Chain::forward(const ChainBatch& batch) const { return run(batch, nullptr, nullptr); }
-
-ChainForward Chain::score(const ChainBatch& batch) const {
-  return run(batch, nullptr, nullptr, /*score_rows=*/true, nullptr, /*keep=*/false);
+ChainForward Chain::forward(const ChainBatch& batch, ForwardKeep keep) const {
+  return run(batch, nullptr, nullptr, /*score_rows=*/true, nullptr, keep);
 }
+
+ChainForward Chain::score(const ChainBatch& batch) const { return forward(batch, ForwardKeep::none); }
 
 ChainForward Chain::forward_cached(const ChainBatch& batch, KvCache& cache,
                                    std::vector<std::vector<double>>* last_logits, bool score_rows) const {
   return run(batch, &cache, last_logits, score_rows);
 }
 
+DeviceTensor& Chain::record(ActivationTrace& trace, std::string name, DType dtype, std::vector<int64_t> shape) const {
+  trace.emplace_back(std::move(name), activation(dtype, std::move(shape)));
+  return trace.back().second;
+}
+
+void Chain::norm(const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight_name, DeviceTensor& y,
+                 DeviceTensor* residual_out, DeviceTensor& rstd) const {
+  RmsNormForwardArgs a;
+  a.x = x.view();
+  if (residual) a.residual = residual->view();
+  a.weight = weight(weight_name);
+  a.y = y.view();
+  if (residual_out) a.residual_out = residual_out->view();
+  a.rstd = rstd.view();
+  a.eps = model_.config().rms_norm_eps;
+  rmsnorm_forward(ctx_, a);
+}
+
+// What a layer's forward reads besides its input and its weights: the step's tables and, in a
+// cached step, where its keys and values go.
+struct Chain::LayerStep {
+  const ChainBatch& batch;
+  TensorView positions;  // int32 [rows], on the backend
+  TensorView seqs;       // the attention table (host)
+  KvCache* cache = nullptr;
+  // A paged cache: each sequence's pages (host, and a device copy where the backend needs one) and
+  // where the step's key / value rows go (kv_map, int32 [2, kv_rows]).
+  TensorView block_table{}, block_table_device{};
+  const int32_t* kv_map = nullptr;
+  int64_t kv_rows = 0;
+};
+
+Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const DeviceTensor& n1, const LayerStep& step,
+                                     ActivationTrace& out) const {
+  const ModelConfig& c = model_.config();
+  const int64_t T = x_in.shape()[0], H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
+                Hkv = c.num_kv_heads, D = c.head_dim;
+  const std::string p = fmt::format("model.layers.{}.", l);
+  const auto W = [&](const std::string& n) { return weight(n); };
+  auto act = [&](const char* name, std::vector<int64_t> shape) -> DeviceTensor& {
+    return record(out, layer_name(l, name), act_, std::move(shape));
+  };
+  auto acc = [&](const char* name, std::vector<int64_t> shape) -> DeviceTensor& {
+    return record(out, layer_name(l, name), acc_, std::move(shape));
+  };
+  KvCache* const cache = step.cache;
+  // Linears of one input in one call (Q, K, V; gate, up): each output bitwise its own call's.
+  struct Out {
+    const char* name;
+    const char* weight;
+    int64_t n;
+  };
+  auto linears = [&](const DeviceTensor& in, std::initializer_list<Out> outs) {
+    LinearGroupForwardArgs group;
+    group.x = in.view();
+    group.weights_settled = true;  // model weights: never an output of the kernel before
+    std::array<DeviceTensor*, 3> made{};
+    for (const Out& o : outs) {
+      DeviceTensor& y = act(o.name, {T, o.n});
+      group.parts[group.count] = {W(p + o.weight), {}, y.view()};
+      made[size_t(group.count++)] = &y;
+    }
+    linear_group_forward(ctx_, group);
+    return made;
+  };
+  const auto qkv = linears(n1, {{"q", "self_attn.q_proj.weight", Hq * D},
+                                {"k", "self_attn.k_proj.weight", Hkv * D},
+                                {"v", "self_attn.v_proj.weight", Hkv * D}});
+  const DeviceTensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
+  // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
+  DeviceTensor& qr = act("q_rope", {T, Hq * D});
+  DeviceTensor& kr = act("k_rope", {T, Hkv * D});
+  if (c.qk_norm) {  // q and k in one call (one launch on CUDA), each part its own call's bits
+    QkNormPairForwardArgs a;
+    a.q = {v3(q, Hq, D), W(p + "self_attn.q_norm.weight"), v3(qr, Hq, D), acc("q_norm_rstd", {T, Hq}).view()};
+    a.k = {v3(k, Hkv, D), W(p + "self_attn.k_norm.weight"), v3(kr, Hkv, D), acc("k_norm_rstd", {T, Hkv}).view()};
+    a.eps = c.rms_norm_eps;
+    a.positions = step.positions;
+    a.rope = c.rope;
+    qk_norm_pair_forward(ctx_, a);
+  } else {
+    rope_forward(ctx_, {v3(q, Hq, D), step.positions, v3(qr, Hq, D), c.rope});
+    rope_forward(ctx_, {v3(k, Hkv, D), step.positions, v3(kr, Hkv, D), c.rope});
+  }
+
+  AttentionForwardArgs at;
+  at.q = v3(qr, Hq, D);
+  if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
+    const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
+    copy_rows_indexed(ctx_.backend, {cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes},
+                      {cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes}, row_bytes, step.kv_map,
+                      step.kv_map + step.kv_rows, step.kv_rows);
+    at.k = cache->k_[size_t(l)].view();
+    at.v = cache->v_[size_t(l)].view();
+    at.block_table = step.block_table;
+    at.block_table_device = step.block_table_device;
+    at.page_size = cache->page_size();
+  } else if (cache) {  // append this step's keys / values to each sequence's slot, a run of like sequences a copy
+    const int64_t cap = cache->capacity();
+    const std::vector<ChainSequence>& seqs = step.batch.seqs;
+    for (size_t i = 0; i < seqs.size();) {
+      const ChainSequence& s = seqs[i];
+      size_t j = i + 1;  // sequences i … j − 1: same length and cached count, rows back to back, slots in a row
+      while (j < seqs.size() && seqs[j].len == s.len && seqs[j].cached == s.cached &&
+             seqs[j].row == s.row + int64_t(j - i) * s.len && seqs[j].slot == s.slot + int64_t(j - i))
+        ++j;
+      for (DeviceTensor* dst : {&cache->k_[size_t(l)], &cache->v_[size_t(l)]})
+        dst->copy_row_blocks_from(dst == &cache->k_[size_t(l)] ? kr : v, s.row, s.len, s.slot * cap + s.cached, cap,
+                                  s.len, int64_t(j - i));
+      i = j;
+    }
+    at.k = cache->k_[size_t(l)].view();
+    at.v = cache->v_[size_t(l)].view();
+  } else {
+    at.k = v3(kr, Hkv, D);
+    at.v = v3(v, Hkv, D);
+  }
+  at.seqs = step.seqs;
+  DeviceTensor& attn = act("attn", {T, Hq * D});
+  at.out = v3(attn, Hq, D);
+  at.lse = acc("attn_lse", {T, Hq}).view();
+  attention_forward(ctx_, at);
+  DeviceTensor& o = act("o", {T, H});
+  linear_forward(ctx_, {attn.view(), W(p + "self_attn.o_proj.weight"), {}, o.view(), /*weight_settled=*/true});
+
+  DeviceTensor& x_mid = act("x_mid", {T, H});
+  DeviceTensor& n2 = act("n2", {T, H});
+  DeviceTensor& rstd2 = acc("rstd2", {T});
+  norm(o, &x_in, p + "post_attention_layernorm.weight", n2, &x_mid, rstd2);
+  const auto gate_up = linears(n2, {{"gate", "mlp.gate_proj.weight", I}, {"up", "mlp.up_proj.weight", I}});
+  DeviceTensor& m = act("swiglu", {T, I});
+  swiglu_forward(ctx_, {gate_up[0]->view(), gate_up[1]->view(), m.view()});
+  return {&x_mid, &m};
+}
+
 ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std::vector<double>>* last_logits,
-                        bool score_rows, const StepTables* given, bool keep) const {
+                        bool score_rows, const StepTables* given, ForwardKeep keep) const {
   const DeviceStreamScope on(ctx_.stream);
   const ModelConfig& c = model_.config();
-  const int64_t T = batch.rows(), H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
-                Hkv = c.num_kv_heads, D = c.head_dim;
+  const int64_t T = batch.rows(), H = c.hidden_size;
   const Rows r = given ? rows_in(given->rows, T, Device::cuda) : rows_of(batch, c, ctx_.backend);
-  const auto W = [&](const std::string& n) { return weight(n); };
+  if (cache) keep = ForwardKeep::none;  // a cached step is never differentiated: it keeps no layer
   ChainForward f;
   f.model = &model_;
   f.backend = ctx_.backend;
-  auto add = [&](const std::string& name, DType dt, std::vector<int64_t> shape) -> DeviceTensor& {
-    f.trace.emplace_back(name, activation(dt, std::move(shape)));
-    return f.trace.back().second;
+  f.keep = keep;
+  f.activations_kept = keep != ForwardKeep::none;
+  auto act = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& {
+    return record(f.trace, name, act_, std::move(shape));
   };
-  auto act = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& { return add(name, act_, std::move(shape)); };
-  auto acc = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& { return add(name, acc_, std::move(shape)); };
+  auto acc = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& {
+    return record(f.trace, name, acc_, std::move(shape));
+  };
 
   // The attention sequence table: keys are the batch's rows, or the cache slot's.
   if (cache && (cache->k_.size() != size_t(c.num_layers) || cache->k_[0].dtype() != act_))
@@ -111,156 +247,58 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     throw Error("chain", "cache", fmt::format("lives on the {} backend, the chain runs on {}",
                                               backend_name(cache->k_[0].backend()), backend_name(ctx_.backend)));
   const HostTensor seqs = attention_table(batch, cache, cache ? cache->capacity() : 0, cache ? &cache->lengths_ : nullptr);
+  LayerStep step{batch, r.pos, seqs.view()};
+  step.cache = cache;
   // A paged cache: each sequence's pages, and where the step's key / value rows go (the same in
   // every layer: one upload of each for the step, one indexed copy a layer for the keys and one
   // for the values).
   HostTensor block_table;
   DeviceTensor block_table_uploaded, kv_map_uploaded;
-  TensorView block_table_device = given ? given->block_table : TensorView{};
-  const int32_t* kv_map = given ? given->kv_map.as<const int32_t>() : nullptr;
-  int64_t kv_rows = given ? given->kv_map.shape[1] : 0;
   if (cache && cache->is_paged()) {
     block_table = cache->block_table_of(batch.seqs, given ? given->block_table.shape[1] : 1);
-    if (!given) {
+    step.block_table = block_table.view();
+    if (given) {
+      step.block_table_device = given->block_table;
+      step.kv_map = given->kv_map.as<const int32_t>();
+      step.kv_rows = given->kv_map.shape[1];
+    } else {
       if (ctx_.backend == Backend::cuda) {
         block_table_uploaded = DeviceTensor::from_host(ctx_.backend, block_table);
-        block_table_device = block_table_uploaded.view();
+        step.block_table_device = block_table_uploaded.view();
       }
       const HostTensor map = cache->write_rows_of(batch.seqs);  // [2, the step's rows]
-      kv_rows = map.shape()[1];
+      step.kv_rows = map.shape()[1];
       kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, map);
-      kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
+      step.kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
     }
   }
 
-  // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
-  auto norm = [&](const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight, DeviceTensor& y,
-                  DeviceTensor* residual_out, DeviceTensor& rstd) {
-    RmsNormForwardArgs a;
-    a.x = x.view();
-    if (residual) a.residual = residual->view();
-    a.weight = W(weight);
-    a.y = y.view();
-    if (residual_out) a.residual_out = residual_out->view();
-    a.rstd = rstd.view();
-    a.eps = c.rms_norm_eps;
-    rmsnorm_forward(ctx_, a);
-  };
-
   DeviceTensor* x_in = &act("embed", {T, H});
-  embedding_forward(ctx_, {r.ids, W("model.embed_tokens.weight"), x_in->view()});
+  embedding_forward(ctx_, {r.ids, weight("model.embed_tokens.weight"), x_in->view()});
   DeviceTensor* n1 = &act("layer0.n1", {T, H});
   DeviceTensor* rstd1 = &acc("layer0.rstd1", {T});
   norm(*x_in, nullptr, "model.layers.0.input_layernorm.weight", *n1, nullptr, *rstd1);
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
-    auto linear = [&](const char* name, const DeviceTensor& in, const std::string& w, int64_t n) -> DeviceTensor& {
-      DeviceTensor& out = act(layer_name(l, name), {T, n});
-      linear_forward(ctx_, {in.view(), W(w), {}, out.view(), /*weight_settled=*/true});  // a model weight
-      return out;
-    };
-    // Linears of one input in one call (Q, K, V; gate, up): each output bitwise its own call's.
-    struct Out {
-      const char* name;
-      const char* weight;
-      int64_t n;
-    };
-    auto linears = [&](const DeviceTensor& in, std::initializer_list<Out> outs) {
-      LinearGroupForwardArgs group;
-      group.x = in.view();
-      group.weights_settled = true;  // model weights: never an output of the kernel before
-      std::array<DeviceTensor*, 3> made{};
-      for (const Out& o : outs) {
-        DeviceTensor& y = act(layer_name(l, o.name), {T, o.n});
-        group.parts[group.count] = {W(p + o.weight), {}, y.view()};
-        made[size_t(group.count++)] = &y;
-      }
-      linear_group_forward(ctx_, group);
-      return made;
-    };
-    const auto qkv = linears(*n1, {{"q", "self_attn.q_proj.weight", Hq * D},
-                                   {"k", "self_attn.k_proj.weight", Hkv * D},
-                                   {"v", "self_attn.v_proj.weight", Hkv * D}});
-    const DeviceTensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
-    // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
-    DeviceTensor& qr = act(layer_name(l, "q_rope"), {T, Hq * D});
-    DeviceTensor& kr = act(layer_name(l, "k_rope"), {T, Hkv * D});
-    if (c.qk_norm) {  // q and k in one call (one launch on CUDA), each part its own call's bits
-      QkNormPairForwardArgs a;
-      a.q = {v3(q, Hq, D), W(p + "self_attn.q_norm.weight"), v3(qr, Hq, D),
-             acc(layer_name(l, "q_norm_rstd"), {T, Hq}).view()};
-      a.k = {v3(k, Hkv, D), W(p + "self_attn.k_norm.weight"), v3(kr, Hkv, D),
-             acc(layer_name(l, "k_norm_rstd"), {T, Hkv}).view()};
-      a.eps = c.rms_norm_eps;
-      a.positions = r.pos;
-      a.rope = c.rope;
-      qk_norm_pair_forward(ctx_, a);
-    } else {
-      rope_forward(ctx_, {v3(q, Hq, D), r.pos, v3(qr, Hq, D), c.rope});
-      rope_forward(ctx_, {v3(k, Hkv, D), r.pos, v3(kr, Hkv, D), c.rope});
-    }
-
-    AttentionForwardArgs at;
-    at.q = v3(qr, Hq, D);
-    if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
-      const int64_t ps = cache->page_size();
-      const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
-      copy_rows_indexed(ctx_.backend, {cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes},
-                        {cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes}, row_bytes, kv_map,
-                        kv_map + kv_rows, kv_rows);
-      at.k = cache->k_[size_t(l)].view();
-      at.v = cache->v_[size_t(l)].view();
-      at.block_table = block_table.view();
-      at.block_table_device = block_table_device;
-      at.page_size = ps;
-    } else if (cache) {  // append this step's keys / values to each sequence's slot, a run of like sequences a copy
-      const int64_t cap = cache->capacity();
-      for (size_t i = 0; i < batch.seqs.size();) {
-        const ChainSequence& s = batch.seqs[i];
-        size_t j = i + 1;  // sequences i … j − 1: same length and cached count, rows back to back, slots in a row
-        while (j < batch.seqs.size() && batch.seqs[j].len == s.len && batch.seqs[j].cached == s.cached &&
-               batch.seqs[j].row == s.row + int64_t(j - i) * s.len && batch.seqs[j].slot == s.slot + int64_t(j - i))
-          ++j;
-        for (DeviceTensor* dst : {&cache->k_[size_t(l)], &cache->v_[size_t(l)]})
-          dst->copy_row_blocks_from(dst == &cache->k_[size_t(l)] ? kr : v, s.row, s.len, s.slot * cap + s.cached, cap,
-                                    s.len, int64_t(j - i));
-        i = j;
-      }
-      at.k = cache->k_[size_t(l)].view();
-      at.v = cache->v_[size_t(l)].view();
-    } else {
-      at.k = v3(kr, Hkv, D);
-      at.v = v3(v, Hkv, D);
-    }
-    at.seqs = seqs.view();
-    DeviceTensor& attn = act(layer_name(l, "attn"), {T, Hq * D});
-    DeviceTensor& lse = acc(layer_name(l, "attn_lse"), {T, Hq});
-    at.out = v3(attn, Hq, D);
-    at.lse = lse.view();
-    attention_forward(ctx_, at);
-    const DeviceTensor& o = linear("o", attn, p + "self_attn.o_proj.weight", H);
-
-    DeviceTensor& x_mid = act(layer_name(l, "x_mid"), {T, H});
-    DeviceTensor& n2 = act(layer_name(l, "n2"), {T, H});
-    DeviceTensor& rstd2 = acc(layer_name(l, "rstd2"), {T});
-    norm(o, x_in, p + "post_attention_layernorm.weight", n2, &x_mid, rstd2);
-    const auto gate_up = linears(n2, {{"gate", "mlp.gate_proj.weight", I}, {"up", "mlp.up_proj.weight", I}});
-    const DeviceTensor &g = *gate_up[0], &u = *gate_up[1];
-    DeviceTensor& m = act(layer_name(l, "swiglu"), {T, I});
-    swiglu_forward(ctx_, {g.view(), u.view(), m.view()});
-    const DeviceTensor& d = linear("down", m, p + "mlp.down_proj.weight", H);
+    // Keeping layer inputs alone, the layer's own activations live in `layer` until the next
+    // layer's input is made (the backward reruns the layer for them); else in the result's trace.
+    ActivationTrace layer;
+    ActivationTrace& into = keep == ForwardKeep::layer_inputs ? layer : f.trace;
+    const LayerOut made = layer_forward(l, *x_in, *n1, step, into);
+    // The down projection and the next input norm stay out of layer_forward: a rerun layer needs
+    // neither (its backward reads the kept next input, not `down`).
+    DeviceTensor& d = record(into, layer_name(l, "down"), act_, {T, H});
+    linear_forward(ctx_, {made.swiglu->view(), weight(fmt::format("model.layers.{}.mlp.down_proj.weight", l)), {},
+                          d.view(), /*weight_settled=*/true});  // a model weight
 
     const bool last = l + 1 == c.num_layers;
     const std::string next = last ? "final." : fmt::format("layer{}.", l + 1);
     x_in = &act(next + "x_in", {T, H});
     n1 = &act(next + "n1", {T, H});
     rstd1 = &acc(next + "rstd1", {T});
-    norm(d, &x_mid, last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1), *n1,
-         x_in, *rstd1);
-    if (cache || !keep) {  // no backward will read this layer's activations: they go (stream-ordered frees)
+    norm(d, made.x_mid, last ? "model.norm.weight" : fmt::format("model.layers.{}.input_layernorm.weight", l + 1),
+         *n1, x_in, *rstd1);
+    if (keep == ForwardKeep::none)  // no backward will read this layer's activations: they go (stream-ordered frees)
       while (f.trace.front().first != next + "x_in") f.trace.pop_front();
-      f.activations_kept = false;
-    }
   }
   if (cache && !given)
     for (auto& s : batch.seqs) cache->lengths_[size_t(s.slot)] = s.cached + s.len;
@@ -450,13 +488,21 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
                                                           backend_name(t.backend()), backend_name(ctx_.backend)));
   const Rows r = rows_of(batch, c, ctx_.backend);
   const auto W = [&](const std::string& n) { return weight(n); };
-  const auto A = [&](const std::string& n) { return f.at(n).view(); };
+  // A forward that kept layer inputs alone: each layer's activations are rerun into `rerun` just
+  // before its backward and freed after it, so the backward holds one layer's at a time.
+  ActivationTrace rerun;
+  const auto at = [&](const std::string& n) -> const DeviceTensor& {
+    const DeviceTensor* t = find_activation(rerun, n);
+    return t ? *t : f.at(n);
+  };
+  const auto A = [&](const std::string& n) { return at(n).view(); };
   const auto G = [&](const std::string& n) { return grads.accumulator(n).view(); };
   const TensorView mask = r.row_mask;
   auto act = [&](std::vector<int64_t> shape) { return activation(act_, std::move(shape)); };
   auto acc = [&](std::vector<int64_t> shape) { return activation(acc_, std::move(shape)); };
 
   const HostTensor seqs = attention_table(batch, nullptr, 0, nullptr);
+  const LayerStep step{batch, r.pos, seqs.view()};
   const HostTensor segments = segments_of(batch);
   HostTensor g_logp_host(acc_, {T});
   for (int64_t i = 0; i < T; ++i) g_logp_host.set(i, dlogp[size_t(i)]);
@@ -507,6 +553,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     const std::string p = fmt::format("model.layers.{}.", l);
     const std::string in_name = l == 0 ? "embed" : layer_name(l, "x_in");
     const std::string n1_name = layer_name(l, "n1"), rstd1_name = layer_name(l, "rstd1");
+    if (f.keep == ForwardKeep::layer_inputs) layer_forward(l, f.at(in_name), f.at(n1_name), step, rerun);
     auto back_linear = [&](const TensorView& dy, const TensorView& x, const std::string& w, DeviceTensor& dx_out) {
       linear_backward_input(ctx_, {dy, W(w), dx_out.view()});
       linear_backward_weight(ctx_, {dy, x, mask, G(w), {}, segments.view()});
@@ -531,11 +578,11 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     DeviceTensor dqr = act({T, Hq * D}), dkr = act({T, Hkv * D}), dv = act({T, Hkv * D});
     {
       AttentionBackwardArgs a;
-      a.q = v3(f.at(layer_name(l, "q_rope")), Hq, D);
-      a.k = v3(f.at(layer_name(l, "k_rope")), Hkv, D);
-      a.v = v3(f.at(layer_name(l, "v")), Hkv, D);
+      a.q = v3(at(layer_name(l, "q_rope")), Hq, D);
+      a.k = v3(at(layer_name(l, "k_rope")), Hkv, D);
+      a.v = v3(at(layer_name(l, "v")), Hkv, D);
       a.seqs = seqs.view();
-      a.out = v3(f.at(layer_name(l, "attn")), Hq, D);
+      a.out = v3(at(layer_name(l, "attn")), Hq, D);
       a.lse = A(layer_name(l, "attn_lse"));
       a.dout = v3(da, Hq, D);
       a.dq = v3(dqr, Hq, D);
@@ -553,7 +600,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
       }
       QkNormBackwardArgs a;
       a.dy = v3(*grad, heads, D);
-      a.x = v3(f.at(layer_name(l, name)), heads, D);
+      a.x = v3(at(layer_name(l, name)), heads, D);
       a.weight = W(p + w);
       a.rstd = A(layer_name(l, name) + "_norm_rstd");
       a.row_mask = mask;
@@ -573,6 +620,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     DeviceTensor dn1 = act({T, H});
     sum_into(qkv, dn1);
     dx = norm_back(dn1, &dx_mid, in_name, rstd1_name, p + "input_layernorm.weight");
+    rerun.clear();
   }
   embedding_backward(ctx_, {r.ids, dx.view(), mask, G("model.embed_tokens.weight")});
   return dx;

@@ -309,9 +309,14 @@ HostTensor ModelGrads::gradient(const std::string& name) const {
   return g;
 }
 
-const DeviceTensor& ChainForward::at(const std::string& name) const {
+const DeviceTensor* chain_tables::find_activation(const ActivationTrace& trace, const std::string& name) {
   for (auto& [n, t] : trace)
-    if (n == name) return t;
+    if (n == name) return &t;
+  return nullptr;
+}
+
+const DeviceTensor& ChainForward::at(const std::string& name) const {
+  if (const DeviceTensor* t = chain_tables::find_activation(trace, name)) return *t;
   throw Error("ChainForward::at", name, "no such activation");
 }
 

@@ -23,6 +23,8 @@ Rows rows_of(const ChainBatch& b, const ModelConfig& config, Backend backend);
 constexpr int64_t ROW_TABLE_BYTES = 14;
 HostTensor packed_rows(const ChainBatch& b, const ModelConfig& config);
 Rows rows_in(void* base, int64_t rows, Device device);
+// The activation named `name` in `trace` (the first of that name), or null.
+const DeviceTensor* find_activation(const ActivationTrace& trace, const std::string& name);
 
 // The attention sequence table {q_row, q_len, k_row, k_len}: keys are the batch's own rows, or,
 // with a cache, the sequence's slot holding its `cached` earlier tokens and this step's.

@@ -174,6 +174,16 @@ def test_grads_and_activations_default_to_the_builtin_model(tmp_path):
         assert (tmp_path / f"{cmd}.safetensors").stat().st_size > 0
 
 
+def test_grads_with_recompute_writes_the_same_bits(tmp_path):
+    for extra in ([], ["--recompute"], ["--recompute", "--micro-batch", "1"]):
+        out = tmp_path / f"g{len(extra)}.safetensors"
+        p = run("grads", "--input", "-", "--output", out, *extra, input=SEQS)
+        assert p.returncode == 0, p.stderr
+    want = (tmp_path / "g0.safetensors").read_bytes()
+    assert (tmp_path / "g1.safetensors").read_bytes() == want
+    assert (tmp_path / "g3.safetensors").read_bytes() == want
+
+
 # ---------------------------------------------------------------- CLI behaviour
 def test_progress_only_when_asked_off_a_terminal():
     quiet = run("logprobs", "--input", "-", input=SEQS)

@@ -1,10 +1,12 @@
 // The model chain on the CUDA backend: the chain gate (batch compositions, layouts, chunked prefill
 // against the KV cache, generate-then-rescore, micro-batch splits of the weight gradients, repeats)
 // bitwise on the GPU, and the fp32 chain against the fp64 chain within the contract, for Qwen3
-// (tied and untied) and Llama-3 models; and the chain's errors for memory on the wrong backend.
+// (tied and untied) and Llama-3 models; scoring and per-layer recomputation (their bits and memory);
+// and the chain's errors for memory on the wrong backend.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <iostream>
 #include <map>
 
 #include "ops/tuning.hpp"
@@ -30,6 +32,17 @@ void expect_gate_passes(const Model& m, const std::string& label, harness::Chain
     for (auto& d : cell->drifts)
       if (d.count) ADD_FAILURE() << label << ": " << d.message();
   }
+}
+
+// Eight sequences of 250 tokens, packed: a batch whose activations dwarf the built-in model's weights.
+ChainBatch eight_long_sequences() {
+  std::vector<std::vector<int32_t>> seqs;
+  for (int s = 0; s < 8; ++s) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < 250; ++i) t.push_back((s * 131 + i * 17) % 2560);
+    seqs.push_back(t);
+  }
+  return ChainBatch::packed(seqs);
 }
 
 }  // namespace
@@ -121,13 +134,7 @@ TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
   // the depth (a layer's activations are freed as the next begins; measured by the pool's peak). The
   // kept forward's peak grows by a layer's activations a layer; the scoring peak must not: 2 and 8
   // layers of the built-in shape, the same batch.
-  std::vector<std::vector<int32_t>> seqs;
-  for (int s = 0; s < 8; ++s) {
-    std::vector<int32_t> t;
-    for (int i = 0; i < 250; ++i) t.push_back((s * 131 + i * 17) % 2560);
-    seqs.push_back(t);
-  }
-  const ChainBatch b = ChainBatch::packed(seqs);
+  const ChainBatch b = eight_long_sequences();
   Context ctx;
   ctx.backend = Backend::cuda;
   size_t full_peak[2], score_peak[2];
@@ -157,6 +164,54 @@ TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
       << per_layer << " B)";
   EXPECT_LT(3 * score_peak[1], full_peak[1]) << "scoring peak " << score_peak[1] << " B against the kept forward's "
                                              << full_peak[1];
+}
+
+TEST_F(CudaChain, RecomputingEachLayerGivesTheKeptForwardsBitsInLessMemory) {
+  // ForwardKeep::layer_inputs on the GPU: the logprob, entropy, weight-gradient and input-gradient
+  // bits of a forward that keeps everything, with a forward + backward peak (the pool's) well under
+  // the kept one's at 8 layers: the backward holds one rerun layer at a time.
+  ChainBatch b = eight_long_sequences();
+  for (size_t i = 0; i < b.loss_mask.size(); i += 5) b.loss_mask[i] = 0;
+  std::vector<double> dlogp(size_t(b.rows()));
+  for (size_t i = 0; i < dlogp.size(); ++i) dlogp[i] = double(int(i % 7) - 3) / 4;
+  ModelConfig config = Model::builtin(false).config();
+  config.num_layers = 8;
+  const Model m = Model::random(config, 78);
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  const Chain chain(m, ctx);
+  struct Run {
+    std::vector<double> logp, entropy;
+    HostTensor dembed;
+    std::map<std::string, HostTensor> grads;
+    size_t peak = 0;
+  };
+  auto train = [&](ForwardKeep keep) {
+    Run r;
+    ModelGrads g(m, DType::f32, Backend::cuda);
+    device_memory_peak(Backend::cuda, /*reset=*/true);
+    const size_t before = device_memory_in_use(Backend::cuda);
+    {
+      const ChainForward f = chain.forward(b, keep);
+      r.logp = f.logp, r.entropy = f.entropy;
+      r.dembed = chain.backward(b, f, dlogp, g).to_host();
+    }
+    r.peak = device_memory_peak(Backend::cuda, /*reset=*/false) - before;
+    for (const std::string& name : g.names()) r.grads.emplace(name, g.gradient(name));
+    return r;
+  };
+  const Run kept = train(ForwardKeep::all), rerun = train(ForwardKeep::layer_inputs);
+  EXPECT_EQ(std::memcmp(rerun.logp.data(), kept.logp.data(), kept.logp.size() * sizeof(double)), 0) << "logp";
+  EXPECT_EQ(std::memcmp(rerun.entropy.data(), kept.entropy.data(), kept.entropy.size() * sizeof(double)), 0);
+  ASSERT_EQ(rerun.dembed.bytes(), kept.dembed.bytes());
+  EXPECT_EQ(std::memcmp(rerun.dembed.data(), kept.dembed.data(), kept.dembed.bytes()), 0) << "input gradient";
+  for (const auto& [name, g] : kept.grads) {
+    const HostTensor& r = rerun.grads.at(name);
+    ASSERT_EQ(r.bytes(), g.bytes()) << name;
+    EXPECT_EQ(std::memcmp(r.data(), g.data(), g.bytes()), 0) << name;
+  }
+  std::cout << "forward + backward peak at 8 layers: all " << kept.peak << " B, layer inputs " << rerun.peak << " B\n";
+  EXPECT_LT(2 * rerun.peak, kept.peak) << "recomputing peaked at " << rerun.peak << " B, keeping all at " << kept.peak;
 }
 
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {

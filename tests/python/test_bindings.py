@@ -105,6 +105,49 @@ def test_kept_forward_and_backward_are_the_chains_logprobs_and_gradients(chain, 
         ones.cuda_array_interface("model.norm.weight")
 
 
+def six_layer_model():
+    """The built-in shape with 6 layers: layers 2k and 2k + 1 are those of the built-in model of seed 100 + k."""
+    import json
+    weights, config = {}, None
+    for k in range(3):
+        with tempfile.TemporaryDirectory() as d:
+            samebits.Model.builtin(seed=100 + k).save(d)
+            with open(os.path.join(d, "config.json")) as f:
+                config = json.load(f)
+            for name, w in read_safetensors(os.path.join(d, "model.safetensors")).items():
+                if name.startswith("model.layers."):
+                    l = int(name.split(".")[2])
+                    weights[name.replace(f"layers.{l}.", f"layers.{2 * k + l}.", 1)] = w
+                elif k == 0:
+                    weights[name] = w
+    config["num_hidden_layers"] = 6
+    tensors = {n: (a.ctypes.data, dt, a.shape, "cpu", a) for n, (a, dt) in weights.items()}
+    m = samebits.Model.from_tensors(json.dumps(config), tensors)
+    assert m.config["num_layers"] == 6
+    return m
+
+
+def test_a_recomputing_forward_gives_the_kept_forwards_logprobs_and_gradient_bits(model):
+    """Chain.forward(recompute=True) keeps each layer's input alone and backward() reruns the layer:
+    the same logp / entropy / gradient bits as a forward that keeps everything, on a deeper model too."""
+    for m in (model, six_layer_model()):
+        chain = samebits.Chain(m, backend="cpu")
+        s = seqs(3, m.config["vocab_size"], seed=13)
+        kept, rerun = chain.forward(s), chain.forward(s, recompute=True)
+        assert kept.logp.tobytes() == rerun.logp.tobytes()
+        assert kept.entropy.tobytes() == rerun.entropy.tobytes()
+        dlogp = np.random.default_rng(2).uniform(-1, 1, len(kept.logp))
+        a, b = chain.backward(kept, dlogp), chain.backward(rerun, dlogp)
+        assert sorted(a.names()) == sorted(b.names())
+        for n in a.names():
+            assert a.host(n).tobytes() == b.host(n).tobytes(), n
+        assert any(np.abs(a.host(n)).max() > 0 for n in a.names())
+        whole, split = chain.gradients(s), chain.gradients(s, micro_batch=1, recompute=True)
+        assert all(split[n].tobytes() == whole[n].tobytes() for n in whole)
+    with pytest.raises(samebits.Error, match="recompute"):
+        samebits.Chain(model, backend="cpu").forward([[1, 2, 3]], keep=False, recompute=True)
+
+
 def test_linear_matches_an_fp64_reference_and_is_batch_invariant():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((37, 96)).astype(np.float32)
