@@ -124,6 +124,7 @@ class Engine {
   void release(Sample& s);  // its pages and slot back (free slots kept descending: the lowest is taken first)
   void finish(Sample& s, const char* reason);
   bool preempt_latest_after(size_t index);  // the last running request, if after `index`; false: none
+  int64_t next_row_pages(const Sample& s) const;  // pages the sample's slot must take for its next row
   int64_t preemptions_ = 0, preempted_with_done_ = 0;
   const Model& model_;
   EngineOptions options_;

@@ -51,6 +51,10 @@ struct Engine::Request {
   // applied, is ending).
   bool draws_on(const Sample& s) const { return !s.done && decoding(s) && s.drawn() < req.sampling.max_new_tokens; }
   bool prefilling(const Sample& s) const { return !s.done && !s.waits_for_prefix && s.cached < prefill_target(s); }
+  // Samples still to finish: each needs a slot (a preempted request's finished ones need none).
+  int64_t unfinished() const {
+    return int64_t(std::count_if(samples.begin(), samples.end(), [](const Sample& s) { return !s.done; }));
+  }
 };
 
 namespace {
@@ -173,10 +177,7 @@ int64_t Engine::submit(GenerationRequest request) {
 
 void Engine::admit() {
   // A slot for every sample still to finish (a preempted request's finished samples need none).
-  auto unfinished = [](const Request& r) {
-    return int64_t(std::count_if(r.samples.begin(), r.samples.end(), [](const Sample& s) { return !s.done; }));
-  };
-  while (!waiting_.empty() && int64_t(free_slots_.size()) >= unfinished(*waiting_.front())) {
+  while (!waiting_.empty() && int64_t(free_slots_.size()) >= waiting_.front()->unfinished()) {
     auto r = waiting_.front();
     waiting_.pop_front();
     for (Sample& s : r->samples)
@@ -225,15 +226,15 @@ bool Engine::preempt_latest_after(size_t index) {
   return true;
 }
 
+int64_t Engine::next_row_pages(const Sample& s) const {
+  return cache_.pages_for(s.cached + 1) - int64_t(cache_.block_table(s.slot).size());
+}
+
 bool Engine::decode_only_ahead() const {
   if (!options_.overlap_steps) return false;
   // A request that could be admitted now, a prompt to prefill, or a page to take from another
   // request: the next step needs the state the draws in flight leave (it waits for them).
-  if (!waiting_.empty()) {
-    const auto& front = waiting_.front()->samples;
-    if (int64_t(free_slots_.size()) >= std::count_if(front.begin(), front.end(), [](const Sample& x) { return !x.done; }))
-      return false;
-  }
+  if (!waiting_.empty() && int64_t(free_slots_.size()) >= waiting_.front()->unfinished()) return false;
   int64_t rows = 0, need = 0;
   for (const auto& rp : running_)
     for (const Sample& s : rp->samples) {
@@ -241,7 +242,7 @@ bool Engine::decode_only_ahead() const {
       if (s.waits_for_prefix || rp->prefilling(s) || !rp->decoding(s)) return false;
       if (!rp->draws_on(s)) continue;
       ++rows;
-      need += cache_.pages_for(s.cached + 1) - int64_t(cache_.block_table(s.slot).size());
+      need += next_row_pages(s);
     }
   return rows > 0 && rows <= options_.max_batch_tokens && need <= cache_.free_pages();
 }
@@ -349,7 +350,7 @@ bool Engine::step() {
     for (Sample& s : r.samples)
       if (r.draws_on(s) && budget - int64_t(rows_of_r.size()) > 0) {
         rows_of_r.push_back(&s);
-        need += cache_.pages_for(s.cached + 1) - int64_t(cache_.block_table(s.slot).size());
+        need += next_row_pages(s);
       }
     while (cache_.free_pages() < need && preempt_latest_after(i)) {
     }

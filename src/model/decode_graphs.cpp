@@ -71,9 +71,12 @@ DecodeGraphs::Bucket DecodeGraphs::make_bucket(int64_t seqs) const {
   b.at.params = b.at.block_table + aligned(seqs * cols_ * 4);
   b.at.feed = b.at.params + aligned(seqs * sampling_rule::PARAMS * 8);
   b.at.bytes = b.at.feed + 2 * seqs * 4;
+  b.at.logp = aligned(seqs * 4);
+  b.at.weights = b.at.logp + aligned(seqs * 4);
+  b.at.out_bytes = b.at.weights + seqs * 8;
   const Backend be = chain_.backend();
   b.inputs = DeviceTensor::uninitialized(be, DType::u8, {b.at.bytes});
-  b.outputs = DeviceTensor::uninitialized(be, DType::u8, {2 * aligned(seqs * 4) + seqs * 8});  // tokens, logp, weights
+  b.outputs = DeviceTensor::uninitialized(be, DType::u8, {b.at.out_bytes});
   for (int i = 0; i < 2; ++i) {
     b.staging[size_t(i)] = std::make_unique<PinnedBuffer>(be, size_t(b.at.bytes));
     b.results[size_t(i)] = std::make_unique<PinnedBuffer>(be, size_t(b.outputs.bytes()));
@@ -94,8 +97,8 @@ void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
   t.block_table = TensorView::of(in + b.at.block_table, DType::i32, {n, cols_}, Device::cuda);
   const TensorView params = TensorView::of(in + b.at.params, DType::f64, {n, sampling_rule::PARAMS}, Device::cuda);
   const TensorView tokens = TensorView::of(out, DType::i32, {n}, Device::cuda);
-  const TensorView logp = TensorView::of(out + aligned(n * 4), DType::f32, {n}, Device::cuda);
-  const TensorView weights = TensorView::of(out + 2 * aligned(n * 4), DType::f32, {n, 2}, Device::cuda);
+  const TensorView logp = TensorView::of(out + b.at.logp, DType::f32, {n}, Device::cuda);
+  const TensorView weights = TensorView::of(out + b.at.weights, DType::f32, {n, 2}, Device::cuda);
   const GraphAttentionShape shape{n, cache_.capacity(), c.num_heads, c.num_kv_heads, c.head_dim, chain_.act_dtype()};
   auto graph = std::make_unique<CapturedGraph>(chain_.ctx_.stream, [&] {
     const ChainForward f = chain_.run(padded, &cache_, nullptr, /*score_rows=*/false, &t);
@@ -107,12 +110,6 @@ void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
     throw Error(OP, "graph", fmt::format("{} of the {} layers' attention calls were recorded for re-planning",
                                          graph->attention_calls(), c.num_layers));
   b.graph = std::move(graph);
-}
-
-std::optional<Chain::RowDraws> DecodeGraphs::run(const ChainBatch& batch, const std::vector<double>& params) {
-  const std::optional<Launched> l = launch(batch, params);
-  if (!l) return std::nullopt;
-  return collect(*l);
 }
 
 std::optional<DecodeGraphs::Launched> DecodeGraphs::launch(const ChainBatch& batch, const std::vector<double>& params,
@@ -199,10 +196,9 @@ Chain::RowDraws DecodeGraphs::collect(const Launched& l) {
   if (found == buckets_.end()) throw Error(OP, "launched", "names no captured bucket (cannot happen)");
   const Bucket& b = found->second;
   b.done[size_t(l.buffer)]->wait();
-  const int64_t n = b.seqs;
   const auto* res = static_cast<const uint8_t*>(b.results[size_t(l.buffer)]->data());
-  return Chain::draws_of(l.seqs, reinterpret_cast<const int32_t*>(res), reinterpret_cast<const float*>(res + aligned(n * 4)),
-                         reinterpret_cast<const float*>(res + 2 * aligned(n * 4)));
+  return Chain::draws_of(l.seqs, reinterpret_cast<const int32_t*>(res), reinterpret_cast<const float*>(res + b.at.logp),
+                         reinterpret_cast<const float*>(res + b.at.weights));
 }
 
 }  // namespace samebits

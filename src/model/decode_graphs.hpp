@@ -33,15 +33,14 @@ class DecodeGraphs {
   ~DecodeGraphs();
   // Whether the chain's steps can be captured: CUDA on a Hopper GPU, a bf16 / fp16 model, head_dim 64 or 128.
   static bool available(const Chain& chain);
-  // Whether run() takes the batch: 1 … max_seqs sequences, sequence i one row at row i.
+  // Whether launch() takes the batch: 1 … max_seqs sequences, sequence i one row at row i.
   bool takes(const ChainBatch& batch) const;
   // forward_cached(batch, cache) and sample_rows at every row under params (five a row), as one
-  // graph replay: the same tokens and logprobs, bit for bit, and the cache as they leave it. Empty
-  // when the step's bucket cannot be captured (capture_error() says why), having changed nothing:
-  // the caller runs the step eagerly.
-  std::optional<Chain::RowDraws> run(const ChainBatch& batch, const std::vector<double>& params);
-  // run() in two halves. launch() enqueues the step (the tables' upload, the replay, the results'
-  // copy) and returns without waiting; collect() waits for it and returns its draws. `fed` (empty,
+  // graph replay: the same tokens and logprobs, bit for bit, and the cache as they leave it.
+  // launch() enqueues the step (the tables' upload, the replay, the results' copy) and returns
+  // without waiting; empty when the step's bucket cannot be captured (capture_error() says why),
+  // having changed nothing: the caller runs the step eagerly. collect() waits for a launched step
+  // and returns its draws. `fed` (empty,
   // or one entry a row of `batch`): −1, the row's token is batch.tokens'; j ≥ 0, it is the token the
   // previous launch drew at its row j, taken on the device (batch.tokens' entry is not read). At most
   // two launches may be uncollected at once.
@@ -57,8 +56,9 @@ class DecodeGraphs {
   static int64_t bucket_of(int64_t seqs, int64_t max_seqs);
 
  private:
-  struct Layout {  // byte offsets in a bucket's input buffer
+  struct Layout {  // byte offsets in a bucket's input buffer, and in its output buffer
     int64_t rows = 0, kv_map = 0, block_table = 0, params = 0, feed = 0, bytes = 0;
+    int64_t logp = 0, weights = 0, out_bytes = 0;  // the tokens first (i32), then logprobs, weights
   };
   struct Bucket {
     int64_t seqs = 0;
