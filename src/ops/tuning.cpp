@@ -22,4 +22,9 @@ int& programmatic_launch_override() {
   return value;
 }
 
+int& attention_persistent_ctas_override() {
+  static int value = 0;
+  return value;
+}
+
 }  // namespace samebits::detail

@@ -19,4 +19,8 @@ bool& norm_any_dtype_path_override();
 // (cuda/common/pdl.cuh); 1: wherever the device allows them; -1: never (tests compare the two).
 int& programmatic_launch_override();
 
+// 0: the persistent single-span attention kernel (decode steps) runs at most one CTA an SM; N > 0:
+// at most N CTAs, each walking many items (tests/cuda/test_attention.cpp: the same bits).
+int& attention_persistent_ctas_override();
+
 }  // namespace samebits::detail

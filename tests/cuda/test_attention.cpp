@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "samebits/harness.hpp"
+#include "ops/tuning.hpp"
 #include "samebits/ops.hpp"
 #include "tests/cuda/cuda_test_util.hpp"
 
@@ -176,11 +177,19 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
         qm.copy_rows_from(q, steps[i], row, 1);
         many.push_back({int32_t(row), 1, 0, steps[i] + 1});
       }
-    const Fwd wide = run_gpu(qm, k, v, many);
-    for (size_t i = 0; i < many.size(); ++i) {
-      const int32_t t = steps[i % steps.size()];
-      expect_same_bits(wide.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
-                       what + ": decode among 96 at " + std::to_string(t));
+    // The single-span kernel is persistent (a CTA an SM walking items in turn, its ring and Q buffers
+    // running on across them): here ~360 items over the SMs, then over 5 CTAs and over 1, whose
+    // barrier phases wrap many times — the same bits.
+    for (int ctas : {0, 5, 1}) {
+      detail::attention_persistent_ctas_override() = ctas;
+      const Fwd wide = run_gpu(qm, k, v, many);
+      detail::attention_persistent_ctas_override() = 0;
+      for (size_t i = 0; i < many.size(); ++i) {
+        const int32_t t = steps[i % steps.size()];
+        expect_same_bits(wide.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
+                         what + ": decode among 96 at " + std::to_string(t) + ", CTAs " +
+                             (ctas ? std::to_string(ctas) : std::string("one an SM")));
+      }
     }
     for (int32_t c0 : {1000, 2040}) {  // chunks across a span boundary, and decode-sized ones (q_len · G <= 128)
       for (int32_t n : {100, 7, 4, 3, 2}) {
@@ -253,10 +262,14 @@ TEST_F(CudaAttention, PagedCacheGivesTheSameBits) {
     expect_same_bits(chunk.out, whole.out.slice_rows(1000, 1100), what + ": chunk at 1000");
     std::vector<SeqRow> batch;
     for (size_t i = 0; i < steps.size(); ++i) batch.push_back({int32_t(i), 1, 0, steps[i] + 1});
-    const Fwd decode = run_gpu(qb, pk, pv, batch, &many, ps);
-    for (size_t i = 0; i < steps.size(); ++i)
-      expect_same_bits(decode.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(steps[i], steps[i] + 1),
-                       what + ": decode at " + std::to_string(steps[i]));
+    for (int ctas : {0, 2}) {  // 2: the persistent kernel's CTAs walking several paged items each
+      detail::attention_persistent_ctas_override() = ctas;
+      const Fwd decode = run_gpu(qb, pk, pv, batch, &many, ps);
+      detail::attention_persistent_ctas_override() = 0;
+      for (size_t i = 0; i < steps.size(); ++i)
+        expect_same_bits(decode.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(steps[i], steps[i] + 1),
+                         what + ": decode at " + std::to_string(steps[i]) + ", CTAs " + std::to_string(ctas));
+    }
   }
 }
 

@@ -30,7 +30,10 @@
 //  * Decode steps (every item one span of at most 64 rows) run a single-span variant: one consumer,
 //    no running O in shared memory (the span folds into the empty state in registers, the same
 //    arithmetic), and that room as a deeper ring, so a CTA walking a span's 8 blocks has several
-//    loads ahead instead of one.
+//    loads ahead instead of one. It is persistent: at most one CTA an SM, each walking items
+//    blockIdx.x, + gridDim.x, … with its ring and its two Q buffers running on from one item into
+//    the next. A CTA an item left each SM's memory stream idle at every item's end (the last blocks'
+//    compute, the write, the next CTA's start and first loads): ~20% of a B = 64 decode's time.
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -52,6 +55,7 @@
 #include "cuda/common/scratch.cuh"
 #include "cuda/common/sm90/primitives.cuh"
 #include "cuda/common/sm90/tma.cuh"
+#include "ops/tuning.hpp"
 #include "samebits/error.hpp"
 
 namespace samebits::cuda::attention {
@@ -97,6 +101,7 @@ struct Params {
   float* part_o;   // [partial rows, D]
   float* part_ml;  // [partial rows, 2]: m, l
   int Hq, Hkv, G;
+  int n_items;  // the CTAs walk items blockIdx.x, + gridDim.x, … below it (one each but in SINGLE)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
 
@@ -104,7 +109,7 @@ static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 
 // A CTA's shared memory. The general kernel: Q of two consumers, a 2-stage ring of K / V blocks and
 // the running O of the spans folded so far. The single-span kernel (SINGLE: every item one span of
-// at most 64 rows — decode steps, whose items are one span each): Q of one consumer, no running O
+// at most 64 rows — decode steps, whose items are one span each): Q of this item and the next, no running O
 // (its one span is folded into the empty state in registers, the same arithmetic), and the room
 // that frees as a deeper ring (3 stages of K / V at D = 128, 4 where a CTA reads one V box), so a CTA
 // walking a span's blocks has more of them in flight. V stages hold only the 64-column boxes of the
@@ -113,13 +118,15 @@ template <int D, int PARTS, bool SINGLE>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int ON = D / PARTS, V_BOXES = (ON + 63) / 64;
-  static constexpr int Q_CONSUMERS = SINGLE ? 1 : CONSUMERS;
-  static constexpr int Q_BYTES = Q_CONSUMERS * 64 * D * 2, K_BYTES = BOXES * BN * 128, V_BYTES = V_BOXES * BN * 128;
+  // Q buffers of 64 rows: one a consumer, or (SINGLE) one an item, two in turn — the next item's Q
+  // loads while the current item's blocks are consumed.
+  static constexpr int Q_BUFFERS = 2;
+  static constexpr int Q_BYTES = Q_BUFFERS * 64 * D * 2, K_BYTES = BOXES * BN * 128, V_BYTES = V_BOXES * BN * 128;
   static constexpr int O_BYTES = SINGLE ? 0 : BM * D * 4;
   static constexpr int LIMIT = 227 * 1024, SLACK = 1024 + 64 * 8;  // alignment, barriers
   static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - SLACK) / (K_BYTES + V_BYTES);
   static constexpr int STAGES = SINGLE ? (FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS) : 2;
-  static constexpr int BARRIERS = Q_CONSUMERS + 3 * STAGES + 1;
+  static constexpr int BARRIERS = 2 * Q_BUFFERS + 3 * STAGES + 1;
   static constexpr size_t BYTES = size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + BARRIERS * 8 + 1024;
   static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
 };
@@ -140,18 +147,21 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint8_t* sv = sk + STAGES * S::K_BYTES;
   float* so = reinterpret_cast<float*>(sv + STAGES * S::V_BYTES);  // the running O (not in SINGLE)
   uint64_t* full_q = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(so) + S::O_BYTES);
-  uint64_t* full_k = full_q + S::Q_CONSUMERS;
+  uint64_t* q_empty = full_q + S::Q_BUFFERS;  // SINGLE: the buffer's item has done its last S = Q·Kᵀ
+  uint64_t* full_k = q_empty + S::Q_BUFFERS;
   uint64_t* full_v = full_k + STAGES;
   uint64_t* empty = full_v + STAGES;
   uint64_t* tail_v = empty + STAGES;  // the producer's own wait for the last block's V
-  const Item it = p.items ? p.items[blockIdx.x] : p.inline_items[blockIdx.x];
-  const int consumers = !SINGLE && it.rows > 64 ? 2 : 1;
+  auto item_at = [&](int i) { return p.items ? p.items[i] : p.inline_items[i]; };
+  // The general kernel's grid is its items (one a CTA), so its consumers are its one item's; the
+  // single-span kernel's items have at most 64 rows: one consumer.
+  const int consumers = !SINGLE && item_at(blockIdx.x).rows > 64 ? 2 : 1;
   constexpr int ON = D / PARTS;  // O's columns this CTA computes
-  const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of them
-  const bool writes_stats = PARTS == 1 || it.d_split == 1;
-  const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
   if (threadIdx.x == 0) {
-    for (int c = 0; c < S::Q_CONSUMERS; ++c) mbar_init(&full_q[c], 1);
+    for (int b = 0; b < S::Q_BUFFERS; ++b) {
+      mbar_init(&full_q[b], 1);
+      mbar_init(&q_empty[b], 1);
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
@@ -167,52 +177,72 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
-    if (lane == 0) {
-      for (int c = 0; c < consumers; ++c) {
-        mbar_expect_tx(&full_q[c], uint32_t(64 * D * 2));
-        for (int b = 0; b < S::BOXES; ++b) {
-          uint8_t* dst = sq + (c * S::BOXES + b) * 64 * 128;
-          if (group == 1) tma_load_3d(dst, &p.q_heads, b * 64, it.head, it.q_row + c * 64, &full_q[c]);
-          else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[c]);
+    // A decode step reads each K / V block once (its column parts at the same time): evict-first in
+    // L2, so the stream of keys does not push out what the next kernels read (the O projection's
+    // weight, prefetched while attention runs: samebits/device.hpp prefetch_to_l2). Prefill tiles
+    // share blocks across CTAs: the default policy there.
+    const uint64_t kv_policy = SINGLE ? l2_policy_evict_first() : 0;
+    auto load_kv = [&](void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+      if constexpr (SINGLE) tma_load_3d_hint(dst, map, c0, c1, c2, bar, kv_policy);
+      else tma_load_3d(dst, map, c0, c1, c2, bar);
+    };
+    int n = 0, tails = 0;  // blocks loaded, tail blocks met: the ring and the tail barrier run on across items
+    for (int idx = blockIdx.x, k = 0; idx < p.n_items; idx += gridDim.x, ++k) {
+      const Item it = item_at(idx);
+      const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
+      const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
+      if (lane == 0) {
+        // Q: a buffer a consumer (the general kernel), or (SINGLE) the item's of two in turn, once the
+        // item two before it has done its last S.
+        for (int c = 0; c < consumers; ++c) {
+          const int qb = SINGLE ? k & 1 : c;
+          if (SINGLE && k >= 2) mbar_wait(&q_empty[qb], ((k >> 1) - 1) & 1);
+          mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
+          for (int b = 0; b < S::BOXES; ++b) {
+            uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
+            if (group == 1) tma_load_3d(dst, &p.q_heads, b * 64, it.head, it.q_row + c * 64, &full_q[qb]);
+            else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[qb]);
+          }
         }
       }
-    }
-    for (int j = it.block_begin, n = 0; j < it.block_end; ++j, ++n) {
-      const int st = n % STAGES;
-      if (n >= STAGES) mbar_wait(&empty[st], ((n / STAGES) - 1) & 1);
-      uint8_t* kdst = sk + st * S::K_BYTES;
-      uint8_t* vdst = sv + st * S::V_BYTES;  // its first box is the CTA's first V box (vb_lo)
-      const int key0 = j * BN;
-      // The first row of each kv_box-row piece of the block (one piece unless pages are smaller);
-      // a piece wholly past the keys loads row 0 (its scores are masked, its V zeroed below).
-      auto piece_row = [&](int r0) {
-        return key0 + r0 < it.k_len ? int32_t(p.pages.row(it.seq, it.k_row, key0 + r0)) : 0;
-      };
-      // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
-      // the bytes the stage expects.
-      const bool tail = key0 + BN > it.k_len;
-      const int vb_lo = d0 / 64, vb_hi = (d0 + ON + 63) / 64;  // V: the 64-column boxes holding this CTA's columns
-      if (lane == 0) {
-        mbar_expect_tx(&full_k[st], uint32_t(S::K_BYTES));
-        mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(vb_hi - vb_lo) * BN * 128);
-      }
-      __syncwarp();
-      // K before V: the consumers need K first (S = Q·Kᵀ), and a small decode waits on it.
-      for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
-        for (int b = 0; b < S::BOXES; ++b)
-          tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
-      for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
-        for (int b = vb_lo; b < vb_hi; ++b)
-          tma_load_3d(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
-      if (tail) {  // the sequence's last block (one an item): its V rows past the end zeroed before the consumers see it
-        mbar_wait(tail_v, 0);
-        const int valid = it.k_len - key0, chunks = (BN - valid) * 8;  // 16-byte pieces of a box past the end
-        for (int b = vb_lo; b < vb_hi; ++b)
-          for (int idx = lane; idx < chunks; idx += 32)
-            *reinterpret_cast<uint4*>(vdst + (b - vb_lo) * BN * 128 + (valid + idx / 8) * 128 + (idx % 8) * 16) = make_uint4(0, 0, 0, 0);
-        fence_async_shared();
+      for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
+        const int st = n % STAGES;
+        if (n >= STAGES) mbar_wait(&empty[st], ((n / STAGES) - 1) & 1);
+        uint8_t* kdst = sk + st * S::K_BYTES;
+        uint8_t* vdst = sv + st * S::V_BYTES;  // its first box is the CTA's first V box (vb_lo)
+        const int key0 = j * BN;
+        // The first row of each kv_box-row piece of the block (one piece unless pages are smaller);
+        // a piece wholly past the keys loads row 0 (its scores are masked, its V zeroed below).
+        auto piece_row = [&](int r0) {
+          return key0 + r0 < it.k_len ? int32_t(p.pages.row(it.seq, it.k_row, key0 + r0)) : 0;
+        };
+        // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
+        // the bytes the stage expects.
+        const bool tail = key0 + BN > it.k_len;
+        const int vb_lo = d0 / 64, vb_hi = (d0 + ON + 63) / 64;  // V: the 64-column boxes holding this CTA's columns
+        if (lane == 0) {
+          mbar_expect_tx(&full_k[st], uint32_t(S::K_BYTES));
+          mbar_expect_tx(tail ? tail_v : &full_v[st], uint32_t(vb_hi - vb_lo) * BN * 128);
+        }
         __syncwarp();
-        if (lane == 0) mbar_arrive(&full_v[st]);
+        // K before V: the consumers need K first (S = Q·Kᵀ), and a small decode waits on it.
+        for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
+          for (int b = 0; b < S::BOXES; ++b)
+            load_kv(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
+        for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
+          for (int b = vb_lo; b < vb_hi; ++b)
+            load_kv(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
+        if (tail) {  // the sequence's last block (one an item): its V rows past the end zeroed before the consumers see it
+          mbar_wait(tail_v, tails++ & 1);
+          const int valid = it.k_len - key0, chunks = (BN - valid) * 8;  // 16-byte pieces of a box past the end
+          for (int b = vb_lo; b < vb_hi; ++b)
+            for (int piece = lane; piece < chunks; piece += 32)
+              *reinterpret_cast<uint4*>(vdst + (b - vb_lo) * BN * 128 + (valid + piece / 8) * 128 + (piece % 8) * 16) =
+                  make_uint4(0, 0, 0, 0);
+          fence_async_shared();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&full_v[st]);
+        }
       }
     }
     return;
@@ -223,164 +253,172 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   if (c >= consumers) return;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, quad_col = (lane % 4) * 2;
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
-  const int pos0 = it.first_pos + row0 / group, pos1 = it.first_pos + row1 / group;
-  const int warp_first_pos = it.first_pos + (c * 64 + warp * 16) / group;
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
-  if constexpr (!SINGLE) {
-#pragma unroll
-    for (int i = 0; i < ON / 2; ++i) my_o[i * 256] = 0.0f;
-  }
-  float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
-  float o[ON / 2];
-  mbar_wait(&full_q[c], 0);
-  const uint8_t* qbase = sq + c * S::BOXES * 64 * 128;
+  int n = 0;  // blocks consumed (the ring's count runs on across items)
+  for (int idx = blockIdx.x, k = 0; idx < p.n_items; idx += gridDim.x, ++k) {
+    const Item it = item_at(idx);
+    const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
+    const bool writes_stats = PARTS == 1 || it.d_split == 1;
+    const int group = it.group;
+    const int pos0 = it.first_pos + row0 / group, pos1 = it.first_pos + row1 / group;
+    const int warp_first_pos = it.first_pos + (c * 64 + warp * 16) / group;
+    if constexpr (!SINGLE) {
+  #pragma unroll
+      for (int i = 0; i < ON / 2; ++i) my_o[i * 256] = 0.0f;
+    }
+    float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
+    float o[ON / 2];
+    const int qb = SINGLE ? k & 1 : c;
+    mbar_wait(&full_q[qb], SINGLE ? (k >> 1) & 1 : 0);
+    const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
 
-  // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
-  // runs its softmax while the other's MMAs hold the tensor cores. Consumer 0 goes first.
-  const bool pingpong = consumers == 2;
-  const int blocks = it.block_end - it.block_begin;
-  if (pingpong && c == 1) named_barrier_arrive(1, 256);
-  int n = 0;  // blocks consumed
-  for (int span = it.block_begin; span < it.block_end;) {
-    const int span_end = std::min(it.block_end, (span / SPLIT_BLOCKS + 1) * SPLIT_BLOCKS);
-    m0 = m1 = -INFINITY;
-    l0 = l1 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ON / 2; ++i) o[i] = 0.0f;
-    for (int j = span; j < span_end; ++j, ++n) {
-      const int st = n % STAGES;
-      const uint32_t phase = (n / STAGES) & 1;
-      // S = Q·Kᵀ
-      float s[BN / 2];
-      mbar_wait(&full_k[st], phase);
-      if (pingpong) named_barrier_sync(1 + c, 256);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t dq = smem_desc(qbase + (kk / 4) * 64 * 128) + uint64_t((kk % 4) * 2);
-        const uint64_t dk = smem_desc(sk + st * S::K_BYTES + (kk / 4) * BN * 128) + uint64_t((kk % 4) * 2);
-        Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
+    // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
+    // runs its softmax while the other's MMAs hold the tensor cores. Consumer 0 goes first.
+    const bool pingpong = consumers == 2;
+    const int blocks = it.block_end - it.block_begin;
+    if (pingpong && c == 1) named_barrier_arrive(1, 256);
+    for (int span = it.block_begin; span < it.block_end;) {
+      const int span_end = std::min(it.block_end, (span / SPLIT_BLOCKS + 1) * SPLIT_BLOCKS);
+      m0 = m1 = -INFINITY;
+      l0 = l1 = 0.0f;
+  #pragma unroll
+      for (int i = 0; i < ON / 2; ++i) o[i] = 0.0f;
+      for (int j = span; j < span_end; ++j, ++n) {
+        const int st = n % STAGES;
+        const uint32_t phase = (n / STAGES) & 1;
+        // S = Q·Kᵀ
+        float s[BN / 2];
+        mbar_wait(&full_k[st], phase);
+        if (pingpong) named_barrier_sync(1 + c, 256);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint64_t dq = smem_desc(qbase + (kk / 4) * 64 * 128) + uint64_t((kk % 4) * 2);
+          const uint64_t dk = smem_desc(sk + st * S::K_BYTES + (kk / 4) * BN * 128) + uint64_t((kk % 4) * 2);
+          Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        if (pingpong && (c == 0 || n + 1 < blocks)) named_barrier_arrive(2 - c, 256);  // the other's turn
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        // The previous block's P·V is done too: its stage can be refilled.
+        if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
+
+        // Causal mask where the block reaches past the warp's first row (whole blocks below the
+      // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
+      // scores (a quad holds a row).
+      if (j * BN + BN - 1 > warp_first_pos) {
+        const int key_base = j * BN + quad_col;
+  #pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (key_base + nt * 8 + (e & 1) > (e < 2 ? pos0 : pos1)) s[nt * 4 + e] = -INFINITY;
       }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      if (pingpong && (c == 0 || n + 1 < blocks)) named_barrier_arrive(2 - c, 256);  // the other's turn
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+  #pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
+      }
+  #pragma unroll
+      for (int m = 1; m <= 2; m *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      // The row max in exp2 units; 0 for a row that has seen no key of the span yet (its scores are
+      // all −inf: p = 0, and its rescale factor multiplies zeros).
+      const float mc0 = mn0 == -INFINITY ? 0.0f : __fmul_rn(mn0, c2), mc1 = mn1 == -INFINITY ? 0.0f : __fmul_rn(mn1, c2);
+      // The rescale factor is exactly 1 where the max did not move (a block fully masked for the row
+      // changes no bit): both products round alike.
+      const float alpha0 = exp2_ftz(__fsub_rn(__fmul_rn(m0, c2), mc0)), alpha1 = exp2_ftz(__fsub_rn(__fmul_rn(m1, c2), mc1));
+      float sum0 = 0.0f, sum1 = 0.0f;
+  #pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt * 4 + e] = exp2_ftz(__fmaf_rn(s[nt * 4 + e], c2, e < 2 ? -mc0 : -mc1));
+        sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
+        sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
+      }
+      l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
+      l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
+      m0 = mn0, m1 = mn1;
+  #pragma unroll
+      for (int i = 0; i < ON / 2; i += 4) {
+        o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
+        o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
+      }
+      // O += P·V, P rounded to the input dtype; the accumulator layout of S is P's A fragment.
+        uint32_t pa[BN / 16][4];
+  #pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt) {
+          pa[kt][0] = pack2<T>(s[kt * 8 + 0], s[kt * 8 + 1]);
+          pa[kt][1] = pack2<T>(s[kt * 8 + 2], s[kt * 8 + 3]);
+          pa[kt][2] = pack2<T>(s[kt * 8 + 4], s[kt * 8 + 5]);
+          pa[kt][3] = pack2<T>(s[kt * 8 + 6], s[kt * 8 + 7]);
+        }
+        mbar_wait(&full_v[st], phase);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  #pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt)
+          WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::V_BYTES + (d0 % 64) * 2 + kt * 16 * 128, BN * 128));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      }
+      // The span ends: fold it into the running state (or keep it, for a split-KV item).
+      span = span_end;
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-      // The previous block's P·V is done too: its stage can be refilled.
-      if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
-
-      // Causal mask where the block reaches past the warp's first row (whole blocks below the
-    // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
-    // scores (a quad holds a row).
-    if (j * BN + BN - 1 > warp_first_pos) {
-      const int key_base = j * BN + quad_col;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (key_base + nt * 8 + (e & 1) > (e < 2 ? pos0 : pos1)) s[nt * 4 + e] = -INFINITY;
-    }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
-    }
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    // The row max in exp2 units; 0 for a row that has seen no key of the span yet (its scores are
-    // all −inf: p = 0, and its rescale factor multiplies zeros).
-    const float mc0 = mn0 == -INFINITY ? 0.0f : __fmul_rn(mn0, c2), mc1 = mn1 == -INFINITY ? 0.0f : __fmul_rn(mn1, c2);
-    // The rescale factor is exactly 1 where the max did not move (a block fully masked for the row
-    // changes no bit): both products round alike.
-    const float alpha0 = exp2_ftz(__fsub_rn(__fmul_rn(m0, c2), mc0)), alpha1 = exp2_ftz(__fsub_rn(__fmul_rn(m1, c2), mc1));
-    float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt * 4 + e] = exp2_ftz(__fmaf_rn(s[nt * 4 + e], c2, e < 2 ? -mc0 : -mc1));
-      sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
-      sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
-    }
-    l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
-    l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
-    m0 = mn0, m1 = mn1;
-#pragma unroll
-    for (int i = 0; i < ON / 2; i += 4) {
-      o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
-      o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
-    }
-    // O += P·V, P rounded to the input dtype; the accumulator layout of S is P's A fragment.
-      uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        pa[kt][0] = pack2<T>(s[kt * 8 + 0], s[kt * 8 + 1]);
-        pa[kt][1] = pack2<T>(s[kt * 8 + 2], s[kt * 8 + 3]);
-        pa[kt][2] = pack2<T>(s[kt * 8 + 4], s[kt * 8 + 5]);
-        pa[kt][3] = pack2<T>(s[kt * 8 + 6], s[kt * 8 + 7]);
+  #pragma unroll
+      for (int m = 1; m <= 2; m *= 2) {
+        l0 = __fadd_rn(l0, __shfl_xor_sync(FULL, l0, m));
+        l1 = __fadd_rn(l1, __shfl_xor_sync(FULL, l1, m));
       }
-      mbar_wait(&full_v[st], phase);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)
-        WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::V_BYTES + (d0 % 64) * 2 + kt * 16 * 128, BN * 128));
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      if (it.part < 0) {
+        float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+        const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
+  #pragma unroll
+        for (int i = 0; i < ON / 2; ++i) {
+          const bool second = (i & 2) != 0;
+          if constexpr (SINGLE)  // the one span into the empty state (O = 0): what the general kernel stores
+            o[i] = (second ? f1 : f0) ? fold_value(0.0f, o[i], second ? a1 : a0, second ? b1 : b0) : 0.0f;
+          else if (second ? f1 : f0)
+            my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
+        }
+      }
     }
-    // The span ends: fold it into the running state (or keep it, for a split-KV item).
-    span = span_end;
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) {
-      l0 = __fadd_rn(l0, __shfl_xor_sync(FULL, l0, m));
-      l1 = __fadd_rn(l1, __shfl_xor_sync(FULL, l1, m));
-    }
-    if (it.part < 0) {
-      float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
-      const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
-#pragma unroll
-      for (int i = 0; i < ON / 2; ++i) {
-        const bool second = (i & 2) != 0;
-        if constexpr (SINGLE)  // the one span into the empty state (O = 0): what the general kernel stores
-          o[i] = (second ? f1 : f0) ? fold_value(0.0f, o[i], second ? a1 : a0, second ? b1 : b0) : 0.0f;
-        else if (second ? f1 : f0)
-          my_o[i * 256] = fold_value(my_o[i * 256], o[i], second ? a1 : a0, second ? b1 : b0);
-      }
-    }
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if (SINGLE && t == 0) mbar_arrive(&q_empty[qb]);  // its products are done: the buffer may take item k + 2's Q
 
-  // Write this thread's two rows: the final out / lse, or the span's unfolded state.
-  auto write_row = [&](int row, bool second) {
-    if (row >= it.rows) return;
-    if (it.part >= 0) {
-      const int64_t pr = int64_t(it.part) + row;
-      float2* dst = reinterpret_cast<float2*>(p.part_o + pr * D);
-#pragma unroll
+    // Write this thread's two rows: the final out / lse, or the span's unfolded state.
+    auto write_row = [&](int row, bool second) {
+      if (row >= it.rows) return;
+      if (it.part >= 0) {
+        const int64_t pr = int64_t(it.part) + row;
+        float2* dst = reinterpret_cast<float2*>(p.part_o + pr * D);
+  #pragma unroll
+        for (int nt = 0; nt < ON / 8; ++nt) {
+          const int i = nt * 4 + (second ? 2 : 0);
+          dst[(d0 + nt * 8 + quad_col) / 2] = make_float2(o[i], o[i + 1]);
+        }
+        if (writes_stats && lane % 4 == 0) reinterpret_cast<float2*>(p.part_ml)[pr] = make_float2(second ? m1 : m0, second ? l1 : l0);
+        return;
+      }
+      const float L = second ? L1 : L0, M = second ? M1 : M0;
+      const int64_t token = int64_t(it.q_row) + row / group;
+      const int head = it.head * (group == 1 ? 1 : group) + row % group;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D);
+  #pragma unroll
       for (int nt = 0; nt < ON / 8; ++nt) {
         const int i = nt * 4 + (second ? 2 : 0);
-        dst[(d0 + nt * 8 + quad_col) / 2] = make_float2(o[i], o[i + 1]);
+        const float o0 = SINGLE ? o[i] : my_o[i * 256], o1 = SINGLE ? o[i + 1] : my_o[(i + 1) * 256];
+        dst[(d0 + nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(o0, L), __fdiv_rn(o1, L));
       }
-      if (writes_stats && lane % 4 == 0) reinterpret_cast<float2*>(p.part_ml)[pr] = make_float2(second ? m1 : m0, second ? l1 : l0);
-      return;
-    }
-    const float L = second ? L1 : L0, M = second ? M1 : M0;
-    const int64_t token = int64_t(it.q_row) + row / group;
-    const int head = it.head * (group == 1 ? 1 : group) + row % group;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D);
-#pragma unroll
-    for (int nt = 0; nt < ON / 8; ++nt) {
-      const int i = nt * 4 + (second ? 2 : 0);
-      const float o0 = SINGLE ? o[i] : my_o[i * 256], o1 = SINGLE ? o[i + 1] : my_o[(i + 1) * 256];
-      dst[(d0 + nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(o0, L), __fdiv_rn(o1, L));
-    }
-    if (p.lse && writes_stats && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
-  };
-  write_row(row0, false);
-  write_row(row1, true);
+      if (p.lse && writes_stats && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
+    };
+    write_row(row0, false);
+    write_row(row1, true);
+  }
 #endif
 }
 
@@ -498,6 +536,17 @@ Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D,
 
 int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
 
+// The grid: a CTA an item, but for the single-span kernel (persistent) at most one an SM — or the
+// test hook's count (items shared by few CTAs), or a CTA an item where SAMEBITS_PERSISTENT_DECODE=0
+// (A/B runs). Which CTA walks an item never changes its arithmetic.
+unsigned grid_of(const Plan& w, int sms) {
+  static const bool persistent = env_switch("SAMEBITS_PERSISTENT_DECODE");
+  const int forced = detail::attention_persistent_ctas_override();
+  size_t g = w.items.size();
+  if (w.single && (persistent || forced > 0)) g = std::min(g, size_t(forced > 0 ? forced : sms));
+  return unsigned(g);
+}
+
 // A forward kernel and the shared memory it launches with.
 struct ForwardKernel {
   void* fn = nullptr;
@@ -599,7 +648,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   const int G = int(Hq / Hkv);
   const bool packable = G <= 64 && 64 % G == 0;
   GraphRecording* rec = recording_for(stream, op);
-  const Plan w = plan_work(a.seqs.as<const int32_t>(), a.seqs.shape[0], Hq, Hkv, D, current_sm_count(op));
+  const int sms = current_sm_count(op);
+  const Plan w = plan_work(a.seqs.as<const int32_t>(), a.seqs.shape[0], Hq, Hkv, D, sms);
   if (w.items.empty()) return;
   Params p{};
   const size_t item_bytes = w.items.size() * sizeof(Item), combine_bytes = w.combines.size() * sizeof(Combine);
@@ -640,13 +690,14 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.part_o = part;
   p.part_ml = part + part_rows * D;
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
+  p.n_items = int(w.items.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
   const auto kernels = forward_kernels<T, D>(op);
   void* args[] = {&p};
   const ForwardKernel& fk = kernel_of(kernels, w);
-  check(cudaLaunchKernel(fk.fn, dim3(unsigned(w.items.size())), dim3(THREADS), args, fk.smem, stream),
+  check(cudaLaunchKernel(fk.fn, dim3(grid_of(w, sms)), dim3(THREADS), args, fk.smem, stream),
         op, "kernel launch");
   RecordedCall call;
   if (rec) call.forward = last_captured_node(stream, op);
@@ -701,7 +752,8 @@ size_t recorded_calls(const GraphRecording& r) { return r.calls.size(); }
 void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, int64_t n_seqs, cudaStream_t stream) {
   const char* op = "attention graph";
   if (r.calls.empty()) return;
-  const Plan w = plan_work(seqs, n_seqs, r.Hq, r.Hkv, int(r.D), current_sm_count(op));
+  const int sms = current_sm_count(op);
+  const Plan w = plan_work(seqs, n_seqs, r.Hq, r.Hkv, int(r.D), sms);
   if (w.items.empty() || int64_t(w.items.size()) > r.max_items || int64_t(w.combines.size()) > r.max_combines ||
       w.part_rows > r.max_part_rows)
     throw Error(op, "seqs", "the step's attention work does not fit the tables its graph was made with (cannot happen)");
@@ -722,11 +774,12 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
   if (shape == r.applied) return;
   r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
+    c.params->n_items = int(w.items.size());
     void* args[] = {c.params.get()};
     cudaKernelNodeParams k{};
     const ForwardKernel& fk = kernel_of(c.kernels, w);
     k.func = fk.fn;
-    k.gridDim = dim3(unsigned(w.items.size()));
+    k.gridDim = dim3(grid_of(w, sms));
     k.blockDim = dim3(THREADS);
     k.sharedMemBytes = fk.smem;
     k.kernelParams = args;
