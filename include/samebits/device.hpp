@@ -40,11 +40,6 @@ void copy_rows_indexed(Backend backend, const RowCopy& first, const RowCopy& sec
 // the backend's device; asynchronous on CUDA). A decode step's tokens from the step before it.
 void gather_tokens(Backend backend, int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows,
                    int64_t n);
-// A hint: `bytes` from `ptr` fetched into the device's L2 cache once the work before it in this
-// thread's device stream is done, for a kernel that reads them soon (a decode step's next weight,
-// fetched while the GPU's memory bus is otherwise idle). Changes no value; nothing waits for it.
-// Nothing on the CPU backend (nor where SAMEBITS_L2_PREFETCH=0 is set, for A/B runs).
-void prefetch_to_l2(Backend backend, const void* ptr, size_t bytes);
 void device_synchronize(Backend backend);
 
 // The stream this thread's device memory work (allocations, frees, copies, fills) is ordered on

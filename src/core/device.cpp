@@ -25,7 +25,6 @@ void copy_rows_indexed_pair(const RowCopy& first, const RowCopy& second, size_t 
                             const int32_t* src_rows, int64_t n, void* stream);
 void gather_tokens(int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows, int64_t n,
                    void* stream);
-void prefetch_to_l2(const void* ptr, size_t bytes, void* stream);
 void synchronize();
 void* stream_create();
 void stream_destroy(void* stream);
@@ -188,11 +187,6 @@ void copy_rows_indexed(Backend b, const RowCopy& first, const RowCopy& second, s
     return;
   }
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::copy_rows_indexed_pair(first, second, row_bytes, dst_rows, src_rows, n, current_stream));
-}
-
-void prefetch_to_l2(Backend b, const void* ptr, size_t bytes) {
-  if (b == Backend::cpu) return;
-  SAMEBITS_CUDA_OR_NOT_BUILT(cuda::prefetch_to_l2(ptr, bytes, current_stream));
 }
 
 void gather_tokens(Backend b, int32_t* dst, const int32_t* src, const int32_t* dst_rows, const int32_t* src_rows,

@@ -155,10 +155,6 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
                                 {"k", "self_attn.k_proj.weight", Hkv * D},
                                 {"v", "self_attn.v_proj.weight", Hkv * D}});
   const DeviceTensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
-  // The O projection's weight into L2 while QK-norm, the cache copy and attention leave the memory
-  // bus idle (a decode step at small batches): the O GEMM then reads it from there. A hint only.
-  const TensorView o_weight = W(p + "self_attn.o_proj.weight");
-  prefetch_to_l2(ctx_.backend, o_weight.data, size_t(o_weight.bytes()));
   // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
   DeviceTensor& qr = act("q_rope", {T, Hq * D});
   DeviceTensor& kr = act("k_rope", {T, Hkv * D});
@@ -213,7 +209,7 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
   at.lse = acc("attn_lse", {T, Hq}).view();
   attention_forward(ctx_, at);
   DeviceTensor& o = act("o", {T, H});
-  linear_forward(ctx_, {attn.view(), o_weight, {}, o.view(), /*weight_settled=*/true});
+  linear_forward(ctx_, {attn.view(), W(p + "self_attn.o_proj.weight"), {}, o.view(), /*weight_settled=*/true});
 
   DeviceTensor& x_mid = act("x_mid", {T, H});
   DeviceTensor& n2 = act("n2", {T, H});

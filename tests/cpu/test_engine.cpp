@@ -479,23 +479,6 @@ TEST_P(EngineOn, GatheredTokensAreTheDrawsANegativeOneAsZero) {
   for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(got.get(i), want[size_t(i)]) << "row " << i;
 }
 
-TEST_P(EngineOn, PrefetchingToL2ChangesNoByteOfAnyRange) {
-  // prefetch_to_l2 (a decode step's O weight fetched ahead): a hint that must read inside its range
-  // only and write nothing, whatever the alignment (bulk prefetches take 16-byte-aligned chunks) —
-  // an empty range, one byte, an odd range at an odd address, a range of many chunks.
-  const Backend be = backend();
-  HostTensor h(DType::u8, {int64_t(3 << 20) + 7});
-  for (int64_t i = 0; i < h.numel(); ++i) static_cast<uint8_t*>(h.data())[i] = uint8_t(i * 131 + 7);
-  DeviceTensor d = DeviceTensor::from_host(be, h);
-  const uint8_t* base = static_cast<const uint8_t*>(d.view().data);
-  prefetch_to_l2(be, base, 0);
-  prefetch_to_l2(be, base + 5, 1);
-  prefetch_to_l2(be, base + 3, 100003);
-  prefetch_to_l2(be, base + 1, size_t(h.numel()) - 1);
-  const HostTensor got = d.to_host();
-  EXPECT_EQ(std::memcmp(got.data(), h.data(), size_t(h.numel())), 0);
-}
-
 TEST_P(EngineOn, BadRequestsFailAloneNamingTheRequest) {
   const Model m = Model::builtin(false);
   EngineOptions bad_opts = opts();

@@ -32,8 +32,10 @@
 //    arithmetic), and that room as a deeper ring, so a CTA walking a span's 8 blocks has several
 //    loads ahead instead of one. It is persistent: at most one CTA an SM, each walking items
 //    blockIdx.x, + gridDim.x, … with its ring and its two Q buffers running on from one item into
-//    the next. A CTA an item left each SM's memory stream idle at every item's end (the last blocks'
-//    compute, the write, the next CTA's start and first loads): ~20% of a B = 64 decode's time.
+//    the next: a CTA an item left each SM's memory stream idle at every item's end (the last blocks'
+//    compute, the write, the next CTA's start and first loads). Measured on the H100 (Qwen3-8B
+//    shape, whole decode step): B = 64, C = 1k 1.3% faster; the attention kernel is still at ~77%
+//    of the copy bandwidth there (docs/attention.md).
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -177,15 +179,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
-    // A decode step reads each K / V block once (its column parts at the same time): evict-first in
-    // L2, so the stream of keys does not push out what the next kernels read (the O projection's
-    // weight, prefetched while attention runs: samebits/device.hpp prefetch_to_l2). Prefill tiles
-    // share blocks across CTAs: the default policy there.
-    const uint64_t kv_policy = SINGLE ? l2_policy_evict_first() : 0;
-    auto load_kv = [&](void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
-      if constexpr (SINGLE) tma_load_3d_hint(dst, map, c0, c1, c2, bar, kv_policy);
-      else tma_load_3d(dst, map, c0, c1, c2, bar);
-    };
     int n = 0, tails = 0;  // blocks loaded, tail blocks met: the ring and the tail barrier run on across items
     for (int idx = blockIdx.x, k = 0; idx < p.n_items; idx += gridDim.x, ++k) {
       const Item it = item_at(idx);
@@ -228,10 +221,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         // K before V: the consumers need K first (S = Q·Kᵀ), and a small decode waits on it.
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
           for (int b = 0; b < S::BOXES; ++b)
-            load_kv(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
+            tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
           for (int b = vb_lo; b < vb_hi; ++b)
-            load_kv(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
+            tma_load_3d(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), tail ? tail_v : &full_v[st]);
         if (tail) {  // the sequence's last block (one an item): its V rows past the end zeroed before the consumers see it
           mbar_wait(tail_v, tails++ & 1);
           const int valid = it.k_len - key0, chunks = (BN - valid) * 8;  // 16-byte pieces of a box past the end

@@ -3,9 +3,6 @@
 // SAMEBITS_REGISTER_KERNEL (src/ops/registry.hpp); until one lands, its ops report NotBuilt.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <atomic>
-
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
@@ -142,50 +139,6 @@ void gather_tokens(int32_t* dst, const int32_t* src, const int32_t* dst_rows, co
   if (n <= 0) return;
   launch_after_previous(gather_tokens_kernel, dim3(unsigned((n + 127) / 128)), dim3(128), 0, or_legacy(stream),
                         "gather tokens", dst, src, dst_rows, src_rows, n);
-}
-
-// L2 prefetch. Why a kernel of its own: a decode step at small batches leaves the memory bus idle
-// between its GEMMs (QK-norm, the cache copy, attention: ~25 µs a layer at B = 1 on the H100), and
-// the GEMM after them (the O projection) then streams its weight from DRAM. Fetching that weight
-// into L2 in the idle time lets the GEMM read it from there. The kernel waits for the kernel before
-// it (the prefetch must not compete with that one's own reads), lets the next one start at once,
-// and issues bulk prefetches (sm_90: cp.async.bulk.prefetch.L2, a 16-byte-aligned chunk each; a
-// line prefetch elsewhere), which complete on their own: nothing waits for them and no value changes.
-constexpr int PREFETCH_CTAS = 32, PREFETCH_THREADS = 32;
-
-__global__ void prefetch_l2_kernel(const uint8_t* p, size_t bytes) {
-  pdl_wait();
-  pdl_launch_dependents();
-  const size_t thread = size_t(blockIdx.x) * blockDim.x + threadIdx.x, threads = size_t(gridDim.x) * blockDim.x;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr size_t PREFETCH_CHUNK = 32 * 1024;
-  // [begin, end): the 16-byte-aligned part (a prefetch is a hint: the few bytes either side go without).
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t(15);
-  for (uintptr_t a = begin + thread * PREFETCH_CHUNK; a < end; a += threads * PREFETCH_CHUNK) {
-    const uint32_t n = uint32_t(end - a < PREFETCH_CHUNK ? end - a : PREFETCH_CHUNK);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
-  }
-#else
-  for (size_t i = thread * 128; i < bytes; i += threads * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
-#endif
-}
-
-// At most three quarters of the L2 (the rest for what the kernels between read and write): a
-// weight larger than that has its first part fetched.
-void prefetch_to_l2(const void* p, size_t bytes, void* stream) {
-  static const bool on = env_switch("SAMEBITS_L2_PREFETCH");
-  if (!on || bytes == 0 || p == nullptr) return;
-  static std::atomic<int> l2_kib[64] = {};
-  const size_t l2 = size_t(once_per_device(l2_kib, "L2 prefetch", [] {
-                      int dev = 0, l2_bytes = 0;
-                      check(cudaGetDevice(&dev), "L2 prefetch", "device");
-                      check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev), "L2 prefetch", "L2 size");
-                      return l2_bytes / 1024 > 0 ? l2_bytes / 1024 : 1;
-                    })) * 1024;
-  bytes = std::min(bytes, l2 / 4 * 3);
-  launch_after_previous(prefetch_l2_kernel, dim3(PREFETCH_CTAS), dim3(PREFETCH_THREADS), 0, or_legacy(stream),
-                        "L2 prefetch", static_cast<const uint8_t*>(p), bytes);
 }
 
 void fill(void* p, int byte, size_t bytes, void* stream) {
