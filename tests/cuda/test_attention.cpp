@@ -262,13 +262,30 @@ TEST_F(CudaAttention, PagedCacheGivesTheSameBits) {
     expect_same_bits(chunk.out, whole.out.slice_rows(1000, 1100), what + ": chunk at 1000");
     std::vector<SeqRow> batch;
     for (size_t i = 0; i < steps.size(); ++i) batch.push_back({int32_t(i), 1, 0, steps[i] + 1});
-    for (int ctas : {0, 2}) {  // 2: the persistent kernel's CTAs walking several paged items each
+    const Fwd decode = run_gpu(qb, pk, pv, batch, &many, ps);
+    for (size_t i = 0; i < steps.size(); ++i)
+      expect_same_bits(decode.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(steps[i], steps[i] + 1),
+                       what + ": decode at " + std::to_string(steps[i]));
+    // The steps 12 times over (too many items for O-column parts): the persistent kernel, its CTAs
+    // walking many paged items each — over the SMs and over 2 CTAs.
+    const size_t reps = 12, n = reps * steps.size();
+    HostTensor qr(s.dt, {int64_t(n), s.hq, s.d});
+    std::vector<SeqRow> rows;
+    for (size_t i = 0; i < n; ++i) {
+      qr.copy_rows_from(q, steps[i % steps.size()], int64_t(i), 1);
+      rows.push_back({int32_t(i), 1, 0, steps[i % steps.size()] + 1});
+    }
+    const HostTensor tables = table_for(n);
+    for (int ctas : {0, 2}) {
       detail::attention_persistent_ctas_override() = ctas;
-      const Fwd decode = run_gpu(qb, pk, pv, batch, &many, ps);
+      const Fwd wide = run_gpu(qr, pk, pv, rows, &tables, ps);
       detail::attention_persistent_ctas_override() = 0;
-      for (size_t i = 0; i < steps.size(); ++i)
-        expect_same_bits(decode.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(steps[i], steps[i] + 1),
-                         what + ": decode at " + std::to_string(steps[i]) + ", CTAs " + std::to_string(ctas));
+      for (size_t i = 0; i < n; ++i) {
+        const int32_t t = steps[i % steps.size()];
+        expect_same_bits(wide.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
+                         what + ": decode among " + std::to_string(n) + " at " + std::to_string(t) + ", CTAs " +
+                             std::to_string(ctas));
+      }
     }
   }
 }

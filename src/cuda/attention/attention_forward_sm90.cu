@@ -120,8 +120,8 @@ template <int D, int PARTS, bool SINGLE>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int ON = D / PARTS, V_BOXES = (ON + 63) / 64;
-  // Q buffers of 64 rows: one a consumer, or (SINGLE) one an item, two in turn — the next item's Q
-  // loads while the current item's blocks are consumed.
+  // Q buffers of 64 rows: one a consumer, or (the persistent kernel) one an item, two in turn — the
+  // next item's Q loads while the current item's blocks are consumed.
   static constexpr int Q_BUFFERS = 2;
   static constexpr int Q_BYTES = Q_BUFFERS * 64 * D * 2, K_BYTES = BOXES * BN * 128, V_BYTES = V_BOXES * BN * 128;
   static constexpr int O_BYTES = SINGLE ? 0 : BM * D * 4;
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint8_t* sv = sk + STAGES * S::K_BYTES;
   float* so = reinterpret_cast<float*>(sv + STAGES * S::V_BYTES);  // the running O (not in SINGLE)
   uint64_t* full_q = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(so) + S::O_BYTES);
-  uint64_t* q_empty = full_q + S::Q_BUFFERS;  // SINGLE: the buffer's item has done its last S = Q·Kᵀ
+  uint64_t* q_empty = full_q + S::Q_BUFFERS;  // persistent kernel: the buffer's item has done its last S = Q·Kᵀ
   uint64_t* full_k = q_empty + S::Q_BUFFERS;
   uint64_t* full_v = full_k + STAGES;
   uint64_t* empty = full_v + STAGES;
@@ -159,6 +159,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // single-span kernel's items have at most 64 rows: one consumer.
   const int consumers = !SINGLE && item_at(blockIdx.x).rows > 64 ? 2 : 1;
   constexpr int ON = D / PARTS;  // O's columns this CTA computes
+  // Which items this CTA walks: blockIdx.x, + gridDim.x, … in the persistent kernel (single-span,
+  // whole columns); its own alone elsewhere (a grid of O-column parts is at most half the SMs, and
+  // the general kernel's grid is its items) — a loop the compiler sees run once.
+  constexpr bool PERSISTENT = SINGLE && PARTS == 1;
+  const int items_end = PERSISTENT ? p.n_items : int(blockIdx.x) + 1, items_step = PERSISTENT ? int(gridDim.x) : 1;
   if (threadIdx.x == 0) {
     for (int b = 0; b < S::Q_BUFFERS; ++b) {
       mbar_init(&full_q[b], 1);
@@ -180,16 +185,16 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     int n = 0, tails = 0;  // blocks loaded, tail blocks met: the ring and the tail barrier run on across items
-    for (int idx = blockIdx.x, k = 0; idx < p.n_items; idx += gridDim.x, ++k) {
+    for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
       const Item it = item_at(idx);
       const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
       const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
       if (lane == 0) {
-        // Q: a buffer a consumer (the general kernel), or (SINGLE) the item's of two in turn, once the
-        // item two before it has done its last S.
+        // Q: a buffer a consumer, or (the persistent kernel) the item's of two in turn, once the item
+        // two before it has done its last S.
         for (int c = 0; c < consumers; ++c) {
-          const int qb = SINGLE ? k & 1 : c;
-          if (SINGLE && k >= 2) mbar_wait(&q_empty[qb], ((k >> 1) - 1) & 1);
+          const int qb = PERSISTENT ? k & 1 : c;
+          if (PERSISTENT && k >= 2) mbar_wait(&q_empty[qb], ((k >> 1) - 1) & 1);
           mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
           for (int b = 0; b < S::BOXES; ++b) {
             uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
   int n = 0;  // blocks consumed (the ring's count runs on across items)
-  for (int idx = blockIdx.x, k = 0; idx < p.n_items; idx += gridDim.x, ++k) {
+  for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
     const Item it = item_at(idx);
     const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
     const bool writes_stats = PARTS == 1 || it.d_split == 1;
@@ -263,8 +268,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
     float o[ON / 2];
-    const int qb = SINGLE ? k & 1 : c;
-    mbar_wait(&full_q[qb], SINGLE ? (k >> 1) & 1 : 0);
+    const int qb = PERSISTENT ? k & 1 : c;
+    mbar_wait(&full_q[qb], PERSISTENT ? (k >> 1) & 1 : 0);
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
 
     // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
@@ -381,7 +386,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (SINGLE && t == 0) mbar_arrive(&q_empty[qb]);  // its products are done: the buffer may take item k + 2's Q
+    if (PERSISTENT && t == 0) mbar_arrive(&q_empty[qb]);  // its products are done: the buffer may take item k + 2's Q
 
     // Write this thread's two rows: the final out / lse, or the span's unfolded state.
     auto write_row = [&](int row, bool second) {
@@ -529,14 +534,15 @@ Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D,
 
 int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
 
-// The grid: a CTA an item, but for the single-span kernel (persistent) at most one an SM — or the
+// The grid: a CTA an item, but for the single-span kernel of whole O columns (persistent) at most
+// one an SM — or the
 // test hook's count (items shared by few CTAs), or a CTA an item where SAMEBITS_PERSISTENT_DECODE=0
 // (A/B runs). Which CTA walks an item never changes its arithmetic.
 unsigned grid_of(const Plan& w, int sms) {
   static const bool persistent = env_switch("SAMEBITS_PERSISTENT_DECODE");
   const int forced = detail::attention_persistent_ctas_override();
   size_t g = w.items.size();
-  if (w.single && (persistent || forced > 0)) g = std::min(g, size_t(forced > 0 ? forced : sms));
+  if (w.single && w.parts == 1 && (persistent || forced > 0)) g = std::min(g, size_t(forced > 0 ? forced : sms));
   return unsigned(g);
 }
 
