@@ -45,6 +45,7 @@ def cases(grad):
     q, k, v = t(T, Hq, D), t(T, Hkv, D), t(T, Hkv, D)
     qs, ks, vs = (a.detach().transpose(0, 1).unsqueeze(0).requires_grad_(grad) for a in (q, k, v))
     logits, targets = t(T, V, dtype=torch.float32), torch.randint(0, V, (T,), device=dev)
+    targets32 = targets.to(torch.int32)  # int64 ids are range-checked on the device first (a synchronisation)
     return [
         ("linear", lambda: sbt.linear(x, w), lambda: F.linear(x, w)),
         ("rms_norm", lambda: sbt.rms_norm(x, nw), lambda: F.rms_norm(x, (H,), nw, 1e-6)),
@@ -53,7 +54,7 @@ def cases(grad):
         ("embedding", lambda: sbt.embedding(ids, table), lambda: F.embedding(ids, table)),
         ("attention", lambda: sbt.attention(q, k, v, [T]),
          lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)),
-        ("token_logprobs", lambda: sbt.token_logprobs(logits, targets),
+        ("token_logprobs", lambda: sbt.token_logprobs(logits, targets32),
          lambda: torch.log_softmax(logits, -1).gather(-1, targets[:, None])),
     ]
 
