@@ -97,3 +97,45 @@ def test_patch_refuses_what_the_chain_does_not_take():
         model(torch.arange(10, device=DEV), [4, 5])
     with pytest.raises(samebits.Error, match="at least one token"):
         model(torch.arange(4, device=DEV), [4, 0])
+
+
+def test_patched_model_under_fsdp2_gives_the_unsharded_bits(tmp_path):
+    """FSDP2 (fully_shard on every decoder layer and the root) on one rank: the hooks unshard the
+    parameters around each module's forward and backward, the patched forwards read them as the
+    model's own — the logprobs and the gradients are the unsharded model's bit for bit. (Two ranks:
+    tests/torch/fsdp_two_ranks.py under torchrun, on a 2-GPU machine.)"""
+    import datetime
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available")
+    from torch.distributed.fsdp import fully_shard
+
+    model = samebits.hf.patch(model_of("qwen3"))
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in SEQS]
+    adv = (1.0, -0.5, 2.0, 0.25, 3.0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logps = model.token_logprobs(seqs)
+        sum(a * lp.sum() for a, lp in zip(adv, logps)).backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[n] = g.detach().clone()
+        return torch.cat([x.detach() for x in logps]), grads
+
+    want_logp, want = run()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        got_logp, got = run()
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(bits(got_logp), bits(want_logp))
+    for n in want:
+        assert torch.equal(bits(got[n]), bits(want[n])), n
