@@ -139,3 +139,19 @@ def test_patched_model_under_fsdp2_gives_the_unsharded_bits(tmp_path):
     assert torch.equal(bits(got_logp), bits(want_logp))
     for n in want:
         assert torch.equal(bits(got[n]), bits(want[n])), n
+
+
+def test_patched_model_under_fsdp2_on_two_ranks():
+    """The two-rank check (tests/torch/fsdp_two_ranks.py) under torchrun: the chain's logprobs on every
+    rank, gradients bitwise the same run to run and near the single-GPU ones. Needs two GPUs."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (a 2-GPU machine)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(here, "fsdp_two_ranks.py")], capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
