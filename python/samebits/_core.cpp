@@ -493,8 +493,7 @@ class PyChain {
   Chain chain_;
 };
 
-py::dict config_of(const Model& m) {
-  const ModelConfig& c = m.config();
+py::dict config_dict(const ModelConfig& c) {
   py::dict d;
   d["architecture"] = c.architecture;
   d["vocab_size"] = c.vocab_size;
@@ -506,8 +505,24 @@ py::dict config_of(const Model& m) {
   d["head_dim"] = c.head_dim;
   d["tie_word_embeddings"] = c.tie_word_embeddings;
   d["dtype"] = dtype_name(c.dtype);
+  d["rms_norm_eps"] = c.rms_norm_eps;
+  d["qk_norm"] = c.qk_norm;
+  d["rope_theta"] = c.rope.theta;
+  if (c.rope.llama3_scaling) {
+    py::dict r;
+    r["rope_type"] = "llama3";
+    r["factor"] = c.rope.factor;
+    r["low_freq_factor"] = c.rope.low_freq_factor;
+    r["high_freq_factor"] = c.rope.high_freq_factor;
+    r["original_max_position_embeddings"] = c.rope.original_max_position;
+    d["rope_scaling"] = r;
+  } else {
+    d["rope_scaling"] = py::none();
+  }
   return d;
 }
+
+py::dict config_of(const Model& m) { return config_dict(m.config()); }
 
 // The generation engine: SamplingParams, Completion, Engine — generate (prompts -> completions per
 // prompt) and the step-level door (submit / step / run) the benchmarks and custom loops drive. A bad
@@ -715,6 +730,11 @@ PYBIND11_MODULE(_core, m) {
     if (kind == "runtime") throw std::runtime_error("a runtime_error");
     throw Error("_raise_for_test", "kind", "unknown kind '" + kind + "'");
   });
+  m.def(
+      "config_of_json", [](const std::string& text) { return config_dict(ModelConfig::from_json(text)); },
+      py::arg("text"),
+      "A config.json's model as the chain reads it (architecture, sizes, eps, RoPE); raises samebits.Error "
+      "on one it does not take.");
   m.def("version", [] { return std::string("0.1.0"); });
   m.def("backends", [] {
     std::vector<std::string> b{"cpu"};

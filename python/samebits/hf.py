@@ -328,4 +328,6 @@ def logprobs(hf_model, sequences, entropy: bool = False, backend: str = "auto"):
     return Scorer(hf_model, backend).logprobs(sequences, entropy)
 
 
-__all__ = ["Generator", "Rollout", "Scorer", "logprobs", "model_of"]
+from ._patch import patch  # noqa: E402 (the module mode: samebits' ops inside the model's own modules)
+
+__all__ = ["Generator", "Rollout", "Scorer", "logprobs", "model_of", "patch"]

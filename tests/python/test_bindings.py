@@ -1,5 +1,6 @@
 """The Python bindings on the CPU backend: bitwise invariance through the Python API, accuracy of
 the ops against an fp64 NumPy reference, and clear exceptions for bad input."""
+import json
 import math
 import os
 import tempfile
@@ -32,6 +33,26 @@ def test_model_config_and_round_trip(model):
         a = samebits.Chain(model, "cpu").logprobs(s)
         b = samebits.Chain(again, "cpu").logprobs(s)
         assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def test_config_of_json_reads_a_config_as_the_chain_does():
+    # samebits.hf.patch reads a transformers config through this (the chain's own parser): eps, the
+    # architecture's QK-norm, RoPE theta and Llama-3 scaling (transformers 4 and 5 spellings).
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5}
+    q = samebits._core.config_of_json(json.dumps(dict(base, model_type="qwen3", head_dim=32, rope_theta=1e6)))
+    assert q["qk_norm"] and q["rope_scaling"] is None and q["rope_theta"] == 1e6 and q["rms_norm_eps"] == 1e-5
+    assert q["head_dim"] == 32
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    for spelling in ({"rope_theta": 5e5, "rope_scaling": scaling}, {"rope_parameters": dict(scaling, rope_theta=5e5)}):
+        ll = samebits._core.config_of_json(json.dumps(dict(base, model_type="llama", **spelling)))
+        assert not ll["qk_norm"] and ll["rope_theta"] == 5e5 and ll["rope_scaling"] == scaling
+        assert ll["head_dim"] == 16
+    with pytest.raises(samebits.Error, match="attention_bias"):
+        samebits._core.config_of_json(json.dumps(dict(base, model_type="qwen3", attention_bias=True)))
+    with pytest.raises(samebits.Error, match="rope_type"):
+        samebits._core.config_of_json(json.dumps(dict(base, model_type="llama", rope_scaling={"rope_type": "yarn"})))
 
 
 def test_a_sequence_has_the_same_bits_alone_and_in_any_batch(chain, model):

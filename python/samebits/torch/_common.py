@@ -41,12 +41,26 @@ def _desc(t: Optional[Tensor], op: str, arg: str):
     return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t.device.type, t)
 
 
+# torch's current stream of a device as the raw handle, without making a torch.cuda.Stream object
+# (the call's host time: issue 29); the public path where this torch lacks the private one.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_NO_SWITCH = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
 def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(t.device.index)
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _device(t: Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """The tensor's device made current for the call: a switch only where another one is current
+    (entering torch.cuda.device costs as much as the rest of a small op's host work)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_SWITCH
 
 
 def _int32(t: Tensor, op: str, arg: str) -> Tensor:

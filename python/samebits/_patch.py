@@ -1,0 +1,148 @@
+"""samebits.hf.patch: a transformers Qwen3 / Llama model that runs samebits' ops, in the model chain's
+order, inside its own modules.
+
+    model = samebits.hf.patch(model)                  # in place; returns the model
+    logps = model.token_logprobs(sequences)           # per sequence [len - 1], differentiable
+    logp, entropy = model(input_ids, lengths)         # the packed door: one row a token
+
+Why it is shaped this way. samebits.hf.Scorer runs the C++ chain beside the module: nothing of
+PyTorch's training machinery reaches it. Here the model stays an ordinary nn.Module whose own
+forwards call samebits.torch ops (each a torch custom op with its own backward), so FSDP2
+(fully_shard on the decoder layers and the root), DDP, activation checkpointing, hooks and
+optimizers apply as to the stock model. The forwards are the chain's, step for step: the embedding;
+per layer the input norm (fused with the residual add from the second layer on), q / k / v, QK-norm
+fused with RoPE (Qwen3) or RoPE (Llama), packed causal attention, o, the residual add fused with the
+post-attention norm, gate / up, SwiGLU, down; the final residual add fused with the final norm; the
+LM head fused with the selected logprob. Each op's bits are the chain's op's (the same kernels, and a
+row's bits never depend on the other rows), so the logprobs equal Chain.logprobs,
+Scorer.token_logprobs and the generation engine's bit for bit.
+
+A decoder layer's forward takes and returns the residual stream as a pair (down, x_mid) of the
+packed rows [T, hidden]: the add that joins them is fused with the next layer's input norm, as in
+the chain, so each layer owns its own norm's weight (FSDP2 shards a layer with its weights).
+Sequences are packed back to back (no padding): `lengths` gives them, positions restart at 0 in
+each. Weight gradients are those of the ops' own backwards (fp32 accumulators rounded once to the
+parameter's dtype a call): within fp32 rounding of the chain's backward, which sums a whole batch's
+terms before one rounding.
+"""
+import json
+import types
+
+import torch
+
+from . import _core
+from . import torch as sbt
+
+
+class _Shape:
+    """What a patched layer reads besides its weights: the chain's view of the model's config."""
+
+    def __init__(self, config):
+        self.eps = float(config["rms_norm_eps"])
+        self.qk_norm = bool(config["qk_norm"])
+        self.theta = float(config["rope_theta"])
+        self.rope_scaling = config["rope_scaling"]
+        self.heads, self.kv_heads, self.head_dim = config["num_heads"], config["num_kv_heads"], config["head_dim"]
+
+
+def _config(hf_model):
+    """The transformers config as the C++ chain reads it (the same parser: same eps, RoPE, sizes)."""
+    config = json.loads(hf_model.config.to_json_string())
+    config.pop("dtype", None)
+    dtype = next(hf_model.parameters()).dtype
+    config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+    return _core.config_of_json(json.dumps(config))
+
+
+def _linear(x, module):
+    return sbt.linear(x, module.weight, module.bias)
+
+
+def _layer_forward(self, x, residual, positions, lengths):
+    """One decoder layer, the chain's ops in the chain's order. x: the previous layer's down
+    projection (or the embedding's rows when residual is None), residual: its x_mid. Returns this
+    layer's (down, x_mid)."""
+    c = self._samebits_shape
+    if residual is None:  # the first layer: its input norm over the embedding's rows
+        n1, x_in = sbt.rms_norm(x, self.input_layernorm.weight, c.eps), x
+    else:
+        n1, x_in = sbt.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps)
+    attn, T = self.self_attn, n1.shape[0]
+    q = _linear(n1, attn.q_proj).view(T, c.heads, c.head_dim)
+    k = _linear(n1, attn.k_proj).view(T, c.kv_heads, c.head_dim)
+    v = _linear(n1, attn.v_proj).view(T, c.kv_heads, c.head_dim)
+    if c.qk_norm:  # Qwen3: QK-norm fused with RoPE
+        q = sbt.qk_norm(q, attn.q_norm.weight, c.eps, positions, c.theta, c.rope_scaling)
+        k = sbt.qk_norm(k, attn.k_norm.weight, c.eps, positions, c.theta, c.rope_scaling)
+    else:
+        q = sbt.rope(q, positions, c.theta, c.rope_scaling)
+        k = sbt.rope(k, positions, c.theta, c.rope_scaling)
+    o = _linear(sbt.attention(q, k, v, lengths).reshape(T, c.heads * c.head_dim), attn.o_proj)
+    n2, x_mid = sbt.add_rms_norm(o, x_in, self.post_attention_layernorm.weight, c.eps)
+    mlp = self.mlp
+    down = _linear(sbt.swiglu(_linear(n2, mlp.gate_proj), _linear(n2, mlp.up_proj)), mlp.down_proj)
+    return down, x_mid
+
+
+def _packed(input_ids, lengths, device):
+    """int32 ids [T], positions [T] (restarting at 0 in each sequence) and targets [T] (the next
+    token of the same sequence; -100 on each sequence's last row: not scored), on `device`."""
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 1:
+        raise _core.Error("samebits.hf.patch: lengths: every sequence needs at least one token")
+    ids = input_ids.reshape(-1)
+    if ids.numel() != sum(lengths):
+        raise _core.Error(f"samebits.hf.patch: input_ids holds {ids.numel()} tokens, lengths sum to {sum(lengths)}")
+    ids = sbt._int32(ids.to(device), "patch", "input_ids")
+    positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths]).to(device)
+    targets = torch.empty_like(ids)
+    targets[:-1] = ids[1:]
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    targets[ends.to(device)] = -100
+    return ids, positions, targets
+
+
+def _model_forward(self, input_ids, lengths):
+    """(logp, entropy) float32 [T] of each packed row's next token (0 on each sequence's last row)."""
+    inner = self.model
+    c = self._samebits_shape
+    device = inner.embed_tokens.weight.device
+    ids, positions, targets = _packed(input_ids, lengths, device)
+    x, residual = sbt.embedding(ids, inner.embed_tokens.weight), None
+    for layer in inner.layers:
+        x, residual = layer(x, residual, positions, lengths)
+    hidden, _ = sbt.add_rms_norm(x, residual, inner.norm.weight, c.eps)
+    return sbt.lm_head_logprobs(hidden, self.lm_head.weight, targets)
+
+
+def _token_logprobs(self, sequences, entropy: bool = False):
+    """Per sequence a float32 tensor [len - 1]: log p(token i | tokens < i) for i = 1 … len - 1 (bit
+    for bit Scorer.token_logprobs'), differentiable; with entropy, also the entropies."""
+    seqs = [torch.as_tensor(s).reshape(-1) for s in sequences]
+    lengths = [int(s.numel()) for s in seqs]
+    logp, ent = self(torch.cat(seqs), lengths)
+    keep = [n - 1 for n in lengths]
+    rows = torch.cat([torch.arange(at, at + n) for at, n in zip(torch.tensor([0] + lengths).cumsum(0).tolist(), keep)])
+    rows = rows.to(logp.device)
+    logps = list(logp.index_select(0, rows).split(keep))
+    return (logps, list(ent.index_select(0, rows).split(keep))) if entropy else logps
+
+
+def patch(hf_model):
+    """Make a transformers Qwen3 / Llama causal LM (on the GPU or the CPU, bf16 / fp16 / fp32) run
+    samebits' ops in the chain's order inside its own modules; in place. The model's forward
+    becomes model(input_ids, lengths) -> (logp, entropy) over packed rows, and
+    model.token_logprobs(sequences) gives per-sequence logprobs. Raises samebits.Error on a model
+    the chain does not take (another architecture, biases, RoPE scaling other than Llama-3's)."""
+    config = _config(hf_model)
+    shape = _Shape(config)
+    inner = getattr(hf_model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(hf_model, "lm_head"):
+        raise _core.Error("samebits.hf.patch: expects a transformers *ForCausalLM (model.model.layers, lm_head)")
+    for layer in inner.layers:
+        layer._samebits_shape = shape
+        layer.forward = types.MethodType(_layer_forward, layer)
+    hf_model._samebits_shape = shape
+    hf_model.forward = types.MethodType(_model_forward, hf_model)
+    hf_model.token_logprobs = types.MethodType(_token_logprobs, hf_model)
+    return hf_model

@@ -1,0 +1,157 @@
+"""samebits.hf.patch on a GPU (skipped elsewhere): a transformers model whose own modules run samebits'
+ops in the chain's order gives the chain's logprobs bit for bit — alone, in a batch, under
+activation checkpointing — and gradients close to the chain's, while it stays an nn.Module."""
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+import samebits  # noqa: E402
+import samebits.hf  # noqa: E402
+from tiny_models import DEV, bits, llama3, qwen3  # noqa: E402
+
+SEQS = [17, 64, 5, 130, 2]
+
+
+def model_of(arch, tied=False):
+    torch.manual_seed(5)
+    if arch == "qwen3":
+        return qwen3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64, tied=tied)
+    return llama3(transformers, vocab=4096, hidden=512, mlp=1024, heads=8, kv_heads=2, head_dim=64)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen3", False), ("qwen3", True), ("llama", False)])
+def test_patched_logprobs_are_the_chains_bit_for_bit_alone_and_in_a_batch(arch, tied):
+    model = model_of(arch, tied)
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in SEQS]
+    with torch.no_grad():
+        want = samebits.hf.Scorer(model).token_logprobs(seqs)
+    assert samebits.hf.patch(model) is model
+    assert isinstance(model, torch.nn.Module)
+    with torch.no_grad():
+        batch = model.token_logprobs(seqs)
+        alone = [model.token_logprobs([s])[0] for s in seqs]
+    for i, s in enumerate(seqs):
+        assert batch[i].shape == (len(s) - 1,)
+        assert torch.equal(bits(batch[i]), bits(want[i])), f"sequence {i} in the batch"
+        assert torch.equal(bits(alone[i]), bits(want[i])), f"sequence {i} alone"
+
+
+def test_patched_gradients_are_the_same_under_activation_checkpointing_and_close_to_the_chains():
+    model = model_of("qwen3")
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in SEQS]
+    adv = (1.0, -0.5, 2.0, 0.25, 3.0)
+    scorer = samebits.hf.Scorer(model)
+    sum(a * lp.sum() for a, lp in zip(adv, scorer.token_logprobs(seqs))).backward()
+    chain = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    samebits.hf.patch(model)
+    model.train()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        logps = model.token_logprobs(seqs)
+        sum(a * lp.sum() for a, lp in zip(adv, logps)).backward()
+        return torch.cat([x.detach() for x in logps]), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain_logp, plain = grads()
+    # torch's own activation checkpointing on every layer: the layer's forward runs again in the
+    # backward (counted), and every bit is the same.
+    from torch.distributed._composable import checkpoint
+    calls = [0]
+    layer0 = model.model.layers[0]
+    patched_forward = layer0.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return patched_forward(*args, **kwargs)
+
+    layer0.forward = counted
+    for layer in model.model.layers:
+        checkpoint(layer)
+    ckpt_logp, ckpt = grads()
+    assert calls[0] == 2, f"layer 0's forward ran {calls[0]} times (checkpointing reruns it once in the backward)"
+    assert torch.equal(bits(ckpt_logp), bits(plain_logp))
+    for n in plain:
+        assert torch.equal(bits(ckpt[n]), bits(plain[n])), n
+    worst = max(rel(plain[n].float(), chain[n]) for n in chain)
+    print(f"patched model: worst weight-gradient rel. L2 against the chain's backward: {worst:.3g}")
+    assert worst < 0.05
+
+
+def test_patch_refuses_what_the_chain_does_not_take():
+    model = model_of("qwen3")
+    model.config.attention_bias = True
+    with pytest.raises(samebits.Error, match="attention_bias"):
+        samebits.hf.patch(model)
+    model.config.attention_bias = False
+    samebits.hf.patch(model)
+    with pytest.raises(samebits.Error, match="lengths sum"):
+        model(torch.arange(10, device=DEV), [4, 5])
+    with pytest.raises(samebits.Error, match="at least one token"):
+        model(torch.arange(4, device=DEV), [4, 0])
+
+
+def test_patched_model_under_fsdp2_gives_the_unsharded_bits(tmp_path):
+    """FSDP2 (fully_shard on every decoder layer and the root) on one rank: the hooks unshard the
+    parameters around each module's forward and backward, the patched forwards read them as the
+    model's own — the logprobs and the gradients are the unsharded model's bit for bit. (Two ranks:
+    tests/torch/fsdp_two_ranks.py under torchrun, on a 2-GPU machine.)"""
+    import datetime
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available")
+    from torch.distributed.fsdp import fully_shard
+
+    model = samebits.hf.patch(model_of("qwen3"))
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in SEQS]
+    adv = (1.0, -0.5, 2.0, 0.25, 3.0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logps = model.token_logprobs(seqs)
+        sum(a * lp.sum() for a, lp in zip(adv, logps)).backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[n] = g.detach().clone()
+        return torch.cat([x.detach() for x in logps]), grads
+
+    want_logp, want = run()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        got_logp, got = run()
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(bits(got_logp), bits(want_logp))
+    for n in want:
+        assert torch.equal(bits(got[n]), bits(want[n])), n
+
+
+def test_patched_model_under_fsdp2_on_two_ranks():
+    """The two-rank check (tests/torch/fsdp_two_ranks.py) under torchrun: the chain's logprobs on every
+    rank, gradients bitwise the same run to run and near the single-GPU ones. Needs two GPUs."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (a 2-GPU machine)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(here, "fsdp_two_ranks.py")], capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
