@@ -24,6 +24,13 @@ Sequences are packed back to back (no padding): `lengths` gives them, positions 
 each. Weight gradients are those of the ops' own backwards (fp32 accumulators rounded once to the
 parameter's dtype a call): within fp32 rounding of the chain's backward, which sums a whole batch's
 terms before one rounding.
+
+What the patched forwards bypass: the submodules' own calls (q_proj, mlp, embed_tokens, norm,
+lm_head, …) — their hooks do not fire, an adapter that wraps them (PEFT LoRA) is not applied, and an
+FSDP2 unit must be a decoder layer or the root (a unit on embed_tokens or lm_head alone would be
+read sharded). Activation checkpointing: torch's (`torch.distributed._composable.checkpoint`, or
+wrappers applied after patch) or transformers' gradient_checkpointing_enable where its decoder
+layers are GradientCheckpointingLayers; a wrapper applied before patch has its forward replaced.
 """
 import json
 import types
@@ -85,8 +92,9 @@ def _layer_forward(self, x, residual, positions, lengths):
 
 
 def _packed(input_ids, lengths, device):
-    """int32 ids [T], positions [T] (restarting at 0 in each sequence) and targets [T] (the next
-    token of the same sequence; -100 on each sequence's last row: not scored), on `device`."""
+    """The lengths as a list of ints, int32 ids [T], positions [T] (restarting at 0 in each sequence)
+    and targets [T] (the next token of the same sequence; -100 on each sequence's last row: not
+    scored), on `device`."""
     lengths = [int(n) for n in lengths]
     if not lengths or min(lengths) < 1:
         raise _core.Error("samebits.hf.patch: lengths: every sequence needs at least one token")
@@ -99,7 +107,7 @@ def _packed(input_ids, lengths, device):
     targets[:-1] = ids[1:]
     ends = torch.tensor(lengths).cumsum(0) - 1
     targets[ends.to(device)] = -100
-    return ids, positions, targets
+    return lengths, ids, positions, targets
 
 
 def _model_forward(self, input_ids, lengths):
@@ -107,7 +115,9 @@ def _model_forward(self, input_ids, lengths):
     inner = self.model
     c = self._samebits_shape
     device = inner.embed_tokens.weight.device
-    ids, positions, targets = _packed(input_ids, lengths, device)
+    # The layers get the lengths as the checked list (a tensor or a generator would be walked again
+    # in every layer, a CUDA tensor with a synchronisation per sequence).
+    lengths, ids, positions, targets = _packed(input_ids, lengths, device)
     x, residual = sbt.embedding(ids, inner.embed_tokens.weight), None
     for layer in inner.layers:
         x, residual = layer(x, residual, positions, lengths)
@@ -119,6 +129,8 @@ def _token_logprobs(self, sequences, entropy: bool = False):
     """Per sequence a float32 tensor [len - 1]: log p(token i | tokens < i) for i = 1 … len - 1 (bit
     for bit Scorer.token_logprobs'), differentiable; with entropy, also the entropies."""
     seqs = [torch.as_tensor(s).reshape(-1) for s in sequences]
+    if not seqs:
+        raise _core.Error("samebits.hf.patch: token_logprobs: no sequences")
     lengths = [int(s.numel()) for s in seqs]
     logp, ent = self(torch.cat(seqs), lengths)
     keep = [n - 1 for n in lengths]

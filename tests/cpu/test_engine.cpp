@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ops/sampling_rule.hpp"
+#include "ops/tuning.hpp"
 #include "core/captured_graph.hpp"
 #include "model/decode_graphs.hpp"
 #include "samebits/device.hpp"
@@ -150,6 +151,13 @@ TEST_P(EngineOn, ARequestsBitsDoNotDependOnWhatElseRuns) {
   for (auto& c : alone) EXPECT_EQ(c.finish_reason, "length");
   expect_same(run_target(m, opts(), {}), alone, "a second run");
   expect_same(run_target(m, opts(), others(63, 1)), alone, "among 63 others");
+  {  // CUDA: the persistent decode attention over 3 CTAs, each walking ~44 items (graphs: re-planned each step)
+    struct Reset {
+      ~Reset() { detail::attention_persistent_ctas_override() = 0; }
+    } reset;
+    detail::attention_persistent_ctas_override() = 3;
+    expect_same(run_target(m, opts(), others(63, 1)), alone, "among 63 others, the decode attention on 3 CTAs");
+  }
   expect_same(run_target(m, opts(), others(20, 2), 7, others(10, 3)), alone, "arriving while others decode");
   for (int64_t budget : {1, 7, 64, 4096}) {
     EngineOptions o = opts();

@@ -97,6 +97,8 @@ def test_patch_refuses_what_the_chain_does_not_take():
         model(torch.arange(10, device=DEV), [4, 5])
     with pytest.raises(samebits.Error, match="at least one token"):
         model(torch.arange(4, device=DEV), [4, 0])
+    with pytest.raises(samebits.Error, match="no sequences"):
+        model.token_logprobs([])
 
 
 def test_patched_model_under_fsdp2_gives_the_unsharded_bits(tmp_path):
