@@ -535,9 +535,8 @@ Plan plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv, int D,
 int kernel_index(int parts) { return parts == 4 ? 2 : parts == 2 ? 1 : 0; }
 
 // The grid: a CTA an item, but for the single-span kernel of whole O columns (persistent) at most
-// one an SM — or the
-// test hook's count (items shared by few CTAs), or a CTA an item where SAMEBITS_PERSISTENT_DECODE=0
-// (A/B runs). Which CTA walks an item never changes its arithmetic.
+// one an SM — or the test hook's count (items shared by few CTAs), or a CTA an item where
+// SAMEBITS_PERSISTENT_DECODE=0 (A/B runs). Which CTA walks an item never changes its arithmetic.
 unsigned grid_of(const Plan& w, int sms) {
   static const bool persistent = env_switch("SAMEBITS_PERSISTENT_DECODE");
   const int forced = detail::attention_persistent_ctas_override();
