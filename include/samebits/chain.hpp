@@ -142,7 +142,8 @@ struct ChainForward {
   // backward and for drift reports.
   ActivationTrace trace;
   ForwardKeep keep = ForwardKeep::all;
-  bool activations_kept = true;  // false: made by Chain::score (or a cached step); no backward takes it
+  // false: made by Chain::score (or a cached step); no backward takes it.
+  bool activations_kept() const { return keep != ForwardKeep::none; }
   const DeviceTensor& at(const std::string& name) const;
 };
 

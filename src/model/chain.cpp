@@ -232,7 +232,6 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   f.model = &model_;
   f.backend = ctx_.backend;
   f.keep = keep;
-  f.activations_kept = keep != ForwardKeep::none;
   auto act = [&](const std::string& name, std::vector<int64_t> shape) -> DeviceTensor& {
     return record(f.trace, name, act_, std::move(shape));
   };
@@ -476,7 +475,7 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
   if (f.model != &model_ || f.backend != ctx_.backend)
     throw Error("Chain::backward", "forward", "was made by a chain over another model or on another backend: run the "
                                               "backward on the chain that ran the forward");
-  if (!f.activations_kept)
+  if (!f.activations_kept())
     throw Error("Chain::backward", "forward", "kept no activations (Chain::score or a cached step): run forward() for a backward");
   if (int64_t(f.logp.size()) != T) throw Error("Chain::backward", "forward", "was made for another batch (its rows differ)");
   if (int64_t(dlogp.size()) != T) throw Error("Chain::backward", "dlogp", "needs one entry per row");

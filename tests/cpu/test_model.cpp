@@ -468,8 +468,8 @@ TEST(Model, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
     ASSERT_EQ(scored.logp.size(), full.logp.size());
     EXPECT_EQ(std::memcmp(scored.logp.data(), full.logp.data(), full.logp.size() * sizeof(double)), 0);
     EXPECT_EQ(std::memcmp(scored.entropy.data(), full.entropy.data(), full.entropy.size() * sizeof(double)), 0);
-    EXPECT_TRUE(full.activations_kept);
-    EXPECT_FALSE(scored.activations_kept);
+    EXPECT_TRUE(full.activations_kept());
+    EXPECT_FALSE(scored.activations_kept());
     EXPECT_LT(scored.trace.size() * 4, full.trace.size()) << "scoring kept " << scored.trace.size() << " of "
                                                           << full.trace.size() << " activations";
     for (const auto& [name, t] : scored.trace) EXPECT_EQ(name.rfind("layer", 0), std::string::npos) << name;

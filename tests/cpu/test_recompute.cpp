@@ -183,7 +183,7 @@ TEST(Recompute, KeepsLayerInputsAloneAFractionOfTheForward) {
   const ChainBatch b = packed_with_masks(sequences(m.config().vocab_size));
   const ChainForward full = chain.forward(b), inputs = chain.forward(b, ForwardKeep::layer_inputs);
   EXPECT_EQ(inputs.keep, ForwardKeep::layer_inputs);
-  EXPECT_TRUE(inputs.activations_kept);
+  EXPECT_TRUE(inputs.activations_kept());
   std::set<std::string> want{"embed", "final.x_in", "final.n1", "final.rstd1", "head.logp", "head.entropy", "head.lse"};
   for (int l = 0; l < 6; ++l)
     for (const char* what : {"x_in", "n1", "rstd1"})
@@ -207,7 +207,7 @@ TEST(Recompute, ABackwardStillRefusesAScoredForward) {
   const Chain chain(m, Context{});
   const ChainBatch b = ChainBatch::packed({{1, 2, 3}, {4, 5}});
   const ChainForward none = chain.forward(b, ForwardKeep::none);
-  EXPECT_FALSE(none.activations_kept);
+  EXPECT_FALSE(none.activations_kept());
   EXPECT_TRUE(same_bits(none.logp, chain.score(b).logp));
   ModelGrads g(m, DType::f32);
   EXPECT_THROW(chain.backward(b, none, std::vector<double>(size_t(b.rows()), 1.0), g), Error);

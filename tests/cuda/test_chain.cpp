@@ -155,7 +155,7 @@ TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
     score_peak[deep] = device_memory_peak(Backend::cuda, /*reset=*/false) - before;
     EXPECT_EQ(std::memcmp(scored.logp.data(), logp.data(), logp.size() * sizeof(double)), 0) << "logprob bits differ";
     EXPECT_EQ(std::memcmp(scored.entropy.data(), entropy.data(), entropy.size() * sizeof(double)), 0);
-    EXPECT_FALSE(scored.activations_kept);
+    EXPECT_FALSE(scored.activations_kept());
   }
   const size_t per_layer = (full_peak[1] - full_peak[0]) / 6;  // what the kept forward holds a layer
   EXPECT_GT(full_peak[1], full_peak[0] + 3 * (full_peak[0] / 4)) << "the kept forward's peak should grow with depth";
