@@ -23,4 +23,19 @@ int& programmatic_launch_override();
 // at most N CTAs, each walking many items (tests/cuda/test_attention.cpp: the same bits).
 int& attention_persistent_ctas_override();
 
+// A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
+// failed check too.
+template <class T>
+class ScopedOverride {
+ public:
+  ScopedOverride(T& hook, T value) : hook_(hook), earlier_(hook) { hook_ = value; }
+  ~ScopedOverride() { hook_ = earlier_; }
+  ScopedOverride(const ScopedOverride&) = delete;
+  ScopedOverride& operator=(const ScopedOverride&) = delete;
+
+ private:
+  T& hook_;
+  T earlier_;
+};
+
 }  // namespace samebits::detail

@@ -152,10 +152,7 @@ TEST_P(EngineOn, ARequestsBitsDoNotDependOnWhatElseRuns) {
   expect_same(run_target(m, opts(), {}), alone, "a second run");
   expect_same(run_target(m, opts(), others(63, 1)), alone, "among 63 others");
   {  // CUDA: the persistent decode attention over 3 CTAs, each walking ~44 items (graphs: re-planned each step)
-    struct Reset {
-      ~Reset() { detail::attention_persistent_ctas_override() = 0; }
-    } reset;
-    detail::attention_persistent_ctas_override() = 3;
+    const detail::ScopedOverride<int> few(detail::attention_persistent_ctas_override(), 3);
     expect_same(run_target(m, opts(), others(63, 1)), alone, "among 63 others, the decode attention on 3 CTAs");
   }
   expect_same(run_target(m, opts(), others(20, 2), 7, others(10, 3)), alone, "arriving while others decode");

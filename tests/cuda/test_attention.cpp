@@ -69,15 +69,6 @@ Fwd run_gpu(const HostTensor& q, const HostTensor& k, const HostTensor& v, const
   return {out.host(), lse.host()};
 }
 
-// The persistent decode kernel's CTA count forced while it lives (0: one an SM), reset even when a
-// check fails in between.
-struct PersistentCtas {
-  explicit PersistentCtas(int ctas) { detail::attention_persistent_ctas_override() = ctas; }
-  ~PersistentCtas() { detail::attention_persistent_ctas_override() = 0; }
-  PersistentCtas(const PersistentCtas&) = delete;
-  PersistentCtas& operator=(const PersistentCtas&) = delete;
-};
-
 struct Shape {
   DType dt;
   int64_t hq, hkv, d, len;
@@ -190,7 +181,7 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
     // running on across them): here ~360 items over the SMs, then over 5 CTAs and over 1, whose
     // barrier phases wrap many times — the same bits.
     for (int ctas : {0, 5, 1}) {
-      const PersistentCtas forced(ctas);
+      const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
       const Fwd wide = run_gpu(qm, k, v, many);
       for (size_t i = 0; i < many.size(); ++i) {
         const int32_t t = steps[i % steps.size()];
@@ -285,7 +276,7 @@ TEST_F(CudaAttention, PagedCacheGivesTheSameBits) {
     }
     const HostTensor tables = table_for(n);
     for (int ctas : {0, 2}) {
-      const PersistentCtas forced(ctas);
+      const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
       const Fwd wide = run_gpu(qr, pk, pv, rows, &tables, ps);
       for (size_t i = 0; i < n; ++i) {
         const int32_t t = steps[i % steps.size()];
