@@ -32,7 +32,6 @@ read sharded). Activation checkpointing: torch's (`torch.distributed._composable
 wrappers applied after patch) or transformers' gradient_checkpointing_enable where its decoder
 layers are GradientCheckpointingLayers; a wrapper applied before patch has its forward replaced.
 """
-import json
 import types
 
 import torch
@@ -54,11 +53,8 @@ class _Shape:
 
 def _config(hf_model):
     """The transformers config as the C++ chain reads it (the same parser: same eps, RoPE, sizes)."""
-    config = json.loads(hf_model.config.to_json_string())
-    config.pop("dtype", None)
-    dtype = next(hf_model.parameters()).dtype
-    config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
-    return _core.config_of_json(json.dumps(config))
+    from .hf import _config_json  # here, not at the top: samebits.hf imports this module
+    return _core.config_of_json(_config_json(hf_model, next(hf_model.parameters()).dtype))
 
 
 def _linear(x, module):
@@ -133,11 +129,9 @@ def _token_logprobs(self, sequences, entropy: bool = False):
         raise _core.Error("samebits.hf.patch: token_logprobs: no sequences")
     lengths = [int(s.numel()) for s in seqs]
     logp, ent = self(torch.cat(seqs), lengths)
-    keep = [n - 1 for n in lengths]
-    rows = torch.cat([torch.arange(at, at + n) for at, n in zip(torch.tensor([0] + lengths).cumsum(0).tolist(), keep)])
-    rows = rows.to(logp.device)
-    logps = list(logp.index_select(0, rows).split(keep))
-    return (logps, list(ent.index_select(0, rows).split(keep))) if entropy else logps
+    # Each sequence's rows but its last (which has no next token): views of the packed result.
+    logps = [x[:-1] for x in logp.split(lengths)]
+    return (logps, [x[:-1] for x in ent.split(lengths)]) if entropy else logps
 
 
 def patch(hf_model):

@@ -34,13 +34,21 @@ import torch
 
 from . import _core
 
-_DTYPES = {"torch.bfloat16": ("bf16", "bfloat16"), "torch.float16": ("fp16", "float16"),
-           "torch.float32": ("fp32", "float32")}
+_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
 def _weights(hf_model):
     """{name: tensor} of the weights the chain reads (rotary buffers are recomputed, not read)."""
     return {n: t.detach() for n, t in hf_model.state_dict().items() if "rotary_emb" not in n}
+
+
+def _config_json(hf_model, dtype) -> str:
+    """The transformers model's config as the chain's config.json, its dtype named as the weights'
+    (`dtype`: a torch dtype); transformers 5's "dtype" key dropped for the "torch_dtype" the chain reads."""
+    config = json.loads(hf_model.config.to_json_string())
+    config.pop("dtype", None)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return json.dumps(config)
 
 
 def model_of(hf_model, device: str = "cpu") -> _core.Model:
@@ -62,13 +70,11 @@ def model_of(hf_model, device: str = "cpu") -> _core.Model:
     if len(devices) != 1:
         raise _core.Error(f"samebits.hf: the model's weights are spread over {sorted(map(str, devices))}: "
                           "the chain runs on one device")
-    ours, torch_name = _DTYPES[dtypes.pop()]
-    config = json.loads(hf_model.config.to_json_string())
-    config.pop("dtype", None)
-    config["torch_dtype"] = torch_name
+    dtype = next(iter(params.values())).dtype
+    ours = _DTYPES[str(dtype)]
     kind = "cuda" if device == "cuda" and next(iter(devices)).type == "cuda" else "cpu"
     tensors = {n: (t.data_ptr(), ours, tuple(t.shape), kind, t) for n, t in params.items()}
-    return _core.Model.from_tensors(json.dumps(config), tensors)
+    return _core.Model.from_tensors(_config_json(hf_model, dtype), tensors)
 
 
 class _CudaArray:
