@@ -133,6 +133,11 @@ struct Smem {
   static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
 };
 
+// Whether a kernel walks many items a CTA: the single-span kernel over whole O columns (a grid of
+// O-column parts is at most half the SMs, the general kernel's grid is its items). The kernel's loop
+// and the launch's grid (grid_of) both follow it.
+constexpr bool persistent_kernel(bool single, int parts) { return single && parts == 1; }
+
 // PARTS > 1: a small grid (fewer CTAs than SMs) of one-span items runs each item as PARTS CTAs,
 // each computing D / PARTS of O's columns: a decode CTA is bound by its tensor work (64 query rows
 // of which a few are real), P·V is half of it, and every element of O is formed by the same
@@ -159,10 +164,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // single-span kernel's items have at most 64 rows: one consumer.
   const int consumers = !SINGLE && item_at(blockIdx.x).rows > 64 ? 2 : 1;
   constexpr int ON = D / PARTS;  // O's columns this CTA computes
-  // Which items this CTA walks: blockIdx.x, + gridDim.x, … in the persistent kernel (single-span,
-  // whole columns); its own alone elsewhere (a grid of O-column parts is at most half the SMs, and
-  // the general kernel's grid is its items) — a loop the compiler sees run once.
-  constexpr bool PERSISTENT = SINGLE && PARTS == 1;
+  // Which items this CTA walks: blockIdx.x, + gridDim.x, … in the persistent kernel; its own alone
+  // elsewhere — a loop the compiler sees run once.
+  constexpr bool PERSISTENT = persistent_kernel(SINGLE, PARTS);
   const int items_end = PERSISTENT ? p.n_items : int(blockIdx.x) + 1, items_step = PERSISTENT ? int(gridDim.x) : 1;
   if (threadIdx.x == 0) {
     for (int b = 0; b < S::Q_BUFFERS; ++b) {
@@ -541,7 +545,8 @@ unsigned grid_of(const Plan& w, int sms) {
   static const bool persistent = env_switch("SAMEBITS_PERSISTENT_DECODE");
   const int forced = detail::attention_persistent_ctas_override();
   size_t g = w.items.size();
-  if (w.single && w.parts == 1 && (persistent || forced > 0)) g = std::min(g, size_t(forced > 0 ? forced : sms));
+  if (persistent_kernel(w.single, w.parts) && (persistent || forced > 0))
+    g = std::min(g, size_t(forced > 0 ? forced : sms));
   return unsigned(g);
 }
 
