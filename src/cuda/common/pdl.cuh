@@ -36,8 +36,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 // A switch for A/B runs: false where the environment sets `name` to "0" (callers keep it in a
-// static: read once). SAMEBITS_EARLY_WEIGHTS (sm90_gemm_kernel.cuh), SAMEBITS_SINGLE_SPAN
-// (attention_forward_sm90.cu).
+// static: read once) — the kernels' SAMEBITS_* switches (grep env_switch).
 inline bool env_switch(const char* name) {
   const char* v = std::getenv(name);
   return !(v && std::strcmp(v, "0") == 0);
