@@ -104,6 +104,7 @@ struct Params {
   float* part_ml;  // [partial rows, 2]: m, l
   int Hq, Hkv, G;
   int n_items;  // the CTAs walk items blockIdx.x, + gridDim.x, … below it (one each but in SINGLE)
+  int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
 
@@ -145,7 +146,11 @@ constexpr bool persistent_kernel(bool single, int parts) { return single && part
 template <class T, int D, int PARTS, bool SINGLE>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  pdl_launch_dependents();  // the next kernel (the O GEMM) may start its prologue (cuda/common/pdl.cuh)
+  // Launched after the previous kernel (cuda/common/pdl.cuh): the next one (the combine, or the O
+  // GEMM, which loads its first weight stages before its own wait) may start at once, on the SMs a
+  // small decode leaves idle; this one waits for the previous kernel's output (Q, the cache's K / V).
+  pdl_launch_dependents();
+  pdl_wait();
   using S = Smem<D, PARTS, SINGLE>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
@@ -431,6 +436,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 template <class T, int D>
 __global__ void __launch_bounds__(D / 2) attention_combine_kernel(const __grid_constant__ Params p) {
   pdl_launch_dependents();  // the next kernel (the O GEMM) may start its prologue (cuda/common/pdl.cuh)
+  pdl_wait();               // the attention kernel's partials are ready from here
+  if (int(blockIdx.x) >= p.n_combines) return;
   constexpr int SPANS_AHEAD = 8;
   const Combine g = p.combines ? p.combines[blockIdx.x] : p.inline_combines[blockIdx.x];
   const int row = blockIdx.y;
@@ -694,22 +701,25 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.part_ml = part + part_rows * D;
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   p.n_items = int(w.items.size());
+  p.n_combines = int(w.combines.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
   const auto kernels = forward_kernels<T, D>(op);
   void* args[] = {&p};
   const ForwardKernel& fk = kernel_of(kernels, w);
-  check(cudaLaunchKernel(fk.fn, dim3(grid_of(w, sms)), dim3(THREADS), args, fk.smem, stream),
-        op, "kernel launch");
+  // Both kernels start before the previous one ends (cuda/common/pdl.cuh); SAMEBITS_ATTENTION_PDL=0
+  // launches them plainly (A/B runs).
+  static const bool after_previous = env_switch("SAMEBITS_ATTENTION_PDL");
+  launch_after_previous(fk.fn, dim3(grid_of(w, sms)), dim3(THREADS), fk.smem, stream, op, args, after_previous);
   RecordedCall call;
   if (rec) call.forward = last_captured_node(stream, op);
-  // A graph always holds the combine (replan enables it when a step splits spans).
-  if (!w.combines.empty() || rec) {
-    attention_combine_kernel<T, D><<<dim3(unsigned(std::max<size_t>(w.combines.size(), 1)),
-                                          unsigned(std::max(w.most_rows, 1))), D / 2, 0, stream>>>(p);
-    check(cudaGetLastError(), op, "combine launch");
-  }
+  // A graph always holds the combine: a step without split spans runs it as one CTA with nothing to
+  // do (whether a disabled node passes the programmatic launch on to the O GEMM is not documented).
+  if (!w.combines.empty() || rec)
+    launch_after_previous(reinterpret_cast<const void*>(attention_combine_kernel<T, D>),
+                          dim3(unsigned(std::max<size_t>(w.combines.size(), 1)), unsigned(std::max(w.most_rows, 1))),
+                          dim3(D / 2), 0, stream, op, args, after_previous);
   if (rec) {
     call.combine = last_captured_node(stream, op);
     call.params = std::make_unique<Params>(p);
@@ -778,6 +788,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
   r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
     c.params->n_items = int(w.items.size());
+    c.params->n_combines = int(w.combines.size());
     void* args[] = {c.params.get()};
     cudaKernelNodeParams k{};
     const ForwardKernel& fk = kernel_of(c.kernels, w);
@@ -787,17 +798,12 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
     k.sharedMemBytes = fk.smem;
     k.kernelParams = args;
     check(cudaGraphExecKernelNodeSetParams(exec, c.forward, &k), op, "update the forward node");
-    if (w.combines.empty()) {
-      check(cudaGraphNodeSetEnabled(exec, c.combine, 0), op, "disable the combine node");
-      continue;
-    }
     cudaKernelNodeParams m{};
     m.func = c.combine_kernel;
-    m.gridDim = dim3(unsigned(w.combines.size()), unsigned(w.most_rows));
+    m.gridDim = dim3(unsigned(std::max<size_t>(w.combines.size(), 1)), unsigned(std::max(w.most_rows, 1)));
     m.blockDim = dim3(unsigned(c.D / 2));
     m.kernelParams = args;
     check(cudaGraphExecKernelNodeSetParams(exec, c.combine, &m), op, "update the combine node");
-    check(cudaGraphNodeSetEnabled(exec, c.combine, 1), op, "enable the combine node");
   }
   r.applied = shape;
 }

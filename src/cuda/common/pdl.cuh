@@ -63,24 +63,42 @@ inline bool programmatic_launch_enabled(const char* op) {
   return sm90 && (forced != 0 ? forced > 0 : env_on);
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), allowed to start before the previous kernel in
-// the stream ends (the kernel calls pdl_wait() first). On the default streams (null, legacy,
-// per-thread) it launches plainly.
+// The launch configuration of a kernel allowed to start before the previous kernel in the stream
+// ends (the kernel calls pdl_wait() first): the attribute where the stream and the device allow it
+// (on the default streams — null, legacy, per-thread — a plain launch). Not copyable: the config
+// points at its own attribute.
+struct AfterPrevious {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attribute[1]{};
+  AfterPrevious(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* op, bool allowed = true) {
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    const bool legacy = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+    config.numAttrs = allowed && !legacy && programmatic_launch_enabled(op) ? 1 : 0;
+  }
+  AfterPrevious(const AfterPrevious&) = delete;
+  AfterPrevious& operator=(const AfterPrevious&) = delete;
+};
+
+// kernel<<<grid, block, smem, stream>>>(args...) as AfterPrevious says.
 template <class... Params, class... Args>
 void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                            const char* op, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  const bool legacy = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
-  config.numAttrs = !legacy && programmatic_launch_enabled(op) ? 1 : 0;
-  check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), op, "kernel launch");
+  AfterPrevious launch(grid, block, smem, stream, op);
+  check(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...), op, "kernel launch");
+}
+
+// The same for a kernel chosen at run time (a function pointer of no fixed type, its arguments as
+// cudaLaunchKernel takes them).
+inline void launch_after_previous(const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  const char* op, void** args, bool allowed = true) {
+  AfterPrevious launch(grid, block, smem, stream, op, allowed);
+  check(cudaLaunchKernelExC(&launch.config, kernel, args), op, "kernel launch");
 }
 
 }  // namespace samebits::cuda
