@@ -11,7 +11,8 @@
 // Weights are recomputed from the logits each pass (a polynomial exp, cheaper than storing them);
 // the row stays in L2 between passes. A row's work never depends on its neighbours or the row count,
 // and the kernel has no atomics. Cost: greedy and plain temperature sampling read the row three
-// times; top-k adds 12 count passes, top-p 12 mass passes.
+// times; top-k adds 12 count passes, top-p 12 mass passes. Each pass issues a lane's loads eight at
+// a time before using them (for_lane), the values still taken in the rule's order.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -79,6 +80,24 @@ __device__ __forceinline__ void block_sums(T (&v)[N], T (&scratch)[TRIES][WARPS]
   __syncthreads();
 }
 
+// Calls f(x, i) with x = z[i] for i = l, l + LANES, … below V — lane l's ids in the rule's order —
+// its loads issued ROW_BATCH at a time ahead of the calls: one CTA walks a whole row (151,936 logits
+// for Qwen3) several times, and a load waited on before the next was issued left it latency-bound.
+// The calls, and so every sum and count, come in the same order: the same bits.
+constexpr int ROW_BATCH = 8;
+template <class F>
+__device__ __forceinline__ void for_lane(const float* __restrict__ z, int V, int l, F&& f) {
+  int i = l;
+  for (; i + (ROW_BATCH - 1) * LANES < V; i += ROW_BATCH * LANES) {
+    float x[ROW_BATCH];
+#pragma unroll
+    for (int u = 0; u < ROW_BATCH; ++u) x[u] = z[i + u * LANES];
+#pragma unroll
+    for (int u = 0; u < ROW_BATCH; ++u) f(x[u], i + u * LANES);
+  }
+  for (; i < V; i += LANES) f(z[i], i);
+}
+
 // The larger key, ties to the lower id (id −1: none).
 __device__ __forceinline__ void better(uint32_t& key, int& id, uint32_t k2, int id2) {
   if (id2 >= 0 && (id < 0 || k2 > key || (k2 == key && id2 < id))) {
@@ -123,14 +142,13 @@ __global__ void __launch_bounds__(LANES, 1)
   // Pass 1: finiteness, the count of finite logits, the max (first id on ties).
   int bad = 0, finite[1] = {0}, best_id = -1;
   uint32_t best_key = 0;
-  for (int i = l; i < V; i += LANES) {
-    const float x = z[i];
+  for_lane(z, V, l, [&](float x, int i) {
     if (isnan(x) || x == INFINITY) bad = 1;
     else if (x > -INFINITY) {
       ++finite[0];
       better(best_key, best_id, key_of(x), i);
     }
-  }
+  });
   bad = __syncthreads_or(bad);
   if (bad) return finish_bad(BAD_LOGITS);
   block_sums(finite, s.isum);
@@ -169,13 +187,12 @@ __global__ void __launch_bounds__(LANES, 1)
     for (int high = 32; high > 0; high -= DIGIT_BITS) {
       const int shift = high > DIGIT_BITS ? high - DIGIT_BITS : 0, tries = (1 << (high - shift)) - 1;
       int cnt[TRIES] = {};
-      for (int i = l; i < V; i += LANES) {
-        const float x = z[i];
-        if (!(x > -INFINITY)) continue;
+      for_lane(z, V, l, [&](float x, int) {
+        if (!(x > -INFINITY)) return;
         const uint32_t key = key_of(x);
 #pragma unroll
         for (int d = 0; d < TRIES; ++d) cnt[d] += key >= (t | (uint32_t(d + 1) << shift));
-      }
+      });
       block_sums(cnt, s.isum);
       int digit = 0;
 #pragma unroll
@@ -184,13 +201,12 @@ __global__ void __launch_bounds__(LANES, 1)
       t |= uint32_t(digit) << shift;
     }
     int above_and_tied[2] = {0, 0};
-    for (int i = l; i < V; i += LANES) {
-      const float x = z[i];
-      if (!(x > -INFINITY)) continue;
+    for_lane(z, V, l, [&](float x, int) {
+      if (!(x > -INFINITY)) return;
       const uint32_t key = key_of(x);
       above_and_tied[0] += key > t;
       above_and_tied[1] += key == t;
-    }
+    });
     block_sums(above_and_tied, s.isum);
     cut.tk = t;
     const int need = k - above_and_tied[0];
@@ -214,25 +230,23 @@ __global__ void __launch_bounds__(LANES, 1)
   // Top-p: the largest key t whose candidates' mass (the rule's sum) reaches the goal.
   if (p.top_p < 1) {
     float total[1] = {0.0f};
-    for (int i = l; i < V; i += LANES) {
-      const float x = z[i];
+    for_lane(z, V, l, [&](float x, int i) {
       const uint32_t key = key_of(x);
       if (cut.topk(x, key, i)) total[0] = __fadd_rn(total[0], weight_of(x, max_logit, inv_t));
-    }
+    });
     block_sums(total, s.fsum);
     const float goal = top_p_goal(p.top_p, total[0]);
     uint32_t t = 0;
     for (int high = 32; high > 0; high -= DIGIT_BITS) {
       const int shift = high > DIGIT_BITS ? high - DIGIT_BITS : 0, tries = (1 << (high - shift)) - 1;
       float m[TRIES] = {};
-      for (int i = l; i < V; i += LANES) {
-        const float x = z[i];
+      for_lane(z, V, l, [&](float x, int i) {
         const uint32_t key = key_of(x);
-        if (!cut.topk(x, key, i)) continue;
+        if (!cut.topk(x, key, i)) return;
         const float w = weight_of(x, max_logit, inv_t);
 #pragma unroll
         for (int d = 0; d < TRIES; ++d) m[d] = __fadd_rn(m[d], key >= (t | (uint32_t(d + 1) << shift)) ? w : 0.0f);
-      }
+      });
       block_sums(m, s.fsum);
       int digit = 0;
 #pragma unroll
@@ -246,13 +260,12 @@ __global__ void __launch_bounds__(LANES, 1)
 
   // The draw: the lanes' sums into the tree, t walked down it, then along the chosen lane.
   float acc = 0.0f;
-  for (int i = l; i < V; i += LANES) {
-    const float x = z[i];
+  for_lane(z, V, l, [&](float x, int i) {
     const float w = weight_of(x, max_logit, inv_t);
     const bool in = cut.all(x, key_of(x), i, w);
     if (in) acc = __fadd_rn(acc, w);
     if (kept_row) kept_row[i] = in;
-  }
+  });
   s.tree[LANES + l] = acc;
   __syncthreads();
   for (int n = LANES / 2; n >= 1; n /= 2) {
