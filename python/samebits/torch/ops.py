@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import Error, _acc, _desc, _device, _int32, _rows, _stream, raw
+from ._common import Error, _acc, _desc, _device, _ext, _int32, _rows, _stream, raw
 
 
 # ---------------------------------------------------------------- linear
@@ -119,6 +119,11 @@ _rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32, rounded once."""
+    if _ext is not None and not torch.compiler.is_compiling():  # the C++ dispatcher op: the same kernels
+        try:
+            return _ext.rms_norm(x, weight, float(eps))
+        except ValueError as e:
+            raise Error(str(e)) from None
     return _rms_norm(x, weight, eps)[0]
 
 

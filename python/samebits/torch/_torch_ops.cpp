@@ -1,0 +1,144 @@
+// samebits.torch's ops registered in torch's C++ dispatcher (namespace samebits_ext), with their
+// autograd in C++: an optional library, built only where the Python interpreter has torch at
+// configure time (CMakeLists.txt, SAMEBITS_TORCH_OPS), loaded by samebits.torch with
+// torch.ops.load_library when its torch version is the one it was built for.
+//
+// Why. A samebits.torch op is a torch.library.custom_op whose body is Python (descriptors, output
+// allocation, the stream) and whose autograd is a Python autograd.Function: 36–116 µs of host time
+// a call on an H100 machine against 9–25 µs for the torch op it replaces (docs/bench/
+// op-overhead-h100.md). Here a call is the dispatcher, an at::Tensor allocation and the samebits op:
+// no Python runs. The kernels are the same C++ entry points with the same arguments (same bits;
+// tests/torch/test_torch_ops.py compares them with the custom_op path). samebits' errors become
+// ValueError (samebits.torch re-raises them as samebits.Error). First op: rms_norm.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+#if SAMEBITS_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <vector>
+
+#include "samebits/error.hpp"
+#include "samebits/ops.hpp"
+
+namespace {
+
+using samebits::DType;
+using samebits::TensorView;
+
+DType dtype_of(const at::Tensor& t, const char* op, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    case at::kFloat: return DType::f32;
+    case at::kDouble:
+      TORCH_CHECK_VALUE(!t.is_cuda(), "samebits.torch ", op, ": argument '", arg,
+                        "': dtype torch.float64 is taken on the CPU only (the fp64 truth mode)");
+      return DType::f64;
+    case at::kInt: return DType::i32;
+    case at::kByte: return DType::u8;
+    default:
+      TORCH_CHECK_VALUE(false, "samebits.torch ", op, ": argument '", arg, "': dtype ", t.scalar_type(),
+                        " is not taken (bfloat16, float16, float32; float64 on the CPU)");
+  }
+  return DType::f32;
+}
+
+// A contiguous tensor's memory as the op's argument (the tensor outlives the call).
+TensorView view(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "samebits.torch ", op, ": argument '", arg,
+                    "': device ", t.device(), " is not taken (cpu or cuda)");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "samebits.torch ", op, ": argument '", arg, "': must be contiguous (.contiguous())");
+  TORCH_CHECK_VALUE(t.dim() <= samebits::kMaxDims, "samebits.torch ", op, ": argument '", arg, "': too many dimensions");
+  const std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  return TensorView::of(t.data_ptr(), dtype_of(t, op, arg), shape.data(), int(shape.size()),
+                        t.is_cuda() ? samebits::Device::cuda : samebits::Device::cpu);
+}
+
+// The backend of the op's first tensor, torch's current stream on its device, the truth mode for fp64.
+samebits::Context context_of(const at::Tensor& t) {
+  samebits::Context ctx;
+  ctx.backend = t.is_cuda() ? samebits::Backend::cuda : samebits::Backend::cpu;
+  if (t.scalar_type() == at::kDouble) ctx.precision = samebits::Precision::truth_fp64;
+#if SAMEBITS_TORCH_CUDA
+  if (t.is_cuda()) ctx.stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#endif
+  return ctx;
+}
+
+// Runs a samebits op, its Error as a ValueError naming the same op, argument and problem.
+template <class F>
+void run(F&& f) {
+  try {
+    f();
+  } catch (const samebits::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// The tensor's CUDA device made current for the call (nothing for a CPU tensor, or where it is current).
+struct DeviceOf {
+  explicit DeviceOf(const at::Tensor& t) {
+    if (t.is_cuda()) guard.reset_device(t.device());
+  }
+  c10::OptionalDeviceGuard guard;
+};
+
+at::ScalarType acc_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+at::Tensor rows_of(const at::Tensor& x, const char* op) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "samebits.torch ", op, ": argument 'x': needs at least one dimension");
+  TORCH_CHECK_VALUE(x.is_contiguous(), "samebits.torch ", op, ": argument 'x': must be contiguous (.contiguous())");
+  return x.reshape({-1, x.size(-1)});
+}
+
+// ---------------------------------------------------------------- rms_norm
+struct RmsNorm : torch::autograd::Function<RmsNorm> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps) {
+    const DeviceOf guard(x);
+    const at::Tensor x2 = rows_of(x, "rms_norm");
+    at::Tensor y = at::empty_like(x2), rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
+    samebits::RmsNormForwardArgs a;
+    a.x = view(x2, "rms_norm", "x");
+    a.weight = view(weight, "rms_norm", "weight");
+    a.y = view(y, "rms_norm", "y");
+    a.rstd = view(rstd, "rms_norm", "rstd");
+    a.eps = eps;
+    run([&] { samebits::rmsnorm_forward(context_of(x), a); });
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["eps"] = eps;
+    return y.view(x.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const DeviceOf guard(x);
+    const at::Tensor g = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
+    const at::Tensor dy = rows_of(g, "rms_norm_backward"), x2 = rows_of(x, "rms_norm_backward");
+    at::Tensor dx = at::empty_like(x2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    samebits::RmsNormBackwardArgs a;
+    a.dy = view(dy, "rms_norm_backward", "dy");
+    a.x = view(x2, "rms_norm_backward", "x");
+    a.weight = view(weight, "rms_norm_backward", "weight");
+    a.rstd = view(rstd, "rms_norm_backward", "rstd");
+    a.dx = view(dx, "rms_norm_backward", "dx");
+    a.dweight = view(dw, "rms_norm_backward", "dweight");
+    a.eps = ctx->saved_data["eps"].toDouble();
+    run([&] { samebits::rmsnorm_backward(context_of(x), a); });
+    return {dx.view(x.sizes()), dw.to(weight.scalar_type()), at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return RmsNorm::apply(x, weight, eps); }
+
+}  // namespace
+
+TORCH_LIBRARY(samebits_ext, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+// One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
+// is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).
+TORCH_LIBRARY_IMPL(samebits_ext, CompositeImplicitAutograd, m) { m.impl("rms_norm", rms_norm); }

@@ -1,0 +1,54 @@
+"""samebits.torch's C++ dispatcher ops (python/samebits/torch/_torch_ops.cpp) against the custom_op
+path they stand in for: the same bits forward and backward, the same errors. Where the build made
+them (torch present at configure time) they must load; elsewhere the module is skipped."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import samebits  # noqa: E402
+import samebits.torch as sbt  # noqa: E402
+from samebits.torch import _common, ops  # noqa: E402
+from tiny_models import DEV, bits  # noqa: E402
+
+LIB = os.path.join(os.path.dirname(_common.__file__), "_torch_ops.so")
+if not os.path.exists(LIB):
+    pytest.skip("built without torch's C++ dispatcher ops", allow_module_level=True)
+
+
+def test_the_dispatcher_ops_load_where_they_were_built():
+    assert _common._ext is not None, "the library was built for this torch but did not load"
+
+
+@pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), (DEV, torch.float32), ("cpu", torch.float32)])
+def test_rms_norm_is_the_custom_op_bit_for_bit_forward_and_backward(device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x0 = torch.randn(5, 7, 256, generator=g).to(device, dtype)
+    w0 = torch.randn(256, generator=g).to(device, dtype)
+    dy = torch.randn(5, 7, 256, generator=g).to(device, dtype)
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w)
+        y.backward(dy)
+        return y.detach(), x.grad, w.grad
+
+    ours = run(lambda x, w: _common._ext.rms_norm(x, w, 1e-6))
+    theirs = run(lambda x, w: ops._rms_norm(x, w, 1e-6)[0])
+    for a, b, what in zip(ours, theirs, ("y", "dx", "dweight")):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        assert torch.equal(bits(a), bits(b)), what
+    with torch.no_grad():
+        assert torch.equal(bits(sbt.rms_norm(x0, w0)), bits(theirs[0]))
+
+
+def test_rms_norm_errors_are_samebits_errors():
+    with pytest.raises(samebits.Error, match="contiguous"):
+        sbt.rms_norm(torch.randn(8, 64, device=DEV).t(), torch.ones(8, device=DEV))
+    with pytest.raises(samebits.Error, match="dtype"):
+        sbt.rms_norm(torch.randn(4, 64, device=DEV, dtype=torch.float64), torch.ones(64, device=DEV, dtype=torch.float64))
+    with pytest.raises(samebits.Error):
+        sbt.rms_norm(torch.randn(4, 64, device=DEV), torch.ones(32, device=DEV))  # the op's own shape check
