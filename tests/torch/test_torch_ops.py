@@ -52,3 +52,26 @@ def test_rms_norm_errors_are_samebits_errors():
         sbt.rms_norm(torch.randn(4, 64, device=DEV, dtype=torch.float64), torch.ones(64, device=DEV, dtype=torch.float64))
     with pytest.raises(samebits.Error):
         sbt.rms_norm(torch.randn(4, 64, device=DEV), torch.ones(32, device=DEV))  # the op's own shape check
+
+
+@pytest.mark.parametrize("device, dtype, bias", [(DEV, torch.bfloat16, False), (DEV, torch.bfloat16, True),
+                                                 ("cpu", torch.float32, True)])
+def test_linear_is_the_custom_op_bit_for_bit_forward_and_backward(device, dtype, bias):
+    g = torch.Generator(device="cpu").manual_seed(4)
+    x0 = torch.randn(3, 11, 256, generator=g).to(device, dtype)
+    w0 = torch.randn(384, 256, generator=g).to(device, dtype)
+    b0 = torch.randn(384, generator=g).to(device, dtype) if bias else None
+    dy = torch.randn(3, 11, 384, generator=g).to(device, dtype)
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = b0.clone().requires_grad_() if bias else None
+        y = fn(x, w, b)
+        y.backward(dy)
+        return (y.detach(), x.grad, w.grad) + ((b.grad,) if bias else ())
+
+    ours = run(lambda x, w, b: _common._ext.linear(x, w, b))
+    theirs = run(lambda x, w, b: ops._linear(x, w, b))
+    for a, b, what in zip(ours, theirs, ("y", "dx", "dweight", "dbias")):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        assert torch.equal(bits(a), bits(b)), what

@@ -9,7 +9,7 @@
 // op-overhead-h100.md). Here a call is the dispatcher, an at::Tensor allocation and the samebits op:
 // no Python runs. The kernels are the same C++ entry points with the same arguments (same bits;
 // tests/torch/test_torch_ops.py compares them with the custom_op path). samebits' errors become
-// ValueError (samebits.torch re-raises them as samebits.Error). First op: rms_norm.
+// ValueError (samebits.torch re-raises them as samebits.Error). First ops: rms_norm, linear.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
@@ -136,9 +136,71 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return RmsNorm::apply(x, weight, eps); }
 
+// ---------------------------------------------------------------- linear
+// y = x · weightᵀ (+ bias); the backward's weight (and bias) gradients in fp32 accumulators rounded
+// once to the parameter's dtype, as the custom_op path does.
+struct Linear : torch::autograd::Function<Linear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias) {
+    const DeviceOf guard(x);
+    const at::Tensor x2 = rows_of(x, "linear");
+    at::Tensor y = at::empty({x2.size(0), weight.size(0)}, x2.options());
+    samebits::LinearForwardArgs a;
+    a.x = view(x2, "linear", "x");
+    a.weight = view(weight, "linear", "weight");
+    if (bias && bias->defined()) a.bias = view(*bias, "linear", "bias");
+    a.y = view(y, "linear", "y");
+    run([&] { samebits::linear_forward(context_of(x), a); });
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["bias"] = bool(bias && bias->defined());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    return y.view(shape);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const DeviceOf guard(x);
+    const at::Tensor x2 = rows_of(x, "linear_backward");
+    const at::Tensor g = grads[0].defined() ? grads[0].contiguous()
+                                            : at::zeros({x2.size(0), weight.size(0)}, x2.options());
+    const at::Tensor dy = g.reshape({-1, weight.size(0)});
+    at::Tensor dx = at::empty_like(x2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    at::Tensor db = at::zeros({has_bias ? weight.size(0) : 0}, weight.options().dtype(acc_of(weight)));
+    const samebits::Context c = context_of(x);
+    samebits::LinearBackwardInputArgs bi;
+    bi.dy = view(dy, "linear_backward", "dy");
+    bi.weight = view(weight, "linear_backward", "weight");
+    bi.dx = view(dx, "linear_backward", "dx");
+    samebits::LinearBackwardWeightArgs bw;
+    bw.dy = bi.dy;
+    bw.x = view(x2, "linear_backward", "x");
+    bw.dweight = view(dw, "linear_backward", "dweight");
+    if (has_bias) bw.dbias = view(db, "linear_backward", "dbias");
+    run([&] {
+      samebits::linear_backward_input(c, bi);
+      samebits::linear_backward_weight(c, bw);
+    });
+    return {dx.view(x.sizes()), dw.to(weight.scalar_type()), has_bias ? db.to(weight.scalar_type()) : at::Tensor()};
+  }
+};
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return Linear::apply(x, weight, bias);
+}
+
 }  // namespace
 
-TORCH_LIBRARY(samebits_ext, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+TORCH_LIBRARY(samebits_ext, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).
-TORCH_LIBRARY_IMPL(samebits_ext, CompositeImplicitAutograd, m) { m.impl("rms_norm", rms_norm); }
+TORCH_LIBRARY_IMPL(samebits_ext, CompositeImplicitAutograd, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("linear", linear);
+}

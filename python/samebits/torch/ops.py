@@ -63,6 +63,11 @@ _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y = x @ weight.T (+ bias): a row's bits do not depend on how many rows share the call."""
+    if _ext is not None and not torch.compiler.is_compiling():  # the C++ dispatcher op: the same kernels
+        try:
+            return _ext.linear(x, weight, bias)
+        except ValueError as e:
+            raise Error(str(e)) from None
     return _linear(x, weight, bias)
 
 
