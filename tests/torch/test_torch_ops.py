@@ -19,8 +19,14 @@ if not os.path.exists(LIB):
     pytest.skip("built without torch's C++ dispatcher ops", allow_module_level=True)
 
 
-def test_the_dispatcher_ops_load_where_they_were_built():
+def test_the_dispatcher_ops_load_where_they_were_built_and_the_ops_take_them():
+    if os.environ.get("SAMEBITS_TORCH_OPS") == "0":
+        pytest.skip("SAMEBITS_TORCH_OPS=0")
     assert _common._ext is not None, "the library was built for this torch but did not load"
+    x = torch.randn(4, 64, device=DEV, requires_grad=True)
+    w = torch.randn(96, 64, device=DEV, requires_grad=True)
+    assert "RmsNorm" in sbt.rms_norm(x, w[0]).grad_fn.name()
+    assert "Linear" in sbt.linear(x, w).grad_fn.name()
 
 
 @pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), (DEV, torch.float32), ("cpu", torch.float32)])
@@ -36,13 +42,21 @@ def test_rms_norm_is_the_custom_op_bit_for_bit_forward_and_backward(device, dtyp
         y.backward(dy)
         return y.detach(), x.grad, w.grad
 
-    ours = run(lambda x, w: _common._ext.rms_norm(x, w, 1e-6))
-    theirs = run(lambda x, w: ops._rms_norm(x, w, 1e-6)[0])
+    # eps not the library's default (1e-6): a dropped eps would show
+    ours = run(lambda x, w: _common._ext.rms_norm(x, w, 1e-3))
+    theirs = run(lambda x, w: ops._rms_norm(x, w, 1e-3)[0])
     for a, b, what in zip(ours, theirs, ("y", "dx", "dweight")):
         assert a.dtype == b.dtype and a.shape == b.shape, what
         assert torch.equal(bits(a), bits(b)), what
     with torch.no_grad():
-        assert torch.equal(bits(sbt.rms_norm(x0, w0)), bits(theirs[0]))
+        assert torch.equal(bits(sbt.rms_norm(x0, w0, 1e-3)), bits(theirs[0]))
+    if device == DEV:  # on a side stream: the op runs on torch's current stream (the default one's handle is null)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            y = _common._ext.rms_norm(x0, w0, 1e-3)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(bits(y), bits(theirs[0]))
 
 
 def test_rms_norm_errors_are_samebits_errors():

@@ -75,7 +75,12 @@ def _load_dispatcher_ops():
     with open(stamp) as f:
         if f.read().strip() != torch.__version__:
             return None
-    torch.ops.load_library(lib)
+    try:
+        torch.ops.load_library(lib)
+    except (OSError, RuntimeError) as e:  # a stale or broken build: the custom_op path, said once
+        import warnings
+        warnings.warn(f"samebits.torch: {lib} did not load ({e}); the ops run through torch.library.custom_op")
+        return None
     return torch.ops.samebits_ext
 
 

@@ -9,6 +9,12 @@ from torch import Tensor
 from ._common import Error, _acc, _desc, _device, _ext, _int32, _rows, _stream, raw
 
 
+def _eager() -> bool:
+    """Whether a call may take the C++ dispatcher op: not while torch.compile traces (the op has no
+    fake kernel) nor under torch.func transforms (a C++ autograd Function refuses them)."""
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
 # ---------------------------------------------------------------- linear
 @torch.library.custom_op("samebits::linear", mutates_args=())
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -63,7 +69,7 @@ _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y = x @ weight.T (+ bias): a row's bits do not depend on how many rows share the call."""
-    if _ext is not None and not torch.compiler.is_compiling():  # the C++ dispatcher op: the same kernels
+    if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
         try:
             return _ext.linear(x, weight, bias)
         except ValueError as e:
@@ -124,7 +130,7 @@ _rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32, rounded once."""
-    if _ext is not None and not torch.compiler.is_compiling():  # the C++ dispatcher op: the same kernels
+    if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
         try:
             return _ext.rms_norm(x, weight, float(eps))
         except ValueError as e:
