@@ -89,3 +89,32 @@ def test_linear_is_the_custom_op_bit_for_bit_forward_and_backward(device, dtype,
     for a, b, what in zip(ours, theirs, ("y", "dx", "dweight", "dbias")):
         assert a.dtype == b.dtype and a.shape == b.shape, what
         assert torch.equal(bits(a), bits(b)), what
+
+
+@pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), ("cpu", torch.float32)])
+def test_add_rms_norm_and_swiglu_are_the_custom_ops_bit_for_bit(device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(5)
+    x0, r0 = (torch.randn(9, 256, generator=g).to(device, dtype) for _ in range(2))
+    w0 = torch.randn(256, generator=g).to(device, dtype)
+    dy, ds = (torch.randn(9, 256, generator=g).to(device, dtype) for _ in range(2))
+
+    def run_norm(fn, with_ds):
+        x, r, w = (t.clone().requires_grad_() for t in (x0, r0, w0))
+        y, s = fn(x, r, w)
+        torch.autograd.backward([y, s] if with_ds else [y], [dy, ds] if with_ds else [dy])
+        return y.detach(), s.detach(), x.grad, r.grad, w.grad
+
+    for with_ds in (True, False):
+        ours = run_norm(lambda x, r, w: _common._ext.add_rms_norm(x, r, w, 1e-3), with_ds)
+        theirs = run_norm(lambda x, r, w: ops._add_rms_norm(x, r, w, 1e-3)[:2], with_ds)
+        for a, b, what in zip(ours, theirs, ("y", "s", "dx", "dresidual", "dweight")):
+            assert torch.equal(bits(a), bits(b)), f"add_rms_norm {what} (gradient on s: {with_ds})"
+
+    def run_swiglu(fn):
+        a, b = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+        y = fn(a, b)
+        y.backward(dy)
+        return y.detach(), a.grad, b.grad
+
+    for p, q, what in zip(run_swiglu(_common._ext.swiglu), run_swiglu(ops._swiglu), ("y", "dgate", "dup")):
+        assert torch.equal(bits(p), bits(q)), f"swiglu {what}"

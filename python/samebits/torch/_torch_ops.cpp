@@ -9,7 +9,7 @@
 // op-overhead-h100.md). Here a call is the dispatcher, an at::Tensor allocation and the samebits op:
 // no Python runs. The kernels are the same C++ entry points with the same arguments (same bits;
 // tests/torch/test_torch_ops.py compares them with the custom_op path). samebits' errors become
-// ValueError (samebits.torch re-raises them as samebits.Error). First ops: rms_norm, linear.
+// ValueError (samebits.torch re-raises them as samebits.Error). Ops so far: rms_norm, add_rms_norm, linear, swiglu.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <tuple>
 #include <vector>
 
 #include "samebits/error.hpp"
@@ -136,6 +137,102 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return RmsNorm::apply(x, weight, eps); }
 
+// ---------------------------------------------------------------- add_rms_norm
+// s = x + residual (rounded once to x's dtype), y = rms_norm(s); returns (y, s). The backward takes
+// gradients on both (the one on s added inside the norm's backward as the custom_op path does:
+// dresidual_out) and gives both summands the same dx. A missing incoming gradient arrives as zeros
+// (autograd's default, as for the custom_op path's Python autograd Function: the same arguments).
+struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& residual, const at::Tensor& weight, double eps) {
+    const DeviceOf guard(x);
+    const at::Tensor x2 = rows_of(x, "add_rms_norm"), r2 = rows_of(residual, "add_rms_norm");
+    at::Tensor y = at::empty_like(x2), sum = at::empty_like(x2);
+    at::Tensor rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
+    samebits::RmsNormForwardArgs a;
+    a.x = view(x2, "add_rms_norm", "x");
+    a.residual = view(r2, "add_rms_norm", "residual");
+    a.weight = view(weight, "add_rms_norm", "weight");
+    a.y = view(y, "add_rms_norm", "y");
+    a.residual_out = view(sum, "add_rms_norm", "residual_out");
+    a.rstd = view(rstd, "add_rms_norm", "rstd");
+    a.eps = eps;
+    run([&] { samebits::rmsnorm_forward(context_of(x), a); });
+    ctx->save_for_backward({sum, weight, rstd});
+    ctx->saved_data["eps"] = eps;
+    return {y.view(x.sizes()), sum.view(x.sizes())};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &sum = saved[0], &weight = saved[1], &rstd = saved[2];
+    const DeviceOf guard(sum);
+    const char* op = "add_rms_norm_backward";
+    const at::Tensor s2 = rows_of(sum, op);
+    const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum), op);
+    at::Tensor ds;
+    if (grads[1].defined()) ds = rows_of(grads[1].contiguous(), op);
+    at::Tensor dx = at::empty_like(s2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    samebits::RmsNormBackwardArgs a;
+    a.dy = view(dy, op, "dy");
+    if (ds.defined()) a.dresidual_out = view(ds, op, "dresidual_out");
+    a.x = view(s2, op, "x");
+    a.weight = view(weight, op, "weight");
+    a.rstd = view(rstd, op, "rstd");
+    a.dx = view(dx, op, "dx");
+    a.dweight = view(dw, op, "dweight");
+    a.eps = ctx->saved_data["eps"].toDouble();
+    run([&] { samebits::rmsnorm_backward(context_of(sum), a); });
+    const at::Tensor d = dx.view(sum.sizes());
+    return {d, d, dw.to(weight.scalar_type()), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  const auto out = AddRmsNorm::apply(x, residual, weight, eps);
+  return {out[0], out[1]};
+}
+
+// ---------------------------------------------------------------- swiglu
+// silu(gate) · up in fp32, rounded once.
+struct SwiGlu : torch::autograd::Function<SwiGlu> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    const DeviceOf guard(gate);
+    const at::Tensor g2 = rows_of(gate, "swiglu"), u2 = rows_of(up, "swiglu");
+    at::Tensor y = at::empty_like(g2);
+    samebits::SwiGluForwardArgs a;
+    a.gate = view(g2, "swiglu", "gate");
+    a.up = view(u2, "swiglu", "up");
+    a.y = view(y, "swiglu", "y");
+    run([&] { samebits::swiglu_forward(context_of(gate), a); });
+    ctx->save_for_backward({gate, up});
+    return y.view(gate.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1];
+    const DeviceOf guard(gate);
+    const char* op = "swiglu_backward";
+    const at::Tensor g2 = rows_of(gate, op), u2 = rows_of(up, op);
+    const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(gate), op);
+    at::Tensor dg = at::empty_like(g2), du = at::empty_like(u2);
+    samebits::SwiGluBackwardArgs a;
+    a.dy = view(dy, op, "dy");
+    a.gate = view(g2, op, "gate");
+    a.up = view(u2, op, "up");
+    a.dgate = view(dg, op, "dgate");
+    a.dup = view(du, op, "dup");
+    run([&] { samebits::swiglu_backward(context_of(gate), a); });
+    return {dg.view(gate.sizes()), du.view(up.sizes())};
+  }
+};
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return SwiGlu::apply(gate, up); }
+
 // ---------------------------------------------------------------- linear
 // y = x · weightᵀ (+ bias); the backward's weight (and bias) gradients in fp32 accumulators rounded
 // once to the parameter's dtype, as the custom_op path does.
@@ -197,10 +294,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 TORCH_LIBRARY(samebits_ext, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
 }
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).
 TORCH_LIBRARY_IMPL(samebits_ext, CompositeImplicitAutograd, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("linear", linear);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("swiglu", swiglu);
 }

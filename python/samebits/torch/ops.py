@@ -197,6 +197,11 @@ _add_rms_norm.register_autograd(_add_rms_grad, setup_context=_add_rms_setup)
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
     """The decoder's residual step fused with the next norm: s = x + residual (fp32, rounded once to
     x's dtype), y = rms_norm(s). Returns (y, s); the backward takes gradients on both."""
+    if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
+        try:
+            return tuple(_ext.add_rms_norm(x, residual, weight, float(eps)))
+        except ValueError as e:
+            raise Error(str(e)) from None
     y, s, _ = _add_rms_norm(x, residual, weight, eps)
     return y, s
 
@@ -379,6 +384,11 @@ _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up computed in fp32 and rounded once (the MLP's activation)."""
+    if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
+        try:
+            return _ext.swiglu(gate, up)
+        except ValueError as e:
+            raise Error(str(e)) from None
     return _swiglu(gate, up)
 
 
