@@ -63,6 +63,30 @@ def _device(t: Tensor):
     return _NO_SWITCH
 
 
+def _load_dispatcher_ops():
+    """samebits.torch's ops registered in torch's C++ dispatcher (_torch_ops.cpp: no Python in a
+    call), where the build made them for this torch version; None otherwise (the custom_op path
+    runs) or where SAMEBITS_TORCH_OPS=0."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    lib, stamp = os.path.join(here, "_torch_ops.so"), os.path.join(here, "_torch_ops.version")
+    if os.environ.get("SAMEBITS_TORCH_OPS") == "0" or not os.path.exists(lib) or not os.path.exists(stamp):
+        return None
+    with open(stamp) as f:
+        if f.read().strip() != torch.__version__:
+            return None
+    try:
+        torch.ops.load_library(lib)
+    except (OSError, RuntimeError) as e:  # a stale or broken build: the custom_op path, said once
+        import warnings
+        warnings.warn(f"samebits.torch: {lib} did not load ({e}); the ops run through torch.library.custom_op")
+        return None
+    return torch.ops.samebits_ext
+
+
+_ext = _load_dispatcher_ops()
+
+
 def _int32(t: Tensor, op: str, arg: str) -> Tensor:
     """Token ids / targets as int32, refusing an int64 value int32 cannot hold (a cast would wrap it
     into a valid-looking id)."""
