@@ -23,8 +23,8 @@ def test_the_dispatcher_ops_load_where_they_were_built_and_the_ops_take_them():
     if os.environ.get("SAMEBITS_TORCH_OPS") == "0":
         pytest.skip("SAMEBITS_TORCH_OPS=0")
     assert _common._ext is not None, "the library was built for this torch but did not load"
-    x = torch.randn(4, 64, device=DEV, requires_grad=True)
-    w = torch.randn(96, 64, device=DEV, requires_grad=True)
+    x = torch.randn(4, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)  # the CUDA GEMM's dtypes
+    w = torch.randn(96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     assert "RmsNorm" in sbt.rms_norm(x, w[0]).grad_fn.name()
     assert "Linear" in sbt.linear(x, w).grad_fn.name()
 
