@@ -5,7 +5,9 @@ against stock transformers (issue 29, point 4 (c); with --check, also (a) and (b
     PYTHONPATH=BUILD/python torchrun --standalone --nproc_per_node=2 bench/bench_fsdp_step.py \\
         [--layers 36] [--seqs 4] [--tokens 2048] [--optim sgd] [--reps 7] [--check] [--out OUT.md]
 
-(`python3 bench/bench_fsdp_step.py ...` without torchrun runs as world size 1, labelled so.)
+(`python3 bench/bench_fsdp_step.py ...` without torchrun runs as world size 1, labelled so, its table
+fsdp-step-<card>-1gpu.md: one GPU holds the whole fp32 state, 8 bytes a parameter with SGD — about
+--layers 12 at most on an 80 GB card.)
 
 The model: transformers' Qwen3ForCausalLM at Qwen3-8B's shape (hidden 4096, 32 / 8 heads of 128,
 QK-norm, MLP 12288, vocab 151936, untied, RoPE θ 1e6), --layers decoder layers (36: all of Qwen3-8B,
@@ -93,7 +95,8 @@ def qwen3_8b_config(layers):
 
 def build(cfg, seed=1234):
     """The transformers model in bf16 on this rank's GPU, weights from a seeded generator (the same
-    bits on every rank and in both arms, whatever transformers' own init draws)."""
+    bits in both arms, whatever transformers' own init draws), rank 0's broadcast to the others (a
+    CUDA generator's draws depend on the card's SM count: the ranks' cards need not match)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # made in bf16 at once (the rotary inv_freq stays fp32)
     try:
@@ -101,13 +104,15 @@ def build(cfg, seed=1234):
             model = transformers.Qwen3ForCausalLM(cfg)
     finally:
         torch.set_default_dtype(before)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=torch.device("cuda", torch.cuda.current_device())).manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)  # the RMSNorm weights
             else:
                 p.normal_(0.0, 0.02, generator=g)
+            if dist.get_world_size() > 1:
+                dist.broadcast(p, src=0)
     model.config._attn_implementation = "sdpa"
     return model
 
