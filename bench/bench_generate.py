@@ -48,7 +48,6 @@ transformers' generate arguments on the installed version.
 import argparse
 import math
 import os
-import re
 import sys
 import time
 
@@ -56,15 +55,10 @@ import numpy as np
 import torch
 import transformers
 
-from timing import emit, event_median, samebits_from
+from timing import card_slug, emit, event_median, samebits_from
 
 GIB = 1 << 30
 PAGE = 64  # the engine's KV page, in tokens
-
-
-def card_slug():
-    m = re.search(r"[A-Z]\d{2,3}", torch.cuda.get_device_name())
-    return m.group(0).lower() if m else "gpu"
 
 
 def qwen3_8b(layers):

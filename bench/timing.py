@@ -4,6 +4,7 @@
     samebits = timing.samebits_from(BUILD_DIR)     # BUILD_DIR/python/samebits
     ours, theirs = timing.alternate([f, g], reps)  # medians (ms) of CUDA-event times, alternating
     timing.emit(lines, md)                         # print a table, and write it to md when given
+    timing.card_slug()                             # "h100", "h200": a table's file name (gpu if none matches)
 
 Three ways to time, each the one its benchmarks' committed tables were made with:
  * alternate: kernels (bench_logprob, bench_lm_head, bench_norm, bench_attention): CUDA events
@@ -13,6 +14,7 @@ Three ways to time, each the one its benchmarks' committed tables were made with
  * event_median: whole steps on rotating batches (bench_torch): CUDA events around the call.
 """
 import os
+import re
 import statistics
 import sys
 import time
@@ -33,6 +35,12 @@ def samebits_from(build):
     import samebits
     import samebits.torch  # noqa: F401  (the descriptors of torch tensors, raw_ops)
     return samebits
+
+
+def card_slug():
+    """The current device's name as docs/bench/ names tables: h100, h200 (gpu if no model number)."""
+    m = re.search(r"[A-Z]\d{2,3}", torch.cuda.get_device_name())
+    return m.group(0).lower() if m else "gpu"
 
 
 def _l2_flush_buffer():
