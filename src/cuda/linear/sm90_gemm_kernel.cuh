@@ -61,10 +61,20 @@ constexpr int SMEM_LIMIT = 227 * 1024;
 constexpr int wide_boxes(int bn, bool compact, bool trans_b) {
   return !trans_b && compact ? (bn == 32 ? 4 : bn == 48 ? 2 : 1) : 1;
 }
-template <int BN, bool COMPACT, int KB = 1>
+//
+// A thin ring (AR = THIN_ROWS, compact forward tiles of calls with M <= THIN_ROWS: decode steps of a
+// few sequences) keeps THIN_ROWS rows of x a k-box instead of 64. The wgmma still reads 64 rows from
+// each box's start: rows THIN_ROWS … 63 run on into the next boxes and stages (or the B tiles after
+// the last), whatever they hold at the time. Those rows' results are never stored (a wgmma never
+// mixes rows: a row of C is its row of A against B), so every stored row runs the same MMAs on the
+// same data; the ring then holds two to three times the stages of the weight, which a decode-sized
+// call streams — more of it loaded before the wait for the previous kernel (early weights).
+constexpr int THIN_ROWS = 16;
+template <int BN, bool COMPACT, int KB = 1, int AR = COMPACT ? 64 : BM>
 struct Tile {
   static constexpr int A_ROWS = COMPACT ? 64 : BM, RELEASERS = COMPACT ? 1 : CONSUMERS;
-  static constexpr int A_BOX = A_ROWS * BK, B_BOX = BN * BK;   // elements of one k-box
+  static_assert(AR == A_ROWS || (COMPACT && AR == THIN_ROWS), "a thin ring only for compact tiles");
+  static constexpr int A_BOX = AR * BK, B_BOX = BN * BK;   // elements of one k-box (A: the rows the ring keeps)
   static constexpr int A_TILE = A_BOX * KB, B_TILE = B_BOX * KB;  // elements of a stage
   static constexpr int STAGES = RING_BUDGET / ((A_TILE + B_TILE) * 2);
   static constexpr int RING_BYTES = STAGES * (A_TILE + B_TILE) * 2;
@@ -95,7 +105,7 @@ struct Products {
   int b_settled;  // the B_g were written before the previous kernel: the ring's first loads of B go before the wait
 };
 
-template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB>
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB, int AR>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ Products<Epi, G> prod, int64_t M,
               int64_t K, int a_rows) {
@@ -103,7 +113,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* sa = reinterpret_cast<T*>(base);
-  using Ring = Tile<BN, COMPACT, KB>;
+  using Ring = Tile<BN, COMPACT, KB, AR>;
   constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
   constexpr int A_BOX = Ring::A_BOX, B_BOX = Ring::B_BOX;
   static_assert(!TRANS_B || KB == 1, "the dX path loads and multiplies one k-box a stage");
@@ -246,15 +256,16 @@ __global__ void __launch_bounds__(THREADS, 1)
 // Tile<BN, COMPACT>::A_ROWS rows: B_g is w_g[N_g,K] (forward) or, with TRANS_B, w_g[K,N_g] read
 // along N (dX). The tensor maps of A and the B_g are made here because their boxes depend on the
 // tile; the epilogues' parameters come ready-made.
-template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB>
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB, int AR>
 void launch_products_kb(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
                         int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled) {
-  using Ring = Tile<BN, COMPACT, KB>;
+  using Ring = Tile<BN, COMPACT, KB, AR>;
   // Fewer rows than a tile: the A box covers the rows that exist (rounded up to 8) instead of letting
   // the copy engine zero-fill the rest, which measured slower than the weight stream itself at M = 1.
   // Only smem rows >= M change (stale instead of zero); their results are never stored, and each
   // stored row's MMAs read the same data either way (the M sweep checks every M in 1..512).
   const int a_rows = M >= Ring::A_ROWS ? Ring::A_ROWS : int((M + 7) / 8 * 8);
+  if (a_rows > AR) throw Error(op, "M", "more rows than the thin ring keeps (cannot happen)");
   // Decode-sized calls stream the weight once: 256-byte L2 lines help there and nowhere else (a
   // cache hint; see cuda/common/sm90/tma.cuh).
   const bool streaming = M <= 128;
@@ -272,24 +283,38 @@ void launch_products_kb(const T* a, const T* const (&b)[G], const typename Epi::
     prod.first_tile[g + 1] = prod.first_tile[g] + (N[g] + BN - 1) / BN;
   }
   static std::atomic<int> smem_allowed[64] = {};
-  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB>, Ring::SMEM_BYTES, smem_allowed, op);
+  allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB, AR>, Ring::SMEM_BYTES, smem_allowed, op);
   // Persistent: one CTA per SM (at most one per tile); the grid decides who computes a tile, never how.
   const int64_t tiles = ((M + Ring::A_ROWS - 1) / Ring::A_ROWS) * prod.first_tile[count];
   const unsigned grid = unsigned(std::min<int64_t>(tiles, current_sm_count(op)));
-  launch_after_previous(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB>, dim3(grid), dim3(THREADS), Ring::SMEM_BYTES,
+  launch_after_previous(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB, AR>, dim3(grid), dim3(THREADS), Ring::SMEM_BYTES,
                         stream, op, ma, prod, M, K, a_rows);
+}
+
+// The ring's k-boxes a stage (KB) and rows of x a box (AR) for this call; neither changes an MMA.
+template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int AR>
+void launch_products_ar(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
+                        int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled) {
+  constexpr int kb = wide_boxes(BN, COMPACT, TRANS_B);
+  static const bool wide = env_switch("SAMEBITS_WIDE_STAGES");  // "0": one k-box a stage (A/B runs)
+  if constexpr (kb > 1) {
+    if (wide && ((K + BK - 1) / BK) % kb == 0)
+      return launch_products_kb<T, TRANS_B, BN, COMPACT, Epi, G, kb, AR>(a, b, ep, N, count, M, K, stream, op, b_settled);
+  }
+  launch_products_kb<T, TRANS_B, BN, COMPACT, Epi, G, 1, AR>(a, b, ep, N, count, M, K, stream, op, b_settled);
 }
 
 template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
 void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
                      int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled = false) {
-  constexpr int kb = wide_boxes(BN, COMPACT, TRANS_B);
-  static const bool wide = env_switch("SAMEBITS_WIDE_STAGES");  // "0": one k-box a stage (A/B runs)
-  if constexpr (kb > 1) {
-    if (wide && ((K + BK - 1) / BK) % kb == 0)
-      return launch_products_kb<T, TRANS_B, BN, COMPACT, Epi, G, kb>(a, b, ep, N, count, M, K, stream, op, b_settled);
+  constexpr int full_rows = COMPACT ? 64 : BM;
+  if constexpr (COMPACT && !TRANS_B) {  // the forward's decode-sized calls: a thin ring (Tile)
+    static const bool thin = env_switch("SAMEBITS_THIN_RING");  // "0": 64 rows of x a box (A/B runs)
+    if (thin && M <= THIN_ROWS)
+      return launch_products_ar<T, TRANS_B, BN, COMPACT, Epi, G, THIN_ROWS>(a, b, ep, N, count, M, K, stream, op,
+                                                                             b_settled);
   }
-  launch_products_kb<T, TRANS_B, BN, COMPACT, Epi, G, 1>(a, b, ep, N, count, M, K, stream, op, b_settled);
+  launch_products_ar<T, TRANS_B, BN, COMPACT, Epi, G, full_rows>(a, b, ep, N, count, M, K, stream, op, b_settled);
 }
 
 // One product: C[M,N] = A[M,K]·B.
