@@ -118,3 +118,69 @@ def test_add_rms_norm_and_swiglu_are_the_custom_ops_bit_for_bit(device, dtype):
 
     for p, q, what in zip(run_swiglu(_common._ext.swiglu), run_swiglu(ops._swiglu), ("y", "dgate", "dup")):
         assert torch.equal(bits(p), bits(q)), f"swiglu {what}"
+
+
+@pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), ("cpu", torch.float32)])
+def test_token_logprobs_attention_and_embedding_are_the_custom_ops_bit_for_bit(device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(6)
+    # token_logprobs: int64 targets with an ignored one; gradients on logp alone and on both outputs
+    logits0 = torch.randn(2, 7, 1000, generator=g).to(device, dtype)
+    targets = torch.randint(0, 1000, (2, 7), generator=g).to(device)
+    targets[1, 3] = -100
+    dlogp, dent = (torch.randn(2, 7, generator=g).to(device) for _ in range(2))
+    for with_entropy in (True, False):
+        def run(fn):
+            lg = logits0.clone().requires_grad_()
+            lp, ent = fn(lg)
+            torch.autograd.backward([lp, ent] if with_entropy else [lp], [dlogp, dent] if with_entropy else [dlogp])
+            return lp.detach(), ent.detach(), lg.grad
+        ours = run(lambda lg: _common._ext.token_logprobs(lg, targets))
+        theirs = run(lambda lg: ops._token_logprobs(lg, targets)[:2])
+        for a, b, what in zip(ours, theirs, ("logp", "entropy", "dlogits")):
+            assert torch.equal(bits(a), bits(b)), f"token_logprobs {what} (gradient on entropy: {with_entropy})"
+    # attention: three sequences packed, GQA 4 / 2
+    lengths = [5, 130, 17]
+    T = sum(lengths)
+    q0 = torch.randn(T, 4, 64, generator=g).to(device, dtype)
+    k0, v0 = (torch.randn(T, 2, 64, generator=g).to(device, dtype) for _ in range(2))
+    dout = torch.randn(T, 4, 64, generator=g).to(device, dtype)
+
+    def run_attention(fn):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = fn(q, k, v)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+    ours = run_attention(lambda q, k, v: _common._ext.attention(q, k, v, lengths, 0.0))
+    theirs = run_attention(lambda q, k, v: ops._attention(q, k, v, ops._seq_table(lengths), 0.0)[0])
+    for a, b, what in zip(ours, theirs, ("out", "dq", "dk", "dv")):
+        assert torch.equal(bits(a), bits(b)), f"attention {what}"
+    # embedding: int64 and int32 ids, a repeated id (its gradient rows summed in token order)
+    table0 = torch.randn(100, 64, generator=g).to(device, dtype)
+    ids = torch.randint(0, 100, (3, 9), generator=g).to(device)
+    ids[2, 4] = ids[0, 1]
+    dy = torch.randn(3, 9, 64, generator=g).to(device, dtype)
+    for idx in (ids, ids.int()):
+        def run_embedding(fn):
+            t = table0.clone().requires_grad_()
+            y = fn(idx, t)
+            y.backward(dy)
+            return y.detach(), t.grad
+        for a, b, what in zip(run_embedding(_common._ext.embedding), run_embedding(ops._embedding), ("y", "dtable")):
+            assert torch.equal(bits(a), bits(b)), f"embedding {what} ({idx.dtype})"
+
+
+def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
+    table = torch.randn(50, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(samebits.Error, match="ids"):  # outside the vocab (the op's own range check)
+        sbt.embedding(torch.tensor([3, 50], device=DEV), table)
+    with pytest.raises(samebits.Error, match="ids"):  # outside int32 on the GPU: named out of range at its index
+        sbt.embedding(torch.tensor([3, 2**40], device=DEV), table)
+    with pytest.raises(samebits.Error, match="int32"):  # outside int32 on the CPU: named as such
+        sbt.embedding(torch.tensor([2**40]), table.cpu().float())
+    with pytest.raises(samebits.Error, match="targets"):
+        sbt.token_logprobs(torch.randn(2, 10, device=DEV), torch.tensor([1, 10], device=DEV))
+    q = torch.randn(8, 4, 64, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(8, 2, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(samebits.Error, match="lengths"):
+        sbt.attention(q, k, k, [9, -1])
+    assert "Attention" in sbt.attention(q.requires_grad_(), k, k, [3, 5]).grad_fn.name()

@@ -9,7 +9,8 @@
 // op-overhead-h100.md). Here a call is the dispatcher, an at::Tensor allocation and the samebits op:
 // no Python runs. The kernels are the same C++ entry points with the same arguments (same bits;
 // tests/torch/test_torch_ops.py compares them with the custom_op path). samebits' errors become
-// ValueError (samebits.torch re-raises them as samebits.Error). Ops so far: rms_norm, add_rms_norm, linear, swiglu.
+// ValueError (samebits.torch re-raises them as samebits.Error). Ops: rms_norm, add_rms_norm, linear,
+// swiglu, token_logprobs, attention, embedding.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
@@ -18,6 +19,8 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cstdint>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -289,6 +292,192 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return Linear::apply(x, weight, bias);
 }
 
+// ---------------------------------------------------------------- integer ids
+// Token ids / targets as int32 (the library's index type). int32 passes as it is. int64 on the CPU
+// is checked here (a value int32 cannot hold is named); on a GPU a check would read a flag back,
+// so a value outside int32 becomes INT32_MIN instead — outside every vocab and not an ignore index —
+// which the op's own range check (one read-back it makes anyway) names as out of range at its index.
+at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
+                    ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
+  const at::Tensor flat = ids.reshape({-1});
+  if (ids.scalar_type() == at::kInt) return flat.contiguous();
+  constexpr int64_t lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
+  if (!ids.is_cuda()) {
+    if (flat.numel())
+      TORCH_CHECK_VALUE(flat.min().item<int64_t>() >= lo && flat.max().item<int64_t>() <= hi, "samebits.torch ", op,
+                        ": argument '", arg, "': a value does not fit in int32");
+    return flat.to(at::kInt).contiguous();
+  }
+  return at::where((flat < lo) | (flat > hi), at::full({}, lo, flat.options()), flat).to(at::kInt).contiguous();
+}
+
+// ---------------------------------------------------------------- token_logprobs
+// (logp, entropy) of targets under logits [..., V] in fp32, the vocab in fixed blocks; the row's
+// log-sum-exp kept for the backward (the custom_op path returns it as a third output).
+struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                                                const at::Tensor& targets) {
+    const char* op = "token_logprobs";
+    const DeviceOf guard(logits);
+    const at::Tensor l2 = rows_of(logits, op), t = ids_int32(targets, op, "targets");
+    const auto options = l2.options().dtype(acc_of(logits));
+    at::Tensor logp = at::empty({t.size(0)}, options), entropy = at::empty({t.size(0)}, options),
+               lse = at::empty({t.size(0)}, options);
+    samebits::LogprobForwardArgs a;
+    a.logits = view(l2, op, "logits");
+    a.targets = view(t, op, "targets");
+    a.logp = view(logp, op, "logp");
+    a.entropy = view(entropy, op, "entropy");
+    a.lse = view(lse, op, "lse");
+    run([&] { samebits::logprob_forward(context_of(logits), a); });
+    ctx->save_for_backward({logits, t, lse});
+    const auto shape = logits.sizes().slice(0, logits.dim() - 1);
+    return {logp.view(shape), entropy.view(shape)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const char* op = "token_logprobs_backward";
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &t = saved[1], &lse = saved[2];
+    const DeviceOf guard(logits);
+    const at::Tensor l2 = rows_of(logits, op);
+    auto flat = [&](const at::Tensor& g) {
+      return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
+    };
+    const at::Tensor dlogp = flat(grads[0]), dentropy = flat(grads[1]);
+    at::Tensor dl = at::empty_like(l2);
+    samebits::LogprobBackwardArgs a;
+    a.logits = view(l2, op, "logits");
+    a.targets = view(t, op, "targets");
+    a.lse = view(lse, op, "lse");
+    a.dlogp = view(dlogp, op, "dlogp");
+    a.dentropy = view(dentropy, op, "dentropy");
+    a.dlogits = view(dl, op, "dlogits");
+    run([&] { samebits::logprob_backward(context_of(logits), a); });
+    return {dl.view(logits.sizes()), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits, const at::Tensor& targets) {
+  const auto out = TokenLogprobs::apply(logits, targets);
+  return {out[0], out[1]};
+}
+
+// ---------------------------------------------------------------- attention
+// Causal GQA attention over sequences packed back to back: q [T, Hq, D], k / v [T, Hkv, D], the
+// sequences' lengths. The work table {q_row, q_len, k_row, k_len} is made here, on the host (where
+// the library reads it), as the custom_op path's _seq_table makes it.
+at::Tensor seq_table(at::IntArrayRef lengths) {
+  at::Tensor table = at::empty({int64_t(lengths.size()), 4}, at::TensorOptions().dtype(at::kInt));
+  int32_t* row = table.data_ptr<int32_t>();
+  int64_t at_row = 0;
+  for (const int64_t n : lengths) {
+    row[0] = row[2] = int32_t(at_row);
+    row[1] = row[3] = int32_t(n);
+    at_row += n;
+    row += 4;
+  }
+  return table;
+}
+
+struct Attention : torch::autograd::Function<Attention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, at::IntArrayRef lengths, double scale) {
+    const char* op = "attention";
+    const DeviceOf guard(q);
+    for (const int64_t n : lengths)
+      TORCH_CHECK_VALUE(n >= 0 && n <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
+                        ": argument 'lengths': a length of ", n, " is not taken");
+    const at::Tensor seqs = seq_table(lengths);
+    at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.dim() > 1 ? q.size(1) : 0},
+                                                        q.options().dtype(acc_of(q)));
+    samebits::AttentionForwardArgs a;
+    a.q = view(q, op, "q");
+    a.k = view(k, op, "k");
+    a.v = view(v, op, "v");
+    a.seqs = view(seqs, op, "seqs");
+    a.out = view(out, op, "out");
+    a.lse = view(lse, op, "lse");
+    a.scale = scale;
+    run([&] { samebits::attention_forward(context_of(q), a); });
+    ctx->save_for_backward({q, k, v, seqs, out, lse});
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const char* op = "attention_backward";
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &seqs = saved[3], &out = saved[4], &lse = saved[5];
+    const DeviceOf guard(q);
+    const at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(out);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    samebits::AttentionBackwardArgs a;
+    a.q = view(q, op, "q");
+    a.k = view(k, op, "k");
+    a.v = view(v, op, "v");
+    a.seqs = view(seqs, op, "seqs");
+    a.out = view(out, op, "out");
+    a.lse = view(lse, op, "lse");
+    a.dout = view(dout, op, "dout");
+    a.dq = view(dq, op, "dq");
+    a.dk = view(dk, op, "dk");
+    a.dv = view(dv, op, "dv");
+    a.scale = ctx->saved_data["scale"].toDouble();
+    run([&] { samebits::attention_backward(context_of(q), a); });
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef lengths,
+                     double scale) {
+  return Attention::apply(q, k, v, lengths, scale);
+}
+
+// ---------------------------------------------------------------- embedding
+// table[ids]; the table's gradient sums each row's uses in ascending token order in an fp32
+// accumulator, rounded once to the table's dtype.
+struct Embedding : torch::autograd::Function<Embedding> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table) {
+    const char* op = "embedding";
+    const DeviceOf guard(table);
+    const at::Tensor flat = ids_int32(ids, op, "ids");
+    TORCH_CHECK_VALUE(table.dim() == 2, "samebits.torch ", op, ": argument 'table': must be 2-D [vocab, hidden]");
+    at::Tensor y = at::empty({flat.size(0), table.size(1)}, table.options());
+    samebits::EmbeddingForwardArgs a;
+    a.ids = view(flat, op, "ids");
+    a.table = view(table, op, "table");
+    a.y = view(y, op, "y");
+    run([&] { samebits::embedding_forward(context_of(table), a); });
+    ctx->save_for_backward({flat, table});
+    std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+    shape.push_back(table.size(1));
+    return y.view(shape);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const char* op = "embedding_backward";
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &flat = saved[0], &table = saved[1];
+    const DeviceOf guard(table);
+    const at::Tensor dy = grads[0].defined() ? grads[0].reshape({-1, table.size(1)}).contiguous()
+                                             : at::zeros({flat.size(0), table.size(1)}, table.options());
+    at::Tensor dt = at::zeros(table.sizes(), table.options().dtype(acc_of(table)));
+    samebits::EmbeddingBackwardArgs a;
+    a.ids = view(flat, op, "ids");
+    a.dy = view(dy, op, "dy");
+    a.dtable = view(dt, op, "dtable");
+    run([&] { samebits::embedding_backward(context_of(table), a); });
+    return {at::Tensor(), dt.to(table.scalar_type())};
+  }
+};
+
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) { return Embedding::apply(ids, table); }
+
 }  // namespace
 
 TORCH_LIBRARY(samebits_ext, m) {
@@ -296,6 +485,9 @@ TORCH_LIBRARY(samebits_ext, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("token_logprobs(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
+  m.def("attention(Tensor q, Tensor k, Tensor v, int[] lengths, float scale) -> Tensor");
+  m.def("embedding(Tensor ids, Tensor table) -> Tensor");
 }
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).
@@ -304,4 +496,7 @@ TORCH_LIBRARY_IMPL(samebits_ext, CompositeImplicitAutograd, m) {
   m.impl("linear", linear);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("swiglu", swiglu);
+  m.impl("token_logprobs", token_logprobs);
+  m.impl("attention", attention);
+  m.impl("embedding", embedding);
 }
