@@ -123,4 +123,21 @@ void device_memory_release(Backend backend);
 // in `free`. 0 and 0 on the CPU backend.
 void device_memory_info(Backend backend, size_t* free, size_t* total);
 
+// Device memory from another allocator instead of samebits' own pool: a framework's caching
+// allocator, so that a process keeps one cache of free GPU memory, not two blind to each other
+// (samebits.torch installs PyTorch's when it loads its C++ ops). alloc(bytes, device, stream, user)
+// returns the memory or null when it has none; free(ptr, device, stream, user) takes back what alloc
+// gave. Both stream-ordered as samebits' pool is: memory freed on a stream is reused by work later
+// on that stream. Memory asked for while its stream is being captured into a CUDA graph still comes
+// from samebits' pool (it becomes the graph's own memory). What was allocated goes back to the
+// allocator that gave it, whatever is installed by then. device_memory_in_use counts both;
+// device_memory_peak adds the two allocators' peaks. An empty ExternalAllocator (the default)
+// brings back samebits' own pool for later allocations. Nothing without the CUDA backend.
+struct ExternalAllocator {
+  void* (*alloc)(size_t bytes, int device, void* stream, void* user) = nullptr;
+  void (*free)(void* ptr, int device, void* stream, void* user) = nullptr;
+  void* user = nullptr;
+};
+void set_device_allocator(const ExternalAllocator& allocator);
+
 }  // namespace samebits

@@ -37,6 +37,7 @@ void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
 size_t memory_peak(bool reset);
 size_t memory_in_use();
+void set_external_allocator(const ExternalAllocator& allocator);
 void memory_release();
 void memory_info(size_t* free, size_t* total);
 }  // namespace cuda
@@ -207,6 +208,16 @@ void device_memory_info(Backend b, size_t* free, size_t* total) {
   *free = *total = 0;
   if (b == Backend::cpu) return;
   SAMEBITS_CUDA_OR_NOT_BUILT(cuda::memory_info(free, total));
+}
+
+void set_device_allocator(const ExternalAllocator& allocator) {
+  if ((allocator.alloc == nullptr) != (allocator.free == nullptr))
+    throw Error("set_device_allocator", "allocator", "give both alloc and free, or neither (samebits' own pool)");
+#if SAMEBITS_WITH_CUDA
+  cuda::set_external_allocator(allocator);
+#else
+  (void)allocator;  // only the CUDA backend allocates device memory
+#endif
 }
 
 size_t device_memory_in_use(Backend b) {

@@ -184,3 +184,31 @@ def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
     with pytest.raises(samebits.Error, match="lengths"):
         sbt.attention(q, k, k, [9, -1])
     assert "Attention" in sbt.attention(q.requires_grad_(), k, k, [3, 5]).grad_fn.name()
+def test_samebits_device_memory_comes_from_torchs_caching_allocator():
+    """With the dispatcher library loaded, an engine's KV cache (and every samebits allocation outside
+    its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes
+    back to torch's cache when the engine is gone."""
+    if os.environ.get("SAMEBITS_TORCH_ALLOCATOR") == "0":
+        pytest.skip("SAMEBITS_TORCH_ALLOCATOR=0")
+    import gc
+
+    transformers = pytest.importorskip("transformers")
+    import samebits.hf
+    from tiny_models import qwen3
+
+    model = qwen3(transformers, vocab=512, hidden=128, mlp=256, heads=4, kv_heads=2, head_dim=32, tied=False)
+    kv_bytes = model.config.num_hidden_layers * 2 * (64 * 16) * 2 * 32 * 2  # K and V, pages · rows, heads, D, bf16
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gen = samebits.hf.Generator(model, kv_pages=64, page_size=16)
+    held = torch.cuda.memory_allocated() - before
+    assert held >= kv_bytes, f"torch sees {held} bytes more, the KV cache alone is {kv_bytes}"
+    assert samebits._core.device_memory_in_use("cuda") >= kv_bytes
+    for graphs in (True, False):  # decode graphs captured on samebits' own pool, eager steps on torch's
+        rollouts = samebits.hf.Generator(model, kv_pages=64, page_size=16, cuda_graphs=graphs).generate(
+            [[1, 2, 3], [4, 5]], n=2, max_new_tokens=6, seed=3)
+        assert all(r.finish_reason == "length" for rs in rollouts for r in rs)
+    del gen, rollouts
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < kv_bytes, "the KV cache went back to torch's cache"

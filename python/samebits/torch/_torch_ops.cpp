@@ -16,14 +16,19 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 #if SAMEBITS_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "samebits/device.hpp"
 #include "samebits/error.hpp"
 #include "samebits/ops.hpp"
 
@@ -477,6 +482,35 @@ struct Embedding : torch::autograd::Function<Embedding> {
 };
 
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) { return Embedding::apply(ids, table); }
+// ---------------------------------------------------------------- device memory
+// samebits' device memory (the chain's activations, an engine's KV cache, the kernels' temporaries)
+// from PyTorch's caching allocator while this library is loaded: one cache of free GPU memory in
+// the process, which torch.cuda.memory_allocated() and torch.cuda.empty_cache() see, instead of
+// samebits' own pool beside torch's, each blind to the other's free memory (samebits/device.hpp,
+// set_device_allocator; samebits' own CUDA graph captures keep its pool). SAMEBITS_TORCH_ALLOCATOR=0
+// in the environment keeps samebits' own pool.
+#if SAMEBITS_TORCH_CUDA
+void* torch_alloc(size_t bytes, int device, void* stream, void*) {
+  try {
+    const c10::cuda::CUDAGuard guard{c10::DeviceIndex(device)};
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
+  } catch (const c10::Error&) {  // out of memory: samebits names it
+    return nullptr;
+  }
+}
+
+void torch_free(void* p, int, void*, void*) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+
+const bool torch_allocator_installed = [] {
+  const char* v = std::getenv("SAMEBITS_TORCH_ALLOCATOR");
+  if (v && std::string(v) == "0") return false;
+  samebits::ExternalAllocator a;
+  a.alloc = torch_alloc;
+  a.free = torch_free;
+  samebits::set_device_allocator(a);
+  return true;
+}();
+#endif
 
 }  // namespace
 

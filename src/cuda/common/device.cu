@@ -145,8 +145,10 @@ void fill(void* p, int byte, size_t bytes, void* stream) {
   check(cudaMemsetAsync(p, byte, bytes, or_legacy(stream)), "device fill", "bytes");
 }
 
-size_t memory_peak(bool reset) { return size_t(scratch_peak_bytes(reset, "device_memory_peak")); }
-size_t memory_in_use() { return size_t(scratch_bytes_in_use("device_memory_in_use")); }
+size_t memory_peak(bool reset) {
+  return size_t(scratch_peak_bytes(reset, "device_memory_peak") + external_peak_bytes(reset));
+}
+size_t memory_in_use() { return size_t(scratch_bytes_in_use("device_memory_in_use") + external_bytes_in_use()); }
 void memory_release() { scratch_trim("device_memory_release"); }
 void memory_info(size_t* free, size_t* total) {
   check(cudaMemGetInfo(free, total), "device_memory_info", "cudaMemGetInfo");

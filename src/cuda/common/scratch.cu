@@ -2,12 +2,44 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <unordered_map>
 
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
+#include "samebits/device.hpp"
 
 namespace samebits::cuda {
 namespace {
+
+// The installed external allocator (set_device_allocator) and what it gave that is not back yet:
+// each pointer with its size, device and the allocator that gave it (a free goes back there even
+// after another was installed).
+struct External {
+  std::mutex mu;
+  ExternalAllocator installed;
+  struct Block {
+    size_t bytes;
+    int device;
+    ExternalAllocator from;
+  };
+  std::unordered_map<void*, Block> blocks;
+  uint64_t in_use = 0, peak = 0;
+};
+External& external() {
+  static External* e = new External;  // never destroyed: frees may come from other static destructors
+  return *e;
+}
+
+// Whether work on `stream` is being captured into a graph; where the driver will not say (the legacy
+// stream while another thread captures a blocking stream), as if it were: samebits' pool serves.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
 
 cudaMemPool_t pool_of_current_device(const char* op) {
   static std::mutex mu;
@@ -32,14 +64,68 @@ cudaMemPool_t pool_of_current_device(const char* op) {
 
 }  // namespace
 
+void set_external_allocator(const ExternalAllocator& allocator) {
+  External& e = external();
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.installed = allocator;
+}
+
+uint64_t external_bytes_in_use() {
+  External& e = external();
+  std::lock_guard<std::mutex> lock(e.mu);
+  return e.in_use;
+}
+
+uint64_t external_peak_bytes(bool reset) {
+  External& e = external();
+  std::lock_guard<std::mutex> lock(e.mu);
+  const uint64_t peak = std::max(e.peak, e.in_use);
+  if (reset) e.peak = e.in_use;
+  return peak;
+}
+
 void* scratch_alloc(size_t bytes, cudaStream_t stream, const char* op) {
+  bytes = bytes ? bytes : 1;
+  External& e = external();
+  ExternalAllocator from;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    from = e.installed;
+  }
+  if (from.alloc && !capturing(stream)) {  // the framework's cache (outside captures: samebits' pool)
+    int dev = 0;
+    check(cudaGetDevice(&dev), op, "device");
+    void* p = from.alloc(bytes, dev, stream, from.user);
+    if (!p)
+      throw Error(op, "memory", "the installed device allocator has no " + std::to_string(bytes) + " bytes free on device " +
+                                    std::to_string(dev) + " (out of device memory)");
+    std::lock_guard<std::mutex> lock(e.mu);
+    e.blocks[p] = {bytes, dev, from};
+    e.in_use += bytes;
+    e.peak = std::max(e.peak, e.in_use);
+    return p;
+  }
   void* p = nullptr;
   check(cudaMallocFromPoolAsync(&p, bytes ? bytes : 1, pool_of_current_device(op), stream), op, "scratch memory");
   return p;
 }
 
 void scratch_free(void* p, cudaStream_t stream, const char* op) {
-  if (p) check(cudaFreeAsync(p, stream), op, "scratch memory");
+  if (!p) return;
+  External& e = external();
+  External::Block block{};
+  bool ours = false;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    const auto it = e.blocks.find(p);
+    if (it != e.blocks.end()) {
+      block = it->second, ours = true;
+      e.in_use -= block.bytes;
+      e.blocks.erase(it);
+    }
+  }
+  if (ours) return block.from.free(p, block.device, stream, block.from.user);
+  check(cudaFreeAsync(p, stream), op, "scratch memory");
 }
 
 void scratch_trim(const char* op) {

@@ -21,6 +21,10 @@ uint64_t scratch_bytes_held(const char* op);
 // shares the GPU with another allocator (PyTorch's), between phases.
 void scratch_trim(const char* op);
 uint64_t scratch_peak_bytes(bool reset, const char* op);
+// Memory from an installed external allocator (samebits/device.hpp, set_device_allocator) in use
+// now, and its peak since the last reset: scratch_alloc takes it from there outside stream captures.
+uint64_t external_bytes_in_use();
+uint64_t external_peak_bytes(bool reset);
 
 // A stream-ordered scratch buffer that is released (on its stream) when it goes out of scope.
 class ScratchBuffer {
