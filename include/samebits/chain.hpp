@@ -102,6 +102,9 @@ class KvCache {
   // cache row of each row (sequence by sequence), then its batch row.
   HostTensor block_table_of(const std::vector<ChainSequence>& seqs, int64_t min_cols) const;
   HostTensor write_rows_of(const std::vector<ChainSequence>& seqs) const;
+  // The same rows by batch row: int32 [rows], each batch row's cache row, -1 for a row of no
+  // sequence (padding). The QK-norm pair's cache write takes this form.
+  HostTensor cache_rows_of(const std::vector<ChainSequence>& seqs, int64_t rows) const;
 };
 
 // Gradient accumulators, one fp32 (fp64 in truth mode) buffer per weight. A tied embedding has two
@@ -210,6 +213,7 @@ class Chain {
   struct StepTables {
     void* rows = nullptr;    // the row tables (chain_tables::rows_in's layout) for the batch's rows
     TensorView kv_map;       // int32 [2, rows]: each row's cache row, then its batch row
+    TensorView cache_rows;   // int32 [rows]: each batch row's cache row (-1: none), for the QK-norm pair
     TensorView block_table;  // int32 [seqs, cols]: a copy of the block table run() builds (cols wide)
   };
   // keep: what stays in the result's trace (a cached step keeps what ForwardKeep::none does).

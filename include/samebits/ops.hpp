@@ -110,6 +110,13 @@ struct QkNormForwardArgs {
 // A layer's q and k in one call: each part bitwise what qk_norm_forward gives it alone, with the
 // same eps, positions and RoPE (their x share T and head_dim; the heads may differ). The CUDA
 // backend runs both in one launch. No part's y may overlap the other part's x or y.
+// Optional cache write (a decode step's paged KV cache; all four or none): token t's k.y row — the
+// very bits written to k.y — also goes to row cache_rows[t] of k_cache, and its v row, verbatim, to
+// the same row of v_cache; cache_rows[t] = -1 writes nothing for t (a padding row). cache_rows: int32
+// [T] on the op's device; k_cache, v_cache: [rows, k heads, head_dim]; v: [T, k heads, head_dim];
+// all three of k.y's dtype. Two tokens may share a cache row only where they write the same bits.
+// The CPU checks each cache row is in [-1, rows); on CUDA that is the caller's (the values live on
+// the device). Other cache rows are left as they are; k.y is still written.
 struct QkNormPart {
   TensorView x, weight, y, rstd;
 };
@@ -118,6 +125,7 @@ struct QkNormPairForwardArgs {
   double eps = 1e-6;
   TensorView positions;
   RopeConfig rope;
+  TensorView cache_rows, k_cache, v_cache, v;  // optional: the cache write (above)
 };
 // dweight[head_dim] += Σ over unmasked tokens (CPU: tokens ascending, each token's heads ascending;
 // GPU: chunks of tokens from every segment, as rmsnorm_backward). segments: as rmsnorm_backward's.

@@ -1,6 +1,8 @@
 // CPU RMSNorm (+ fused residual add) and QK-norm, forward and backward.
 // Per row: ms = dot_fixed(x, x)/H; rstd = 1/sqrt(ms + eps); y = x·rstd·w, rounded once.
 // dweight sums over rows strictly in ascending order from its existing value.
+#include <cstring>
+
 #include "cpu/common.hpp"
 #include "ops/registry.hpp"
 #include "samebits/ops.hpp"
@@ -118,10 +120,22 @@ void qk_norm_backward(const Context& ctx, const QkNormBackwardArgs& a) {
   });
 }
 
-// The CPU runs q, then k, each through this file's kernel (the parentheses keep ADL from the public op).
+// The CPU runs q, then k, each through this file's kernel (the parentheses keep ADL from the public op),
+// then the cache write: each token's k.y row (the bits just stored) and v row to its cache row.
 void qk_norm_pair_forward(const Context& ctx, const QkNormPairForwardArgs& a) {
   for (const QkNormPart* part : {&a.q, &a.k})
     (qk_norm_forward)(ctx, QkNormForwardArgs{part->x, part->weight, part->y, part->rstd, a.eps, a.positions, a.rope});
+  if (!a.cache_rows.present()) return;
+  const int64_t T = a.k.y.shape[0];
+  const size_t row_bytes = size_t(a.k.y.shape[1] * a.k.y.shape[2] * dtype_size(a.k.y.dtype));
+  const auto* rows = a.cache_rows.as<const int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (rows[t] < 0) continue;  // a padding row: no cache row
+    std::memcpy(static_cast<char*>(a.k_cache.data) + size_t(rows[t]) * row_bytes,
+                static_cast<const char*>(a.k.y.data) + size_t(t) * row_bytes, row_bytes);
+    std::memcpy(static_cast<char*>(a.v_cache.data) + size_t(rows[t]) * row_bytes,
+                static_cast<const char*>(a.v.data) + size_t(t) * row_bytes, row_bytes);
+  }
 }
 
 }  // namespace

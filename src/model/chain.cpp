@@ -112,8 +112,11 @@ struct Chain::LayerStep {
   TensorView seqs;       // the attention table (host)
   KvCache* cache = nullptr;
   // A paged cache: each sequence's pages (host, and a device copy where the backend needs one) and
-  // where the step's key / value rows go (kv_map, int32 [2, kv_rows]).
+  // where the step's key / value rows go: a model with QK-norm writes them in its QK-norm pair call
+  // (cache_rows, int32 [rows] on the backend: each row's cache row, -1 for none); one without copies
+  // them (kv_map, int32 [2, kv_rows]: the cache rows, then the batch rows).
   TensorView block_table{}, block_table_device{};
+  TensorView cache_rows{};
   const int32_t* kv_map = nullptr;
   int64_t kv_rows = 0;
 };
@@ -158,6 +161,7 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
   // q / k → (QK-norm, fused with) RoPE: the rotated rows are written once.
   DeviceTensor& qr = act("q_rope", {T, Hq * D});
   DeviceTensor& kr = act("k_rope", {T, Hkv * D});
+  const bool paged = cache && cache->is_paged();
   if (c.qk_norm) {  // q and k in one call (one launch on CUDA), each part its own call's bits
     QkNormPairForwardArgs a;
     a.q = {v3(q, Hq, D), W(p + "self_attn.q_norm.weight"), v3(qr, Hq, D), acc("q_norm_rstd", {T, Hq}).view()};
@@ -165,6 +169,12 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
     a.eps = c.rms_norm_eps;
     a.positions = step.positions;
     a.rope = c.rope;
+    if (paged) {  // the step's rotated keys (kr's bits) and values into their cache rows, in the same launch
+      a.cache_rows = step.cache_rows;
+      a.k_cache = cache->k_[size_t(l)].view();
+      a.v_cache = cache->v_[size_t(l)].view();
+      a.v = v3(v, Hkv, D);
+    }
     qk_norm_pair_forward(ctx_, a);
   } else {
     rope_forward(ctx_, {v3(q, Hq, D), step.positions, v3(qr, Hq, D), c.rope});
@@ -173,11 +183,13 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
 
   AttentionForwardArgs at;
   at.q = v3(qr, Hq, D);
-  if (cache && cache->is_paged()) {  // append this step's keys / values to each sequence's pages
-    const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
-    copy_rows_indexed(ctx_.backend, {cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes},
-                      {cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes}, row_bytes, step.kv_map,
-                      step.kv_map + step.kv_rows, step.kv_rows);
+  if (paged) {  // append this step's keys / values to each sequence's pages (QK-norm: done above)
+    if (!c.qk_norm) {
+      const size_t row_bytes = size_t(Hkv * D * dtype_size(act_));
+      copy_rows_indexed(ctx_.backend, {cache->k_[size_t(l)].view().data, row_bytes, kr.view().data, row_bytes},
+                        {cache->v_[size_t(l)].view().data, row_bytes, v.view().data, row_bytes}, row_bytes,
+                        step.kv_map, step.kv_map + step.kv_rows, step.kv_rows);
+    }
     at.k = cache->k_[size_t(l)].view();
     at.v = cache->v_[size_t(l)].view();
     at.block_table = step.block_table;
@@ -249,10 +261,10 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
   LayerStep step{batch, r.pos, seqs.view()};
   step.cache = cache;
   // A paged cache: each sequence's pages, and where the step's key / value rows go (the same in
-  // every layer: one upload of each for the step, one indexed copy a layer for the keys and one
-  // for the values).
+  // every layer: one upload of each for the step; a layer writes its keys and values in its QK-norm
+  // pair's launch, or, without QK-norm, in one indexed copy of both).
   HostTensor block_table;
-  DeviceTensor block_table_uploaded, kv_map_uploaded;
+  DeviceTensor block_table_uploaded, write_rows_uploaded;
   if (cache && cache->is_paged()) {
     block_table = cache->block_table_of(batch.seqs, given ? given->block_table.shape[1] : 1);
     step.block_table = block_table.view();
@@ -260,15 +272,23 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
       step.block_table_device = given->block_table;
       step.kv_map = given->kv_map.as<const int32_t>();
       step.kv_rows = given->kv_map.shape[1];
+      step.cache_rows = given->cache_rows;
+      if (c.qk_norm && (step.cache_rows.is_none() || step.cache_rows.numel() != T))
+        throw Error("chain", "given.cache_rows", "a cached QK-norm step needs each row's cache row (cannot happen)");
     } else {
       if (ctx_.backend == Backend::cuda) {
         block_table_uploaded = DeviceTensor::from_host(ctx_.backend, block_table);
         step.block_table_device = block_table_uploaded.view();
       }
-      const HostTensor map = cache->write_rows_of(batch.seqs);  // [2, the step's rows]
-      step.kv_rows = map.shape()[1];
-      kv_map_uploaded = DeviceTensor::from_host(ctx_.backend, map);
-      step.kv_map = static_cast<const int32_t*>(kv_map_uploaded.view().data);
+      if (c.qk_norm) {  // [the batch's rows]
+        write_rows_uploaded = DeviceTensor::from_host(ctx_.backend, cache->cache_rows_of(batch.seqs, T));
+        step.cache_rows = write_rows_uploaded.view();
+      } else {
+        const HostTensor map = cache->write_rows_of(batch.seqs);  // [2, the step's rows]
+        step.kv_rows = map.shape()[1];
+        write_rows_uploaded = DeviceTensor::from_host(ctx_.backend, map);
+        step.kv_map = static_cast<const int32_t*>(write_rows_uploaded.view().data);
+      }
     }
   }
 

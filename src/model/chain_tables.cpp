@@ -225,6 +225,15 @@ HostTensor KvCache::write_rows_of(const std::vector<ChainSequence>& seqs) const 
   return m;
 }
 
+HostTensor KvCache::cache_rows_of(const std::vector<ChainSequence>& seqs, int64_t rows) const {
+  HostTensor m(DType::i32, {rows});
+  auto* at = static_cast<int32_t*>(m.data());
+  std::fill(at, at + rows, -1);
+  for (const ChainSequence& s : seqs)
+    for (int64_t pos = s.cached; pos < s.cached + s.len; ++pos) at[s.row + pos - s.cached] = int32_t(row_of(s.slot, pos));
+  return m;
+}
+
 bool KvCache::reserve(int64_t slot, int64_t tokens) {
   if (slot < 0 || slot >= slots()) throw Error("KvCache::reserve", "slot", fmt::format("{} (of {} slots)", slot, slots()));
   if (tokens > capacity_) return false;

@@ -94,6 +94,8 @@ void DecodeGraphs::capture(Bucket& b, const ChainBatch& padded) {
   Chain::StepTables t;
   t.rows = in + b.at.rows;
   t.kv_map = TensorView::of(in + b.at.kv_map, DType::i32, {2, n}, Device::cuda);
+  // Each row's cache row is the map's first row: a bucket's row i is sequence i, one row each (takes()).
+  t.cache_rows = TensorView::of(in + b.at.kv_map, DType::i32, {n}, Device::cuda);
   t.block_table = TensorView::of(in + b.at.block_table, DType::i32, {n, cols_}, Device::cuda);
   const TensorView params = TensorView::of(in + b.at.params, DType::f64, {n, sampling_rule::PARAMS}, Device::cuda);
   const TensorView tokens = TensorView::of(out, DType::i32, {n}, Device::cuda);

@@ -1,4 +1,6 @@
 // RMSNorm (+ fused residual add) and QK-norm entry points.
+#include <utility>
+
 #include "ops/common.hpp"
 #include "ops/registry.hpp"
 #include "samebits/ops.hpp"
@@ -89,6 +91,44 @@ void check_qk_norm_part(const Validator& v, const TensorView& x, const TensorVie
   v.same_shape(yn.c_str(), y, xn.c_str(), x);
   check_rstd(v, rstd, x, 2);
 }
+
+// The pair's optional cache write: all of cache_rows, k_cache, v_cache and v, or none; the cache
+// rows of k.y's row shape and dtype, v of k.x's shape, and no output over another tensor.
+void check_cache_write(const Validator& v, const QkNormPairForwardArgs& a) {
+  const std::pair<const char*, const TensorView*> parts[] = {
+      {"cache_rows", &a.cache_rows}, {"k_cache", &a.k_cache}, {"v_cache", &a.v_cache}, {"v", &a.v}};
+  int given = 0;
+  for (const auto& [name, t] : parts) given += t->present() ? 1 : 0;
+  if (given == 0) return;
+  for (const auto& [name, t] : parts)
+    if (!t->present())
+      v.fail(name, "the cache write needs cache_rows, k_cache, v_cache and v together (or none of them)");
+  const TensorView& ky = a.k.y;
+  v.required("cache_rows", a.cache_rows, 1);
+  v.dtype("cache_rows", a.cache_rows, DType::i32);
+  v.dim("cache_rows", a.cache_rows, 0, ky.shape[0], "one cache row per token, k.x's T");
+  check_float_input(v, "v", a.v, 3);
+  v.same_shape("v", a.v, "k.y", ky);
+  v.same_dtype("v", a.v, "k.y", ky);
+  for (const auto& [name, cache] : {std::pair{"k_cache", &a.k_cache}, std::pair{"v_cache", &a.v_cache}}) {
+    v.required(name, *cache, 3);
+    v.same_dtype(name, *cache, "k.y", ky);
+    v.dim(name, *cache, 1, ky.shape[1], "k heads, k.y's");
+    v.dim(name, *cache, 2, ky.shape[2], "head_dim, k.y's");
+  }
+  v.same_shape("v_cache", a.v_cache, "k_cache", a.k_cache);
+  // The writes: k_cache and v_cache over nothing the op reads or writes; q.y and k.y not over v.
+  v.no_alias("k_cache", a.k_cache, "v_cache", a.v_cache);
+  for (const auto& [name, cache] : {std::pair{"k_cache", &a.k_cache}, std::pair{"v_cache", &a.v_cache}})
+    for (const auto& [other, t] : {std::pair{"q.x", &a.q.x}, std::pair{"k.x", &a.k.x}, std::pair{"q.y", &a.q.y},
+                                   std::pair{"k.y", &a.k.y}, std::pair{"v", &a.v}, std::pair{"cache_rows", &a.cache_rows},
+                                   std::pair{"positions", &a.positions}, std::pair{"q.rstd", &a.q.rstd},
+                                   std::pair{"k.rstd", &a.k.rstd}})
+      v.no_alias(name, *cache, other, *t);
+  v.no_alias("q.y", a.q.y, "v", a.v);
+  v.no_alias("k.y", a.k.y, "v", a.v);
+  v.int_range("cache_rows", a.cache_rows, -1, a.k_cache.shape[0]);
+}
 }  // namespace
 
 void qk_norm_forward(const Context& ctx, const QkNormForwardArgs& a) {
@@ -111,6 +151,7 @@ void qk_norm_pair_forward(const Context& ctx, const QkNormPairForwardArgs& a) {
   v.no_alias("k.y", a.k.y, "q.x", a.q.x);
   if (a.q.rstd.present() && a.k.rstd.present()) v.no_alias("q.rstd", a.q.rstd, "k.rstd", a.k.rstd);
   if (a.positions.present()) check_rope_positions(v, a.positions, a.rope, a.q.x.shape[0], a.q.x.shape[2], "q.x");
+  check_cache_write(v, a);
   run_kernel<OpId::qk_norm_pair_forward>("qk_norm_pair_forward", ctx, a);
 }
 

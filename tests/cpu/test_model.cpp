@@ -395,6 +395,42 @@ TEST(Model, ChainGatePassesOnLlamaAndFp16Models) {
   }
 }
 
+TEST(Model, PagedCacheWithPaddingRowsHoldsTheContiguousBits) {
+  // Qwen3 (the keys and values written by the QK-norm pair's launch) and Llama-3 (by an indexed
+  // copy): two sequences in two slots with a padding row between them, a prefill chunk then decode
+  // steps, against a paged cache and a contiguous one: the same logprobs bit for bit (a padding row
+  // writing a cache row — page 0 holds slot 0's tokens — would change them).
+  for (const ModelConfig& c : {Model::builtin(false).config(), testing_model::builtin_llama_config()}) {
+    const Model m = Model::random(c, 33);
+    const Chain chain(m, Context{});
+    KvCache flat(c, 2, 32, chain.act_dtype()), paged = KvCache::paged(c, 2, 32, 8, 8, chain.act_dtype());
+    std::vector<double> got[2];
+    for (KvCache* cache : {&flat, &paged}) {
+      int64_t at = 0;
+      for (int64_t len : {5, 1, 1}) {
+        ChainBatch b;  // rows: sequence 0 (slot 1), a padding row, sequence 1 (slot 0)
+        for (int64_t s = 0; s < 2; ++s) {
+          if (s == 1) b.tokens.push_back(3), b.positions.push_back(0), b.targets.push_back(-100), b.loss_mask.push_back(0);
+          b.seqs.push_back({int64_t(b.tokens.size()), len, 1 - s, at});
+          for (int64_t i = 0; i < len; ++i) {
+            b.tokens.push_back(int32_t(7 + 5 * s + 3 * (at + i)));
+            b.positions.push_back(int32_t(at + i));
+            b.targets.push_back(int32_t(2 + s + at + i));
+            b.loss_mask.push_back(1);
+          }
+        }
+        for (int64_t s = 0; s < 2; ++s) ASSERT_TRUE(cache->reserve(s, at + len));
+        const ChainForward f = chain.forward_cached(b, *cache);
+        for (int64_t r = 0; r < b.rows(); ++r)
+          if (b.loss_mask[size_t(r)]) got[cache == &paged].push_back(f.logp[size_t(r)]);
+        at += len;
+      }
+    }
+    ASSERT_EQ(got[0].size(), 2u * 7u) << c.architecture;
+    EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(double)), 0) << c.architecture;
+  }
+}
+
 TEST(Model, TiedGradientIsTheUntiedAccumulatorsSummedOnce) {
   // The same weights as a tied model and as an untied one whose LM head is a copy of the embedding:
   // the same logprobs bit for bit, and the tied matrix's gradient is exactly the untied run's

@@ -336,6 +336,94 @@ TEST(Validation, QkNormPairGivesEachPartsOwnCallAndNamesTheBadPart) {
                &xk);
 }
 
+// The pair's cache write (a decode step's paged KV cache): q.y, k.y and the rstds bitwise the pair's
+// without it; each token's k.y row and v row in its cache row (-1: none), every other cache row as
+// it was; and bad cache arguments named, nothing written.
+TEST(Validation, QkNormPairWritesTheCacheRowsAndNamesBadCacheArguments) {
+  const int64_t T = 4, Hq = 4, Hk = 2, D = 16, R = 10, row = Hk * D;
+  std::vector<float> xq(T * Hq * D), xk(T * row), v(T * row), wq(D), wk(D), yq(T * Hq * D), yk(T * row), rq(T * Hq),
+      rk(T * Hk), yq_ref(yq.size()), yk_ref(yk.size()), rq_ref(rq.size()), rk_ref(rk.size()), kc(R * row), vc(R * row);
+  for (size_t i = 0; i < xq.size(); ++i) xq[i] = std::sin(float(i) * 0.3f);
+  for (size_t i = 0; i < xk.size(); ++i) xk[i] = std::cos(float(i) * 0.7f), v[i] = std::sin(float(i) * 1.3f) * 3.0f;
+  for (int64_t i = 0; i < D; ++i) wq[size_t(i)] = 1.0f + 0.01f * float(i), wk[size_t(i)] = 0.9f + 0.02f * float(i);
+  for (size_t i = 0; i < kc.size(); ++i) kc[i] = 100.0f + float(i), vc[i] = -100.0f - float(i);
+  const std::vector<float> kc0 = kc, vc0 = vc;
+  std::vector<int32_t> pos{7, 8, 40, 3}, rows{7, -1, 2, 9};
+  auto t3 = [](std::vector<float>& b, int64_t n, int64_t h) { return TensorView::of(b.data(), DType::f32, {n, h, D}); };
+  auto t2 = [](std::vector<float>& b, int64_t h) { return TensorView::of(b.data(), DType::f32, {T, h}); };
+  auto t1 = [](std::vector<float>& b) { return TensorView::of(b.data(), DType::f32, {D}); };
+  QkNormPairForwardArgs ref;
+  ref.q = {t3(xq, T, Hq), t1(wq), t3(yq_ref, T, Hq), t2(rq_ref, Hq)};
+  ref.k = {t3(xk, T, Hk), t1(wk), t3(yk_ref, T, Hk), t2(rk_ref, Hk)};
+  ref.positions = TensorView::of(pos.data(), DType::i32, {T});
+  qk_norm_pair_forward(Context{}, ref);
+  QkNormPairForwardArgs a = ref;
+  a.q.y = t3(yq, T, Hq), a.q.rstd = t2(rq, Hq), a.k.y = t3(yk, T, Hk), a.k.rstd = t2(rk, Hk);
+  a.cache_rows = TensorView::of(rows.data(), DType::i32, {T});
+  a.k_cache = t3(kc, R, Hk);
+  a.v_cache = t3(vc, R, Hk);
+  a.v = t3(v, T, Hk);
+  qk_norm_pair_forward(Context{}, a);
+  EXPECT_EQ(std::memcmp(yq.data(), yq_ref.data(), yq.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(yk.data(), yk_ref.data(), yk.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(rq.data(), rq_ref.data(), rq.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(rk.data(), rk_ref.data(), rk.size() * 4), 0);
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t t = -1;
+    for (int64_t i = 0; i < T; ++i)
+      if (rows[size_t(i)] == r) t = i;
+    const float *k_want = t >= 0 ? &yk[size_t(t * row)] : &kc0[size_t(r * row)],
+                *v_want = t >= 0 ? &v[size_t(t * row)] : &vc0[size_t(r * row)];
+    EXPECT_EQ(std::memcmp(&kc[size_t(r * row)], k_want, size_t(row) * 4), 0) << "k cache row " << r << " (token " << t << ")";
+    EXPECT_EQ(std::memcmp(&vc[size_t(r * row)], v_want, size_t(row) * 4), 0) << "v cache row " << r << " (token " << t << ")";
+  }
+  EXPECT_NE(kc[size_t(7 * row)], kc0[size_t(7 * row)]);
+
+  const char* op = "qk_norm_pair_forward";
+  auto bad = a;
+  bad.k_cache = {};  // all four or none
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "k_cache", "together", &vc);
+  bad = ref;
+  bad.v = a.v;
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "cache_rows", "together", &yk_ref);
+  bad = a;
+  bad.cache_rows = TensorView::of(rows.data(), DType::i32, {T - 1});
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "cache_rows", "one cache row per token", &kc);
+  bad = a;
+  bad.cache_rows.dtype = DType::f32;
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "cache_rows", "expected dtype int32", &kc);
+  std::vector<int32_t> far{7, -1, 2, int32_t(R)}, below{7, -2, 2, 9};
+  for (std::vector<int32_t>* r : {&far, &below}) {
+    bad = a;
+    bad.cache_rows = TensorView::of(r->data(), DType::i32, {T});
+    expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "cache_rows", "outside [-1, 10)", &kc);
+  }
+  bad = a;
+  bad.k_cache = TensorView::of(kc.data(), DType::f32, {R, 1, 2 * D});
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "k_cache", "k heads", &kc);
+  bad = a;
+  bad.v_cache = TensorView::of(vc.data(), DType::f32, {R / 2, Hk, D});
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "v_cache", "does not match k_cache's", &vc);
+  bad = a;
+  bad.v_cache = TensorView::of(vc.data(), DType::bf16, {R, Hk, D});
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "v_cache", "does not match k.y's", &vc);
+  bad = a;
+  bad.v = t3(v, T - 1, Hk);
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "v", "does not match k.y's", &kc);
+  bad = a;
+  bad.v_cache.device = Device::cuda;
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "v_cache", "is on the", &kc);
+  bad = a;
+  bad.v = t3(kc, T, Hk);  // the step's values inside the cache
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "k_cache", "must not overlap v", &kc);
+  bad = a;
+  bad.v_cache = a.k_cache;
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "k_cache", "must not overlap v_cache", &kc);
+  bad = a;
+  bad.v = a.k.y;  // the step's values over k's output
+  expect_error([&] { qk_norm_pair_forward(Context{}, bad); }, op, "k.y", "must not overlap v", &kc);
+}
+
 TEST(Validation, MissingRequiredArgument) {
   LinearFixture f;
   auto a = f.args();

@@ -400,6 +400,67 @@ TEST_F(CudaNormRope, QkNormPairGivesEachPartItsOwnCallsBits) {
     }
 }
 
+TEST_F(CudaNormRope, QkNormPairWritesTheCacheRows) {
+  // The pair's cache write (a decode step's paged KV cache, fused into the launch): q.y, k.y and the
+  // rstds bitwise the pair's without it; each token's k.y row (the rounded, rotated values) and v row
+  // (verbatim) in its cache row, a -1 token writing nothing, every other cache row as it was. bf16
+  // (the all-bf16 instance), fp16 and fp32 (the generic one), D = 20 (vectors cut short: the element
+  // by element paths), a decode's T = 1 to a prefill's 333.
+  struct Shape {
+    DType dt;
+    int64_t T, q_heads, k_heads, D;
+  };
+  for (const Shape& s : {Shape{DType::bf16, 1, 32, 8, 128}, Shape{DType::bf16, 5, 32, 8, 128},
+                         Shape{DType::bf16, 333, 32, 8, 128}, Shape{DType::f16, 64, 16, 8, 64},
+                         Shape{DType::f32, 9, 4, 2, 64}, Shape{DType::bf16, 17, 5, 3, 96},
+                         Shape{DType::bf16, 7, 3, 2, 20}})
+    for (const bool rope : {false, true}) {
+      if (rope && s.D % 16 != 0) continue;
+      const std::string what = std::string(dtype_name(s.dt)) + " T=" + std::to_string(s.T) + " D=" +
+                               std::to_string(s.D) + (rope ? " rope" : "");
+      Rng r(97 + s.T + s.D);
+      const int64_t R = 2 * s.T + 3;  // cache rows
+      const HostTensor xq = r.tensor(s.dt, {s.T, s.q_heads, s.D}, -2, 2), xk = r.tensor(s.dt, {s.T, s.k_heads, s.D}, -2, 2),
+                       v = r.tensor(s.dt, {s.T, s.k_heads, s.D}, -2, 2), wq = r.tensor(s.dt, {s.D}, 0.5, 1.5),
+                       wk = r.tensor(s.dt, {s.D}, 0.5, 1.5), kc0 = r.tensor(s.dt, {R, s.k_heads, s.D}, -9, 9),
+                       vc0 = r.tensor(s.dt, {R, s.k_heads, s.D}, -9, 9);
+      HostTensor pos(DType::i32, {s.T}), rows(DType::i32, {s.T});
+      for (int64_t t = 0; t < s.T; ++t) {
+        pos.set(t, double(5 * t + 3));
+        rows.set(t, t % 5 == 2 ? -1.0 : double(R - 1 - 2 * t));  // backwards, every other row; some none
+      }
+      const DeviceBuffer d_xq(xq), d_xk(xk), d_v(v), d_wq(wq), d_wk(wk), d_pos(pos), d_rows(rows), kc(kc0), vc(vc0);
+      const DeviceBuffer yq(s.dt, {s.T, s.q_heads, s.D}), yk(s.dt, {s.T, s.k_heads, s.D}),
+          rq(DType::f32, {s.T, s.q_heads}), rk(DType::f32, {s.T, s.k_heads}), yq_ref(s.dt, {s.T, s.q_heads, s.D}),
+          yk_ref(s.dt, {s.T, s.k_heads, s.D}), rq_ref(DType::f32, {s.T, s.q_heads}), rk_ref(DType::f32, {s.T, s.k_heads});
+      QkNormPairForwardArgs pair;
+      pair.q = {d_xq.view(), d_wq.view(), yq_ref.view(), rq_ref.view()};
+      pair.k = {d_xk.view(), d_wk.view(), yk_ref.view(), rk_ref.view()};
+      if (rope) pair.positions = d_pos.view();
+      qk_norm_pair_forward(cuda_ctx(), pair);
+      pair.q.y = yq.view(), pair.q.rstd = rq.view(), pair.k.y = yk.view(), pair.k.rstd = rk.view();
+      pair.cache_rows = d_rows.view();
+      pair.k_cache = kc.view();
+      pair.v_cache = vc.view();
+      pair.v = d_v.view();
+      qk_norm_pair_forward(cuda_ctx(), pair);
+      const HostTensor yk_host = yk.host();
+      expect_same_bits(yq.host(), yq_ref.host(), what + ": q");
+      expect_same_bits(yk_host, yk_ref.host(), what + ": k");
+      expect_same_bits(rq.host(), rq_ref.host(), what + ": q rstd");
+      expect_same_bits(rk.host(), rk_ref.host(), what + ": k rstd");
+      HostTensor want_k = kc0, want_v = vc0;
+      for (int64_t t = 0; t < s.T; ++t) {
+        const auto row = int64_t(rows.get(t));
+        if (row < 0) continue;
+        want_k.copy_rows_from(yk_host, t, row, 1);
+        want_v.copy_rows_from(v, t, row, 1);
+      }
+      expect_same_bits(kc.host(), want_k, what + ": k cache");
+      expect_same_bits(vc.host(), want_v, what + ": v cache");
+    }
+}
+
 TEST_F(CudaNormRope, QkNormRopeEqualsQkNormThenRope) {
   RopeConfig llama;
   llama.theta = 500000.0;

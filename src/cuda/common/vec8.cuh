@@ -140,6 +140,32 @@ __device__ __forceinline__ void store8(const Out8& t, int64_t i, int n, const fl
     if (e < n) store_as(t.p, dt, i + e, v[e]);
 }
 
+// Elements i .. i + n − 1 (n ≤ 8) := the bits of r as fetch8 holds them (a verbatim copy: no
+// widening, no rounding, NaN payloads kept).
+template <class Fmt = AnyDtype>
+__device__ __forceinline__ void store_raw8(const Out8& t, int64_t i, int n, const Raw8& r) {
+  const DType dt = Fmt::of(t.dt);
+  if (t.vec && n == 8) {
+    if (dt == DType::f32) {
+      uint4* q = reinterpret_cast<uint4*>(static_cast<float*>(t.p) + i);
+      q[0] = r.lo, q[1] = r.hi;
+    } else {
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(t.p) + i) = r.lo;
+    }
+    return;
+  }
+  const uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+  if (dt == DType::f32) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (e < n) static_cast<uint32_t*>(t.p)[i + e] = w[e];
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (e < n) static_cast<uint16_t*>(t.p)[i + e] = uint16_t(w[e / 2] >> (16 * (e % 2)));
+  }
+}
+
 // v rounded to dtype dt and widened back: the value a store of v would hold.
 __device__ __forceinline__ float round_to(DType dt, float v) {
   switch (dt) {

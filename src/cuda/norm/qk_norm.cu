@@ -7,6 +7,15 @@
 // rows s, s + slots, … in order, then the slots' sums are added in slot order. Fused with RoPE, it
 // rotates each row in registers (the pair partner a shuffle away) and saves the rotated tensor's
 // round trip through memory: one read and one write of q and k a layer.
+//
+// The pair forward (a layer's q and k in one launch) also writes a decode step's paged KV cache when
+// asked (cache_rows, k_cache, v_cache, v): a k-part slot stores its rounded y chunk at the token's
+// cache row as well as in k.y, and copies the matching 8 elements of v there (their bits, no
+// rounding). The chain had a copy kernel a layer for that (copy_rows_indexed of the rotated k and
+// of v into the cache rows: ~2-4 µs a layer at decode sizes, most of it the launch); here the rows
+// are already in registers, and the cache gets the very values k.y gets (the same floats rounded by
+// the same store). Each cache element has one writer (a token's row, one slot lane's 8 elements),
+// so no atomics; it reads v and cache_rows after pdl_wait like every other input.
 #include <algorithm>
 #include <numeric>
 #include <type_traits>
@@ -51,6 +60,11 @@ struct QkParams {
   const uint8_t* mask;
   float* partials;            // backward: [chunks, D]
   const int32_t* positions;   // fused RoPE when set
+  // The pair's cache write (the k part's, when cache_rows is set): token t's rows of y, and of v,
+  // to row cache_rows[t] (−1: none) of k_cache and v_cache.
+  const int32_t* cache_rows;
+  In8 v;
+  Out8 k_cache, v_cache;
   int64_t T, heads, D;
   int lanes, tokens_per_step;
   float eps;
@@ -105,8 +119,9 @@ constexpr int QK_CS_PAIRS = QK_THREADS * 4, QK_CS_BUFFERS = 3;
 constexpr int QK_STEP_ROWS_PER_SLOT = 16;  // a step's rows per slot the host aims for
 
 // CTA `block` of `grid` CTAs walking one tensor's steps (a grid-stride loop: which CTA takes a
-// step never changes its bits).
-template <class Fmt>
+// step never changes its bits). kCache: compiled with the cache write (done where p.cache_rows is
+// set), the pair's k part alone.
+template <class Fmt, bool kCache = false>
 __device__ __forceinline__ void qk_norm_forward_ctas(const QkParams& p, const QkInvFreq& inv, int64_t block,
                                                      int64_t grid) {
   __shared__ float2 cs[QK_CS_BUFFERS * QK_CS_PAIRS];
@@ -139,6 +154,14 @@ __device__ __forceinline__ void qk_norm_forward_ctas(const QkParams& p, const Qk
     const Raw8 raw2 = fetch(cur.next(rows_per_slot, stride).next(rows_per_slot, stride));
     const int r = cur.j * slots + slot;  // the row within the step
     const int64_t row = cur.t0 * p.heads + r;
+    // The cache write's loads, issued before the row's reduction so that they land meanwhile: the
+    // token's cache row and this lane's 8 elements of v (fetched whatever the cache row: no wait on it).
+    int32_t cache_row = -1;
+    Raw8 raw_v{};
+    if (kCache && p.cache_rows != nullptr && row < rows) {
+      cache_row = p.cache_rows[cur.t0 + r / int(p.heads)];
+      raw_v = fetch8<Fmt>(p.v, row * p.D + col, n);
+    }
     float x[8], ss = 0.0f;
     unpack8(Fmt::of(p.x.dt), raw0, x);
 #pragma unroll
@@ -155,6 +178,11 @@ __device__ __forceinline__ void qk_norm_forward_ctas(const QkParams& p, const Qk
     if (row < rows) {
       if (n > 0) store8<Fmt>(p.y, row * p.D + col, n, y);
       if (p.rstd_out && slot_lane == 0) p.rstd_out[row] = rstd;
+      if (kCache && cache_row >= 0 && n > 0) {  // the same y values, the same rounding: k.y's bits
+        const int64_t at = (int64_t(cache_row) * p.heads + r % int(p.heads)) * p.D + col;  // its head there
+        store8<Fmt>(p.k_cache, at, n, y);
+        store_raw8<Fmt>(p.v_cache, at, n, raw_v);
+      }
     }
     raw0 = raw1, raw1 = raw2;
     if (cur.j + 1 == rows_per_slot) ++step;
@@ -170,8 +198,9 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __gri
 }
 
 // A layer's q and k in one launch: CTAs [0, q_grid) walk q's steps, the rest k's, each exactly as
-// their own launch would (the same rows to a slot, the same arithmetic).
-template <class Fmt>
+// their own launch would (the same rows to a slot, the same arithmetic); the k part's CTAs make the
+// cache write (kCache: an instance of its own, so that the pair without it keeps its registers).
+template <class Fmt, bool kCache>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_pair_forward_kernel(const __grid_constant__ QkParams q,
                                                                           const __grid_constant__ QkParams k,
                                                                           const __grid_constant__ QkInvFreq inv,
@@ -179,7 +208,7 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_pair_forward_kernel(const 
   pdl_wait();
   pdl_launch_dependents();
   if (int(blockIdx.x) < q_grid) qk_norm_forward_ctas<Fmt>(q, inv, blockIdx.x, q_grid);
-  else qk_norm_forward_ctas<Fmt>(k, inv, int64_t(blockIdx.x) - q_grid, int64_t(gridDim.x) - q_grid);
+  else qk_norm_forward_ctas<Fmt, kCache>(k, inv, int64_t(blockIdx.x) - q_grid, int64_t(gridDim.x) - q_grid);
 }
 
 // Chunks b, b + grid, … of the launch, a CTA each at a time (which CTA takes a chunk changes no
@@ -361,20 +390,30 @@ void qk_norm_pair_forward(const Context& ctx, const QkNormPairForwardArgs& a) {
   const char* op = "qk_norm_pair_forward";
   int64_t q_steps = 0, k_steps = 0;
   const QkParams q = forward_params(a.q.x, a.q.weight, a.q.y, a.q.rstd, a.positions, a.eps, op, q_steps);
-  const QkParams k = forward_params(a.k.x, a.k.weight, a.k.y, a.k.rstd, a.positions, a.eps, op, k_steps);
-  if (q_steps == 0 || k_steps == 0) {  // a part with no rows: the other alone (parentheses: this file's, not ADL's)
-    for (const QkNormPart* part : {&a.q, &a.k})
-      (qk_norm_forward)(ctx, QkNormForwardArgs{part->x, part->weight, part->y, part->rstd, a.eps, a.positions, a.rope});
-    return;
+  QkParams k = forward_params(a.k.x, a.k.weight, a.k.y, a.k.rstd, a.positions, a.eps, op, k_steps);
+  if (q_steps == 0 && k_steps == 0) return;  // a part with no rows gets no CTAs: the other takes them all
+  const bool cache_write = a.cache_rows.present();
+  if (cache_write) {
+    const int64_t D = a.k.x.shape[2];
+    k.cache_rows = a.cache_rows.as<const int32_t>();
+    k.v = in8(a.v, D);
+    k.k_cache = out8(a.k_cache, D);
+    k.v_cache = out8(a.v_cache, D);
   }
   const QkInvFreq inv = q.positions ? make_inv_freq<QK_MAX_D / 2>(a.rope, a.q.x.shape[2]) : QkInvFreq{};
-  const bool all_bf16 = is_bf16(a.q.x) && is_bf16(a.q.y) && is_bf16(a.k.x) && is_bf16(a.k.y);
+  const bool all_bf16 = is_bf16(a.q.x) && is_bf16(a.q.y) && is_bf16(a.k.x) && is_bf16(a.k.y) &&
+                        (!cache_write || (is_bf16(a.v) && is_bf16(a.k_cache) && is_bf16(a.v_cache)));
   with_shape(1, all_bf16, [&](auto fmt, auto) {
-    const auto kernel = qk_norm_pair_forward_kernel<decltype(fmt)>;
-    static std::atomic<int> resident[64] = {};
-    const int64_t q_grid = forward_grid(kernel, resident, q_steps, op), k_grid = forward_grid(kernel, resident, k_steps, op);
-    launch_after_previous(kernel, dim3(unsigned(q_grid + k_grid)), dim3(QK_THREADS), 0, stream_of(ctx.stream), op, q,
-                          k, inv, int(q_grid));
+    const auto launch = [&](auto cache) {  // its own resident count (a static) a kernel instance
+      const auto kernel = qk_norm_pair_forward_kernel<decltype(fmt), decltype(cache)::value>;
+      static std::atomic<int> resident[64] = {};
+      const int64_t q_grid = q_steps == 0 ? 0 : forward_grid(kernel, resident, q_steps, op),
+                    k_grid = k_steps == 0 ? 0 : forward_grid(kernel, resident, k_steps, op);
+      launch_after_previous(kernel, dim3(unsigned(q_grid + k_grid)), dim3(QK_THREADS), 0, stream_of(ctx.stream), op,
+                            q, k, inv, int(q_grid));
+    };
+    if (cache_write) launch(std::true_type{});
+    else launch(std::false_type{});
   });
 }
 
