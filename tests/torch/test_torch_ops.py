@@ -184,6 +184,8 @@ def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
     with pytest.raises(samebits.Error, match="lengths"):
         sbt.attention(q, k, k, [9, -1])
     assert "Attention" in sbt.attention(q.requires_grad_(), k, k, [3, 5]).grad_fn.name()
+
+
 def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     """With the dispatcher library loaded, an engine's KV cache (and every samebits allocation outside
     its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes

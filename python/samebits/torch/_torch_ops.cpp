@@ -482,6 +482,7 @@ struct Embedding : torch::autograd::Function<Embedding> {
 };
 
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) { return Embedding::apply(ids, table); }
+
 // ---------------------------------------------------------------- device memory
 // samebits' device memory (the chain's activations, an engine's KV cache, the kernels' temporaries)
 // from PyTorch's caching allocator while this library is loaded: one cache of free GPU memory in
