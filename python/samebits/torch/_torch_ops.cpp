@@ -102,7 +102,7 @@ at::Tensor rows_of(const at::Tensor& x, const char* op) {
 
 // Whether a call records a backward: grad mode on and an input that wants a gradient. A call that
 // does not runs the op alone (no autograd node, nothing kept for a backward: the norms' rstd and
-// the logprob's lse are not even computed), which is most of an inference call's host time.
+// the logprob's and attention's lse are not written), which is much of an inference call's host time.
 bool records(std::initializer_list<const at::Tensor*> inputs) {
   if (!at::GradMode::is_enabled()) return false;
   for (const at::Tensor* t : inputs)
