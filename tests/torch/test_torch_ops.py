@@ -214,3 +214,37 @@ def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < kv_bytes, "the KV cache went back to torch's cache"
+
+
+@pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), ("cpu", torch.float32)])
+def test_calls_that_record_no_backward_skip_autograd_and_give_the_same_bits(device, dtype):
+    """Under no_grad (or with no input wanting a gradient) a dispatcher op runs alone — no autograd
+    node, no rstd / lse kept — and gives the recording call's bits."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x, r = (torch.randn(6, 256, generator=g).to(device, dtype) for _ in range(2))
+    w = torch.randn(256, generator=g).to(device, dtype)
+    W = torch.randn(320, 256, generator=g).to(device, dtype)
+    logits = torch.randn(6, 900, generator=g).to(device, dtype)
+    targets = torch.randint(0, 900, (6,), generator=g).to(device)
+    q = torch.randn(9, 4, 64, generator=g).to(device, dtype)
+    k, v = (torch.randn(9, 2, 64, generator=g).to(device, dtype) for _ in range(2))
+    table = torch.randn(50, 64, generator=g).to(device, dtype)
+    ids = torch.randint(0, 50, (2, 5), generator=g).to(device)
+    E = _common._ext
+    calls = {
+        "rms_norm": lambda a, b: E.rms_norm(a, b, 1e-5),
+        "add_rms_norm": lambda a, b: torch.cat(E.add_rms_norm(a, r, b, 1e-5)),
+        "swiglu": lambda a, b: E.swiglu(a, x),
+        "linear": lambda a, b: E.linear(a, W, None),
+        "token_logprobs": lambda a, b: torch.cat(E.token_logprobs(logits + 0 * a.sum(), targets)),
+        "attention": lambda a, b: E.attention(q + 0 * a.sum(), k, v, [4, 5], 0.0),
+        "embedding": lambda a, b: E.embedding(ids, table + 0 * b.sum()),
+    }
+    for name, call in calls.items():
+        recorded = call(x.clone().requires_grad_(), w.clone().requires_grad_())
+        assert recorded.requires_grad, name
+        with torch.no_grad():
+            alone = call(x.clone().requires_grad_(), w.clone().requires_grad_())
+        plain = call(x, w)
+        assert not alone.requires_grad and not plain.requires_grad and alone.grad_fn is None, name
+        assert torch.equal(bits(alone), bits(recorded.detach())) and torch.equal(bits(plain), bits(alone)), name

@@ -23,9 +23,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "samebits/device.hpp"
@@ -103,23 +105,57 @@ at::Tensor rows_of(const at::Tensor& x, const char* op) {
   return x.reshape({-1, x.size(-1)});
 }
 
+// Whether a call records a backward: grad mode on and an input that wants a gradient. A call that
+// does not runs the op alone (no autograd node, nothing kept for a backward: the norms' rstd and
+// the logprob's and attention's lse are not written), which is much of an inference call's host time.
+bool records(std::initializer_list<const at::Tensor*> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : inputs)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
 // ---------------------------------------------------------------- rms_norm
+// y = rms_norm(s) with s = x, or s = x + residual rounded once (add_rms_norm, which also returns
+// s); rstd (fp32) only where a backward will want it.
+struct NormOut {
+  at::Tensor y, sum, rstd;
+};
+NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                     bool keep_rstd, const char* op) {
+  const DeviceOf guard(x);
+  const at::Tensor x2 = rows_of(x, op);
+  NormOut o;
+  o.y = at::empty_like(x2);
+  samebits::RmsNormForwardArgs a;
+  a.x = view(x2, op, "x");
+  a.weight = view(weight, op, "weight");
+  a.y = view(o.y, op, "y");
+  at::Tensor r2;
+  if (residual) {
+    r2 = rows_of(*residual, op);
+    o.sum = at::empty_like(x2);
+    a.residual = view(r2, op, "residual");
+    a.residual_out = view(o.sum, op, "residual_out");
+  }
+  if (keep_rstd) {
+    o.rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
+    a.rstd = view(o.rstd, op, "rstd");
+  }
+  a.eps = eps;
+  run([&] { samebits::rmsnorm_forward(context_of(x), a); });
+  o.y = o.y.view(x.sizes());
+  if (residual) o.sum = o.sum.view(x.sizes());
+  return o;
+}
+
 struct RmsNorm : torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps) {
-    const DeviceOf guard(x);
-    const at::Tensor x2 = rows_of(x, "rms_norm");
-    at::Tensor y = at::empty_like(x2), rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
-    samebits::RmsNormForwardArgs a;
-    a.x = view(x2, "rms_norm", "x");
-    a.weight = view(weight, "rms_norm", "weight");
-    a.y = view(y, "rms_norm", "y");
-    a.rstd = view(rstd, "rms_norm", "rstd");
-    a.eps = eps;
-    run([&] { samebits::rmsnorm_forward(context_of(x), a); });
-    ctx->save_for_backward({x, weight, rstd});
+    const NormOut o = norm_forward(x, nullptr, weight, eps, true, "rms_norm");
+    ctx->save_for_backward({x, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
-    return y.view(x.sizes());
+    return o.y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -143,7 +179,10 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
   }
 };
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return RmsNorm::apply(x, weight, eps); }
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (!records({&x, &weight})) return norm_forward(x, nullptr, weight, eps, false, "rms_norm").y;
+  return RmsNorm::apply(x, weight, eps);
+}
 
 // ---------------------------------------------------------------- add_rms_norm
 // s = x + residual (rounded once to x's dtype), y = rms_norm(s); returns (y, s). The backward takes
@@ -153,22 +192,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                                                 const at::Tensor& residual, const at::Tensor& weight, double eps) {
-    const DeviceOf guard(x);
-    const at::Tensor x2 = rows_of(x, "add_rms_norm"), r2 = rows_of(residual, "add_rms_norm");
-    at::Tensor y = at::empty_like(x2), sum = at::empty_like(x2);
-    at::Tensor rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
-    samebits::RmsNormForwardArgs a;
-    a.x = view(x2, "add_rms_norm", "x");
-    a.residual = view(r2, "add_rms_norm", "residual");
-    a.weight = view(weight, "add_rms_norm", "weight");
-    a.y = view(y, "add_rms_norm", "y");
-    a.residual_out = view(sum, "add_rms_norm", "residual_out");
-    a.rstd = view(rstd, "add_rms_norm", "rstd");
-    a.eps = eps;
-    run([&] { samebits::rmsnorm_forward(context_of(x), a); });
-    ctx->save_for_backward({sum, weight, rstd});
+    const NormOut o = norm_forward(x, &residual, weight, eps, true, "add_rms_norm");
+    ctx->save_for_backward({o.sum, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
-    return {y.view(x.sizes()), sum.view(x.sizes())};
+    return {o.y, o.sum};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -199,24 +226,32 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                                 double eps) {
+  if (!records({&x, &residual, &weight})) {
+    const NormOut o = norm_forward(x, &residual, weight, eps, false, "add_rms_norm");
+    return {o.y, o.sum};
+  }
   const auto out = AddRmsNorm::apply(x, residual, weight, eps);
   return {out[0], out[1]};
 }
 
 // ---------------------------------------------------------------- swiglu
 // silu(gate) · up in fp32, rounded once.
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
+  const DeviceOf guard(gate);
+  const at::Tensor g2 = rows_of(gate, "swiglu"), u2 = rows_of(up, "swiglu");
+  at::Tensor y = at::empty_like(g2);
+  samebits::SwiGluForwardArgs a;
+  a.gate = view(g2, "swiglu", "gate");
+  a.up = view(u2, "swiglu", "up");
+  a.y = view(y, "swiglu", "y");
+  run([&] { samebits::swiglu_forward(context_of(gate), a); });
+  return y.view(gate.sizes());
+}
+
 struct SwiGlu : torch::autograd::Function<SwiGlu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    const DeviceOf guard(gate);
-    const at::Tensor g2 = rows_of(gate, "swiglu"), u2 = rows_of(up, "swiglu");
-    at::Tensor y = at::empty_like(g2);
-    samebits::SwiGluForwardArgs a;
-    a.gate = view(g2, "swiglu", "gate");
-    a.up = view(u2, "swiglu", "up");
-    a.y = view(y, "swiglu", "y");
-    run([&] { samebits::swiglu_forward(context_of(gate), a); });
     ctx->save_for_backward({gate, up});
-    return y.view(gate.sizes());
+    return swiglu_forward(gate, up);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -239,28 +274,34 @@ struct SwiGlu : torch::autograd::Function<SwiGlu> {
   }
 };
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return SwiGlu::apply(gate, up); }
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  return records({&gate, &up}) ? SwiGlu::apply(gate, up) : swiglu_forward(gate, up);
+}
 
 // ---------------------------------------------------------------- linear
 // y = x · weightᵀ (+ bias); the backward's weight (and bias) gradients in fp32 accumulators rounded
 // once to the parameter's dtype, as the custom_op path does.
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const DeviceOf guard(x);
+  const at::Tensor x2 = rows_of(x, "linear");
+  at::Tensor y = at::empty({x2.size(0), weight.size(0)}, x2.options());
+  samebits::LinearForwardArgs a;
+  a.x = view(x2, "linear", "x");
+  a.weight = view(weight, "linear", "weight");
+  if (bias && bias->defined()) a.bias = view(*bias, "linear", "bias");
+  a.y = view(y, "linear", "y");
+  run([&] { samebits::linear_forward(context_of(x), a); });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  return y.view(shape);
+}
+
 struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias) {
-    const DeviceOf guard(x);
-    const at::Tensor x2 = rows_of(x, "linear");
-    at::Tensor y = at::empty({x2.size(0), weight.size(0)}, x2.options());
-    samebits::LinearForwardArgs a;
-    a.x = view(x2, "linear", "x");
-    a.weight = view(weight, "linear", "weight");
-    if (bias && bias->defined()) a.bias = view(*bias, "linear", "bias");
-    a.y = view(y, "linear", "y");
-    run([&] { samebits::linear_forward(context_of(x), a); });
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias"] = bool(bias && bias->defined());
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = weight.size(0);
-    return y.view(shape);
+    return linear_forward(x, weight, bias);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -294,6 +335,8 @@ struct Linear : torch::autograd::Function<Linear> {
 };
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor none;
+  if (!records({&x, &weight, bias ? &*bias : &none})) return linear_forward(x, weight, bias);
   return Linear::apply(x, weight, bias);
 }
 
@@ -320,25 +363,40 @@ at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
 // ---------------------------------------------------------------- token_logprobs
 // (logp, entropy) of targets under logits [..., V] in fp32, the vocab in fixed blocks; the row's
 // log-sum-exp kept for the backward (the custom_op path returns it as a third output).
+struct LogprobOut {
+  at::Tensor logp, entropy, lse, targets;  // lse where kept; targets as int32
+};
+LogprobOut logprob_forward(const at::Tensor& logits, const at::Tensor& targets, bool keep_lse) {
+  const char* op = "token_logprobs";
+  const DeviceOf guard(logits);
+  LogprobOut o;
+  const at::Tensor l2 = rows_of(logits, op);
+  o.targets = ids_int32(targets, op, "targets");
+  const auto options = l2.options().dtype(acc_of(logits));
+  o.logp = at::empty({o.targets.size(0)}, options);
+  o.entropy = at::empty({o.targets.size(0)}, options);
+  samebits::LogprobForwardArgs a;
+  a.logits = view(l2, op, "logits");
+  a.targets = view(o.targets, op, "targets");
+  a.logp = view(o.logp, op, "logp");
+  a.entropy = view(o.entropy, op, "entropy");
+  if (keep_lse) {
+    o.lse = at::empty({o.targets.size(0)}, options);
+    a.lse = view(o.lse, op, "lse");
+  }
+  run([&] { samebits::logprob_forward(context_of(logits), a); });
+  const auto shape = logits.sizes().slice(0, logits.dim() - 1);
+  o.logp = o.logp.view(shape);
+  o.entropy = o.entropy.view(shape);
+  return o;
+}
+
 struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
                                                 const at::Tensor& targets) {
-    const char* op = "token_logprobs";
-    const DeviceOf guard(logits);
-    const at::Tensor l2 = rows_of(logits, op), t = ids_int32(targets, op, "targets");
-    const auto options = l2.options().dtype(acc_of(logits));
-    at::Tensor logp = at::empty({t.size(0)}, options), entropy = at::empty({t.size(0)}, options),
-               lse = at::empty({t.size(0)}, options);
-    samebits::LogprobForwardArgs a;
-    a.logits = view(l2, op, "logits");
-    a.targets = view(t, op, "targets");
-    a.logp = view(logp, op, "logp");
-    a.entropy = view(entropy, op, "entropy");
-    a.lse = view(lse, op, "lse");
-    run([&] { samebits::logprob_forward(context_of(logits), a); });
-    ctx->save_for_backward({logits, t, lse});
-    const auto shape = logits.sizes().slice(0, logits.dim() - 1);
-    return {logp.view(shape), entropy.view(shape)};
+    const LogprobOut o = logprob_forward(logits, targets, true);
+    ctx->save_for_backward({logits, o.targets, o.lse});
+    return {o.logp, o.entropy};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -366,6 +424,10 @@ struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
 };
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits, const at::Tensor& targets) {
+  if (!records({&logits})) {
+    const LogprobOut o = logprob_forward(logits, targets, false);
+    return {o.logp, o.entropy};
+  }
   const auto out = TokenLogprobs::apply(logits, targets);
   return {out[0], out[1]};
 }
@@ -387,29 +449,41 @@ at::Tensor seq_table(at::IntArrayRef lengths) {
   return table;
 }
 
+struct AttentionOut {
+  at::Tensor out, lse, seqs;  // lse where kept; seqs: the work table
+};
+AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef lengths,
+                               double scale, bool keep_lse) {
+  const char* op = "attention";
+  const DeviceOf guard(q);
+  for (const int64_t n : lengths)
+    TORCH_CHECK_VALUE(n >= 0 && n <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
+                      ": argument 'lengths': a length of ", n, " is not taken");
+  AttentionOut o;
+  o.seqs = seq_table(lengths);
+  o.out = at::empty_like(q);
+  samebits::AttentionForwardArgs a;
+  a.q = view(q, op, "q");
+  a.k = view(k, op, "k");
+  a.v = view(v, op, "v");
+  a.seqs = view(o.seqs, op, "seqs");
+  a.out = view(o.out, op, "out");
+  if (keep_lse) {
+    o.lse = at::empty({q.size(0), q.dim() > 1 ? q.size(1) : 0}, q.options().dtype(acc_of(q)));
+    a.lse = view(o.lse, op, "lse");
+  }
+  a.scale = scale;
+  run([&] { samebits::attention_forward(context_of(q), a); });
+  return o;
+}
+
 struct Attention : torch::autograd::Function<Attention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, at::IntArrayRef lengths, double scale) {
-    const char* op = "attention";
-    const DeviceOf guard(q);
-    for (const int64_t n : lengths)
-      TORCH_CHECK_VALUE(n >= 0 && n <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
-                        ": argument 'lengths': a length of ", n, " is not taken");
-    const at::Tensor seqs = seq_table(lengths);
-    at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.dim() > 1 ? q.size(1) : 0},
-                                                        q.options().dtype(acc_of(q)));
-    samebits::AttentionForwardArgs a;
-    a.q = view(q, op, "q");
-    a.k = view(k, op, "k");
-    a.v = view(v, op, "v");
-    a.seqs = view(seqs, op, "seqs");
-    a.out = view(out, op, "out");
-    a.lse = view(lse, op, "lse");
-    a.scale = scale;
-    run([&] { samebits::attention_forward(context_of(q), a); });
-    ctx->save_for_backward({q, k, v, seqs, out, lse});
+    const AttentionOut o = attention_forward(q, k, v, lengths, scale, true);
+    ctx->save_for_backward({q, k, v, o.seqs, o.out, o.lse});
     ctx->saved_data["scale"] = scale;
-    return out;
+    return o.out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -439,28 +513,35 @@ struct Attention : torch::autograd::Function<Attention> {
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef lengths,
                      double scale) {
+  if (!records({&q, &k, &v})) return attention_forward(q, k, v, lengths, scale, false).out;
   return Attention::apply(q, k, v, lengths, scale);
 }
 
 // ---------------------------------------------------------------- embedding
 // table[ids]; the table's gradient sums each row's uses in ascending token order in an fp32
 // accumulator, rounded once to the table's dtype.
+// (y, the ids as int32).
+std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const at::Tensor& table) {
+  const char* op = "embedding";
+  const DeviceOf guard(table);
+  const at::Tensor flat = ids_int32(ids, op, "ids");
+  TORCH_CHECK_VALUE(table.dim() == 2, "samebits.torch ", op, ": argument 'table': must be 2-D [vocab, hidden]");
+  at::Tensor y = at::empty({flat.size(0), table.size(1)}, table.options());
+  samebits::EmbeddingForwardArgs a;
+  a.ids = view(flat, op, "ids");
+  a.table = view(table, op, "table");
+  a.y = view(y, op, "y");
+  run([&] { samebits::embedding_forward(context_of(table), a); });
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(table.size(1));
+  return {y.view(shape), flat};
+}
+
 struct Embedding : torch::autograd::Function<Embedding> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table) {
-    const char* op = "embedding";
-    const DeviceOf guard(table);
-    const at::Tensor flat = ids_int32(ids, op, "ids");
-    TORCH_CHECK_VALUE(table.dim() == 2, "samebits.torch ", op, ": argument 'table': must be 2-D [vocab, hidden]");
-    at::Tensor y = at::empty({flat.size(0), table.size(1)}, table.options());
-    samebits::EmbeddingForwardArgs a;
-    a.ids = view(flat, op, "ids");
-    a.table = view(table, op, "table");
-    a.y = view(y, op, "y");
-    run([&] { samebits::embedding_forward(context_of(table), a); });
+    auto [y, flat] = embedding_forward(ids, table);
     ctx->save_for_backward({flat, table});
-    std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-    shape.push_back(table.size(1));
-    return y.view(shape);
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -481,7 +562,9 @@ struct Embedding : torch::autograd::Function<Embedding> {
   }
 };
 
-at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) { return Embedding::apply(ids, table); }
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) {
+  return records({&table}) ? Embedding::apply(ids, table) : embedding_forward(ids, table).first;
+}
 
 // ---------------------------------------------------------------- device memory
 // samebits' device memory (the chain's activations, an engine's KV cache, the kernels' temporaries)
