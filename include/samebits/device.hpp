@@ -131,11 +131,14 @@ void device_memory_info(Backend backend, size_t* free, size_t* total);
 // on that stream. Memory asked for while its stream is being captured into a CUDA graph still comes
 // from samebits' pool (it becomes the graph's own memory). What was allocated goes back to the
 // allocator that gave it, whatever is installed by then. device_memory_in_use counts both;
-// device_memory_peak adds the two allocators' peaks. An empty ExternalAllocator (the default)
-// brings back samebits' own pool for later allocations. Nothing without the CUDA backend.
+// device_memory_peak adds the two allocators' peaks; device_memory_info adds what `cached` (optional)
+// says the allocator holds unused on the device, as it adds samebits' own pool's (an engine sizes
+// its KV pool from it). An empty ExternalAllocator (the default) brings back samebits' own pool for
+// later allocations. Nothing without the CUDA backend.
 struct ExternalAllocator {
   void* (*alloc)(size_t bytes, int device, void* stream, void* user) = nullptr;
   void (*free)(void* ptr, int device, void* stream, void* user) = nullptr;
+  size_t (*cached)(int device, void* user) = nullptr;
   void* user = nullptr;
 };
 void set_device_allocator(const ExternalAllocator& allocator);

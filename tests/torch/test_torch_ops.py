@@ -188,18 +188,18 @@ def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
 
 def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     """With the dispatcher library loaded, an engine's KV cache (and every samebits allocation outside
-    its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes
-    back to torch's cache when the engine is gone."""
-    if os.environ.get("SAMEBITS_TORCH_ALLOCATOR") == "0":
-        pytest.skip("SAMEBITS_TORCH_ALLOCATOR=0")
+    its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes back to
+    torch's cache when the engine is gone, which torch.cuda.empty_cache() releases."""
+    if _common._ext is None or os.environ.get("SAMEBITS_TORCH_ALLOCATOR") == "0":
+        pytest.skip("the dispatcher library (and with it torch's allocator) is not loaded")
     import gc
 
     transformers = pytest.importorskip("transformers")
     import samebits.hf
     from tiny_models import qwen3
 
-    model = qwen3(transformers, vocab=512, hidden=128, mlp=256, heads=4, kv_heads=2, head_dim=32, tied=False)
-    kv_bytes = model.config.num_hidden_layers * 2 * (64 * 16) * 2 * 32 * 2  # K and V, pages · rows, heads, D, bf16
+    model = qwen3(transformers, vocab=512, hidden=256, mlp=512, heads=4, kv_heads=2, head_dim=64, tied=False)
+    kv_bytes = model.config.num_hidden_layers * 2 * (64 * 16) * 2 * 64 * 2  # K and V, pages · rows, heads, D, bf16
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     gen = samebits.hf.Generator(model, kv_pages=64, page_size=16)
@@ -207,13 +207,37 @@ def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     assert held >= kv_bytes, f"torch sees {held} bytes more, the KV cache alone is {kv_bytes}"
     assert samebits._core.device_memory_in_use("cuda") >= kv_bytes
     for graphs in (True, False):  # decode graphs captured on samebits' own pool, eager steps on torch's
-        rollouts = samebits.hf.Generator(model, kv_pages=64, page_size=16, cuda_graphs=graphs).generate(
-            [[1, 2, 3], [4, 5]], n=2, max_new_tokens=6, seed=3)
-        assert all(r.finish_reason == "length" for rs in rollouts for r in rs)
+        g = samebits.hf.Generator(model, kv_pages=64, page_size=16, cuda_graphs=graphs)
+        rollouts = g.generate([[1, 2, 3], [4, 5]], n=2, max_new_tokens=6, seed=3)
+        assert all(r.finish_reason == "length" for rs in rollouts for r in rs), [r.error for rs in rollouts for r in rs]
+        assert (g.engine.captured_graphs > 0) == graphs
+        del g
     del gen, rollouts
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < kv_bytes, "the KV cache went back to torch's cache"
+    # torch holds those blocks (filed under the engines' streams): its empty_cache() releases them
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    assert reserved - torch.cuda.memory_reserved() >= kv_bytes, "torch's cache held samebits' freed memory"
+
+
+def test_outputs_of_the_dispatcher_ops_take_in_place_updates():
+    """A C++ autograd Function's outputs that are views refuse in-place ops; the ops return their
+    outputs at full shape (no views), as the custom_op path does."""
+    E = _common._ext
+    x = torch.randn(2, 3, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    lg = torch.randn(2, 3, 500, device=DEV, requires_grad=True)
+    table = torch.randn(50, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 3), device=DEV)
+    for name, y in {"rms_norm": E.rms_norm(x, w, 1e-5), "add_rms_norm": E.add_rms_norm(x, x.detach(), w, 1e-5)[0],
+                    "swiglu": E.swiglu(x, x.detach()), "linear": E.linear(x, W, None),
+                    "token_logprobs": E.token_logprobs(lg, torch.randint(0, 500, (2, 3), device=DEV))[0],
+                    "embedding": E.embedding(ids, table)}.items():
+        y.mul_(2).float().sum().backward()  # raised for views made inside the Function
+        assert y.grad_fn is not None, name
 
 
 @pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), ("cpu", torch.float32)])

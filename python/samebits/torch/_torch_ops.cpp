@@ -15,6 +15,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+#include <torch/version.h>
 #if SAMEBITS_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
+#include <mutex>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -99,9 +101,11 @@ struct DeviceOf {
 
 at::ScalarType acc_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-at::Tensor rows_of(const at::Tensor& x, const char* op) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, "samebits.torch ", op, ": argument 'x': needs at least one dimension");
-  TORCH_CHECK_VALUE(x.is_contiguous(), "samebits.torch ", op, ": argument 'x': must be contiguous (.contiguous())");
+// x as [rows, last dimension] (a view: x is contiguous). `arg` names it in an error.
+at::Tensor rows_of(const at::Tensor& x, const char* op, const char* arg = "x") {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "samebits.torch ", op, ": argument '", arg, "': needs at least one dimension");
+  TORCH_CHECK_VALUE(x.is_contiguous(), "samebits.torch ", op, ": argument '", arg,
+                    "': must be contiguous (.contiguous())");
   return x.reshape({-1, x.size(-1)});
 }
 
@@ -126,17 +130,17 @@ NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::
   const DeviceOf guard(x);
   const at::Tensor x2 = rows_of(x, op);
   NormOut o;
-  o.y = at::empty_like(x2);
+  o.y = at::empty_like(x);  // outputs at their final shape, the kernel given 2-D views of them
   samebits::RmsNormForwardArgs a;
   a.x = view(x2, op, "x");
   a.weight = view(weight, op, "weight");
-  a.y = view(o.y, op, "y");
+  a.y = view(rows_of(o.y, op, "y"), op, "y");
   at::Tensor r2;
   if (residual) {
-    r2 = rows_of(*residual, op);
-    o.sum = at::empty_like(x2);
+    r2 = rows_of(*residual, op, "residual");
+    o.sum = at::empty_like(x);
     a.residual = view(r2, op, "residual");
-    a.residual_out = view(o.sum, op, "residual_out");
+    a.residual_out = view(rows_of(o.sum, op, "residual_out"), op, "residual_out");
   }
   if (keep_rstd) {
     o.rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
@@ -144,8 +148,6 @@ NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::
   }
   a.eps = eps;
   run([&] { samebits::rmsnorm_forward(context_of(x), a); });
-  o.y = o.y.view(x.sizes());
-  if (residual) o.sum = o.sum.view(x.sizes());
   return o;
 }
 
@@ -238,14 +240,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // silu(gate) · up in fp32, rounded once.
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   const DeviceOf guard(gate);
-  const at::Tensor g2 = rows_of(gate, "swiglu"), u2 = rows_of(up, "swiglu");
-  at::Tensor y = at::empty_like(g2);
+  const at::Tensor g2 = rows_of(gate, "swiglu", "gate"), u2 = rows_of(up, "swiglu", "up");
+  at::Tensor y = at::empty_like(gate);
   samebits::SwiGluForwardArgs a;
   a.gate = view(g2, "swiglu", "gate");
   a.up = view(u2, "swiglu", "up");
-  a.y = view(y, "swiglu", "y");
+  a.y = view(rows_of(y, "swiglu", "y"), "swiglu", "y");
   run([&] { samebits::swiglu_forward(context_of(gate), a); });
-  return y.view(gate.sizes());
+  return y;
 }
 
 struct SwiGlu : torch::autograd::Function<SwiGlu> {
@@ -284,16 +286,17 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const DeviceOf guard(x);
   const at::Tensor x2 = rows_of(x, "linear");
-  at::Tensor y = at::empty({x2.size(0), weight.size(0)}, x2.options());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "samebits.torch linear: argument 'weight': must be 2-D [out, in]");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  at::Tensor y = at::empty(shape, x.options());
   samebits::LinearForwardArgs a;
   a.x = view(x2, "linear", "x");
   a.weight = view(weight, "linear", "weight");
   if (bias && bias->defined()) a.bias = view(*bias, "linear", "bias");
-  a.y = view(y, "linear", "y");
+  a.y = view(rows_of(y, "linear", "y"), "linear", "y");
   run([&] { samebits::linear_forward(context_of(x), a); });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = weight.size(0);
-  return y.view(shape);
+  return y;
 }
 
 struct Linear : torch::autograd::Function<Linear> {
@@ -370,24 +373,22 @@ LogprobOut logprob_forward(const at::Tensor& logits, const at::Tensor& targets, 
   const char* op = "token_logprobs";
   const DeviceOf guard(logits);
   LogprobOut o;
-  const at::Tensor l2 = rows_of(logits, op);
+  const at::Tensor l2 = rows_of(logits, op, "logits");
   o.targets = ids_int32(targets, op, "targets");
   const auto options = l2.options().dtype(acc_of(logits));
-  o.logp = at::empty({o.targets.size(0)}, options);
-  o.entropy = at::empty({o.targets.size(0)}, options);
+  const auto shape = logits.sizes().slice(0, logits.dim() - 1);
+  o.logp = at::empty(shape, options);  // at the final shape, the kernel given flat views
+  o.entropy = at::empty(shape, options);
   samebits::LogprobForwardArgs a;
   a.logits = view(l2, op, "logits");
   a.targets = view(o.targets, op, "targets");
-  a.logp = view(o.logp, op, "logp");
-  a.entropy = view(o.entropy, op, "entropy");
+  a.logp = view(o.logp.reshape({-1}), op, "logp");
+  a.entropy = view(o.entropy.reshape({-1}), op, "entropy");
   if (keep_lse) {
     o.lse = at::empty({o.targets.size(0)}, options);
     a.lse = view(o.lse, op, "lse");
   }
   run([&] { samebits::logprob_forward(context_of(logits), a); });
-  const auto shape = logits.sizes().slice(0, logits.dim() - 1);
-  o.logp = o.logp.view(shape);
-  o.entropy = o.entropy.view(shape);
   return o;
 }
 
@@ -441,6 +442,8 @@ at::Tensor seq_table(at::IntArrayRef lengths) {
   int32_t* row = table.data_ptr<int32_t>();
   int64_t at_row = 0;
   for (const int64_t n : lengths) {
+    TORCH_CHECK_VALUE(at_row + n <= std::numeric_limits<int32_t>::max(), "samebits.torch attention: argument ",
+                      "'lengths': the sequences hold more than 2^31 - 1 tokens");
     row[0] = row[2] = int32_t(at_row);
     row[1] = row[3] = int32_t(n);
     at_row += n;
@@ -459,6 +462,8 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   for (const int64_t n : lengths)
     TORCH_CHECK_VALUE(n >= 0 && n <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
                       ": argument 'lengths': a length of ", n, " is not taken");
+  TORCH_CHECK_VALUE(q.dim() == 3, "samebits.torch ", op, ": argument 'q': must be 3-D [tokens, heads, head_dim], got ",
+                    q.dim(), "-D");
   AttentionOut o;
   o.seqs = seq_table(lengths);
   o.out = at::empty_like(q);
@@ -469,7 +474,7 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   a.seqs = view(o.seqs, op, "seqs");
   a.out = view(o.out, op, "out");
   if (keep_lse) {
-    o.lse = at::empty({q.size(0), q.dim() > 1 ? q.size(1) : 0}, q.options().dtype(acc_of(q)));
+    o.lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(acc_of(q)));
     a.lse = view(o.lse, op, "lse");
   }
   a.scale = scale;
@@ -526,15 +531,15 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
   const DeviceOf guard(table);
   const at::Tensor flat = ids_int32(ids, op, "ids");
   TORCH_CHECK_VALUE(table.dim() == 2, "samebits.torch ", op, ": argument 'table': must be 2-D [vocab, hidden]");
-  at::Tensor y = at::empty({flat.size(0), table.size(1)}, table.options());
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(table.size(1));
+  at::Tensor y = at::empty(shape, table.options());  // at its final shape, the kernel given a 2-D view
   samebits::EmbeddingForwardArgs a;
   a.ids = view(flat, op, "ids");
   a.table = view(table, op, "table");
-  a.y = view(y, op, "y");
+  a.y = view(y.view({flat.size(0), table.size(1)}), op, "y");
   run([&] { samebits::embedding_forward(context_of(table), a); });
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(table.size(1));
-  return {y.view(shape), flat};
+  return {y, flat};
 }
 
 struct Embedding : torch::autograd::Function<Embedding> {
@@ -574,16 +579,43 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) {
 // set_device_allocator; samebits' own CUDA graph captures keep its pool). SAMEBITS_TORCH_ALLOCATOR=0
 // in the environment keeps samebits' own pool.
 #if SAMEBITS_TORCH_CUDA
+// torch's CUDA state (its caching allocator among it) is made on torch's first CUDA use; samebits'
+// may come first (a Model or an Engine before any torch tensor on the GPU).
+void init_torch_cuda() {
+  static std::once_flag once;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+  std::call_once(once, [] { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); });
+#else
+  std::call_once(once, [] { at::globalContext().lazyInitCUDA(); });
+#endif
+}
+
 void* torch_alloc(size_t bytes, int device, void* stream, void*) {
+  init_torch_cuda();
+  const c10::cuda::CUDAGuard guard{c10::DeviceIndex(device)};
+  // samebits' "default stream" is the legacy stream's handle; torch files its default stream's
+  // blocks under the null handle (the same stream to the device): one set of blocks for both.
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (s == cudaStreamLegacy) s = nullptr;
   try {
-    const c10::cuda::CUDAGuard guard{c10::DeviceIndex(device)};
-    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
-  } catch (const c10::Error&) {  // out of memory: samebits names it
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, s);
+  } catch (const c10::OutOfMemoryError&) {  // samebits names it (out of device memory)
     return nullptr;
+  } catch (const c10::Error& e) {
+    throw samebits::Error("device memory", "torch allocator", e.what_without_backtrace());
   }
 }
 
 void torch_free(void* p, int, void*, void*) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+
+// What torch's cache holds unused on the device: reserved − allocated.
+size_t torch_cached(int device, void*) {
+  init_torch_cuda();
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::DeviceIndex(device));
+  constexpr size_t all = 0;  // StatType::AGGREGATE (whose namespace moved between torch versions)
+  const int64_t unused = stats.reserved_bytes[all].current - stats.allocated_bytes[all].current;
+  return unused > 0 ? size_t(unused) : 0;
+}
 
 const bool torch_allocator_installed = [] {
   const char* v = std::getenv("SAMEBITS_TORCH_ALLOCATOR");
@@ -591,6 +623,7 @@ const bool torch_allocator_installed = [] {
   samebits::ExternalAllocator a;
   a.alloc = torch_alloc;
   a.free = torch_free;
+  a.cached = torch_cached;
   samebits::set_device_allocator(a);
   return true;
 }();

@@ -154,6 +154,7 @@ void memory_info(size_t* free, size_t* total) {
   check(cudaMemGetInfo(free, total), "device_memory_info", "cudaMemGetInfo");
   const uint64_t held = scratch_bytes_held("device_memory_info"), used = scratch_bytes_in_use("device_memory_info");
   if (held > used) *free += size_t(held - used);
+  *free += size_t(external_bytes_cached());  // what an installed allocator (PyTorch's) keeps unused
 }
 
 void synchronize() { check(cudaDeviceSynchronize(), "device_synchronize", "kernel"); }

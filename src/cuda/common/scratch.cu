@@ -84,6 +84,19 @@ uint64_t external_peak_bytes(bool reset) {
   return peak;
 }
 
+uint64_t external_bytes_cached() {
+  External& e = external();
+  ExternalAllocator from;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    from = e.installed;
+  }
+  if (!from.cached) return 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  return uint64_t(from.cached(dev, from.user));
+}
+
 void* scratch_alloc(size_t bytes, cudaStream_t stream, const char* op) {
   bytes = bytes ? bytes : 1;
   External& e = external();

@@ -25,6 +25,8 @@ uint64_t scratch_peak_bytes(bool reset, const char* op);
 // now, and its peak since the last reset: scratch_alloc takes it from there outside stream captures.
 uint64_t external_bytes_in_use();
 uint64_t external_peak_bytes(bool reset);
+// What the installed external allocator holds unused on the current device (its `cached`; 0 without).
+uint64_t external_bytes_cached();
 
 // A stream-ordered scratch buffer that is released (on its stream) when it goes out of scope.
 class ScratchBuffer {
