@@ -90,19 +90,30 @@ def _layer_forward(self, x, residual, positions, lengths):
 def _packed(input_ids, lengths, device):
     """The lengths as a list of ints, int32 ids [T], positions [T] (restarting at 0 in each sequence)
     and targets [T] (the next token of the same sequence; -100 on each sequence's last row: not
-    scored), on `device`."""
+    scored), on `device`. Nothing here waits for the GPU: the positions go up in one copy from
+    page-locked memory, and the targets are made from them on the device."""
     lengths = [int(n) for n in lengths]
     if not lengths or min(lengths) < 1:
         raise _core.Error("samebits.hf.patch: lengths: every sequence needs at least one token")
     ids = input_ids.reshape(-1)
     if ids.numel() != sum(lengths):
         raise _core.Error(f"samebits.hf.patch: input_ids holds {ids.numel()} tokens, lengths sum to {sum(lengths)}")
-    ids = sbt._int32(ids.to(device), "patch", "input_ids")
-    positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths]).to(device)
-    targets = torch.empty_like(ids)
-    targets[:-1] = ids[1:]
-    ends = torch.tensor(lengths).cumsum(0) - 1
-    targets[ends.to(device)] = -100
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise _core.Error(f"samebits.hf.patch: input_ids: dtype {ids.dtype} is not taken (int32 or int64)")
+    ids = ids.to(device)
+    if ids.dtype == torch.int64:  # a value outside int32 becomes INT32_MIN, which the embedding names
+        ids = torch.where((ids < -2**31) | (ids >= 2**31), torch.full_like(ids, -2**31), ids)
+    ids = ids.to(torch.int32).contiguous()
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    positions = torch.arange(ids.numel(), dtype=torch.int64) - torch.repeat_interleave(starts, lens)
+    positions = positions.to(torch.int32)
+    if ids.is_cuda:
+        positions = positions.pin_memory().to(device, non_blocking=True)
+    last = torch.ones_like(positions, dtype=torch.bool)  # a sequence's last row: the next one starts at 0
+    last[:-1] = positions[1:] == 0
+    targets = torch.roll(ids, -1)
+    targets.masked_fill_(last, -100)
     return lengths, ids, positions, targets
 
 

@@ -97,6 +97,11 @@ def test_patch_refuses_what_the_chain_does_not_take():
         model(torch.arange(10, device=DEV), [4, 5])
     with pytest.raises(samebits.Error, match="at least one token"):
         model(torch.arange(4, device=DEV), [4, 0])
+    with pytest.raises(samebits.Error, match="input_ids"):
+        model(torch.ones(3, device=DEV), [3])
+    for bad in (10**6, 2**40):  # outside the vocab; outside int32 (named by the embedding, without a read-back here)
+        with pytest.raises(samebits.Error, match="ids"):
+            model(torch.tensor([3, bad, 5], device=DEV), [3])
     with pytest.raises(samebits.Error, match="no sequences"):
         model.token_logprobs([])
 
