@@ -199,15 +199,17 @@ def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     from tiny_models import qwen3
 
     model = qwen3(transformers, vocab=512, hidden=256, mlp=512, heads=4, kv_heads=2, head_dim=64, tied=False)
-    kv_bytes = model.config.num_hidden_layers * 2 * (64 * 16) * 2 * 64 * 2  # K and V, pages · rows, heads, D, bf16
+    # K and V of 1024 pages of 16 rows, 2 heads of 64, bf16: 4 MB a tensor, each its own block of torch's
+    # large pool (small ones share 2 MB segments with other tensors, which empty_cache() cannot release)
+    kv_bytes = model.config.num_hidden_layers * 2 * (1024 * 16) * 2 * 64 * 2
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    gen = samebits.hf.Generator(model, kv_pages=64, page_size=16)
+    gen = samebits.hf.Generator(model, kv_pages=1024, page_size=16)
     held = torch.cuda.memory_allocated() - before
     assert held >= kv_bytes, f"torch sees {held} bytes more, the KV cache alone is {kv_bytes}"
     assert samebits._core.device_memory_in_use("cuda") >= kv_bytes
     for graphs in (True, False):  # decode graphs captured on samebits' own pool, eager steps on torch's
-        g = samebits.hf.Generator(model, kv_pages=64, page_size=16, cuda_graphs=graphs)
+        g = samebits.hf.Generator(model, kv_pages=1024, page_size=16, cuda_graphs=graphs)
         rollouts = g.generate([[1, 2, 3], [4, 5]], n=2, max_new_tokens=6, seed=3)
         assert all(r.finish_reason == "length" for rs in rollouts for r in rs), [r.error for rs in rollouts for r in rs]
         assert (g.engine.captured_graphs > 0) == graphs
