@@ -274,3 +274,37 @@ def test_calls_that_record_no_backward_skip_autograd_and_give_the_same_bits(devi
         plain = call(x, w)
         assert not alone.requires_grad and not plain.requires_grad and alone.grad_fn is None, name
         assert torch.equal(bits(alone), bits(recorded.detach())) and torch.equal(bits(plain), bits(alone)), name
+
+
+@pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), ("cpu", torch.float32)])
+def test_qk_norm_and_lm_head_logprobs_are_the_custom_ops_bit_for_bit(device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(8)
+    x0 = torch.randn(11, 4, 64, generator=g).to(device, dtype)
+    w0 = torch.randn(64, generator=g).to(device, dtype)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2]).to(device)
+    dy = torch.randn(11, 4, 64, generator=g).to(device, dtype)
+    for pos, llama3 in ((None, []), (positions, []), (positions, [8.0, 1.0, 4.0, 64.0])):
+        def run(fn):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            y = fn(x, w)
+            y.backward(dy)
+            return y.detach(), x.grad, w.grad
+        ours = run(lambda x, w: _common._ext.qk_norm(x, w, 1e-5, pos, 5e5, llama3))
+        theirs = run(lambda x, w: ops._qk_norm(x, w, 1e-5, pos, 5e5, llama3)[0])
+        for a, b, what in zip(ours, theirs, ("y", "dx", "dweight")):
+            assert torch.equal(bits(a), bits(b)), f"qk_norm {what} (positions: {pos is not None}, llama3: {llama3})"
+    hidden0 = torch.randn(2, 9, 256, generator=g).to(device, dtype)
+    weight0 = torch.randn(3000, 256, generator=g).to(device, dtype)
+    targets = torch.randint(0, 3000, (2, 9), generator=g).to(device)
+    targets[0, 8] = targets[1, 8] = -100
+    dlogp, dent = (torch.randn(2, 9, generator=g).to(device) for _ in range(2))
+
+    def run_lm(fn):
+        h, w = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        lp, ent = fn(h, w)
+        torch.autograd.backward([lp, ent], [dlogp, dent])
+        return lp.detach(), ent.detach(), h.grad, w.grad
+    ours = run_lm(lambda h, w: _common._ext.lm_head_logprobs(h, w, targets))
+    theirs = run_lm(lambda h, w: ops._lm_head_logprobs(h, w, targets)[:2])
+    for a, b, what in zip(ours, theirs, ("logp", "entropy", "dhidden", "dweight")):
+        assert torch.equal(bits(a), bits(b)), f"lm_head_logprobs {what}"

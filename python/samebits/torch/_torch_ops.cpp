@@ -10,7 +10,7 @@
 // no Python runs. The kernels are the same C++ entry points with the same arguments (same bits;
 // tests/torch/test_torch_ops.py compares them with the custom_op path). samebits' errors become
 // ValueError (samebits.torch re-raises them as samebits.Error). Ops: rms_norm, add_rms_norm, linear,
-// swiglu, token_logprobs, attention, embedding.
+// swiglu, token_logprobs, attention, embedding, qk_norm (+ RoPE), lm_head_logprobs.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
@@ -571,6 +571,172 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) {
   return records({&table}) ? Embedding::apply(ids, table) : embedding_forward(ids, table).first;
 }
 
+// ---------------------------------------------------------------- qk_norm (+ RoPE)
+// Qwen3's QK-norm over head_dim of every head of x [T, heads, D]; with positions fused with RoPE
+// (llama3: [] or [factor, low_freq_factor, high_freq_factor, original_max_position], as the
+// custom_op path takes Hugging Face's rope_scaling). rstd [T, heads] only where a backward wants it.
+samebits::RopeConfig rope_config(double theta, at::ArrayRef<double> llama3, const char* op) {
+  samebits::RopeConfig c;
+  c.theta = theta;
+  if (!llama3.empty()) {
+    TORCH_CHECK_VALUE(llama3.size() == 4, "samebits.torch ", op, ": argument 'llama3': 4 values or none, got ",
+                      llama3.size());
+    c.llama3_scaling = true;
+    c.factor = llama3[0], c.low_freq_factor = llama3[1], c.high_freq_factor = llama3[2];
+    c.original_max_position = int64_t(llama3[3]);
+  }
+  return c;
+}
+
+std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                  const at::Tensor& positions, double theta, at::ArrayRef<double> llama3,
+                                                  bool keep_rstd) {
+  const char* op = "qk_norm";
+  const DeviceOf guard(x);
+  TORCH_CHECK_VALUE(x.dim() == 3, "samebits.torch ", op, ": argument 'x': must be 3-D [tokens, heads, head_dim], got ",
+                    x.dim(), "-D");
+  at::Tensor y = at::empty_like(x), rstd;
+  samebits::QkNormForwardArgs a;
+  a.x = view(x, op, "x");
+  a.weight = view(weight, op, "weight");
+  a.y = view(y, op, "y");
+  if (keep_rstd) {
+    rstd = at::empty({x.size(0), x.size(1)}, x.options().dtype(acc_of(x)));
+    a.rstd = view(rstd, op, "rstd");
+  }
+  a.eps = eps;
+  at::Tensor pos;
+  if (positions.defined()) {
+    pos = ids_int32(positions, op, "positions");
+    a.positions = view(pos, op, "positions");
+  }
+  a.rope = rope_config(theta, llama3, op);
+  run([&] { samebits::qk_norm_forward(context_of(x), a); });
+  return {y, rstd};
+}
+
+struct QkNorm : torch::autograd::Function<QkNorm> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps, const c10::optional<at::Tensor>& positions, double theta,
+                            std::vector<double> llama3) {
+    const at::Tensor pos = positions ? *positions : at::Tensor();
+    auto [y, rstd] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
+    ctx->save_for_backward({x, weight, rstd, pos.defined() ? ids_int32(pos, "qk_norm", "positions") : at::Tensor()});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["theta"] = theta;
+    ctx->saved_data["llama3"] = c10::IValue(llama3);
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const char* op = "qk_norm_backward";
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2], &pos = saved[3];
+    const DeviceOf guard(x);
+    const at::Tensor dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
+    at::Tensor dx = at::empty_like(x), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    const std::vector<double> llama3 = ctx->saved_data["llama3"].toDoubleVector();
+    samebits::QkNormBackwardArgs a;
+    a.dy = view(dy, op, "dy");
+    a.x = view(x, op, "x");
+    a.weight = view(weight, op, "weight");
+    a.rstd = view(rstd, op, "rstd");
+    a.dx = view(dx, op, "dx");
+    a.dweight = view(dw, op, "dweight");
+    a.eps = ctx->saved_data["eps"].toDouble();
+    if (pos.defined()) a.positions = view(pos, op, "positions");
+    a.rope = rope_config(ctx->saved_data["theta"].toDouble(), llama3, op);
+    run([&] { samebits::qk_norm_backward(context_of(x), a); });
+    return {dx, dw.to(weight.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& positions,
+                   double theta, at::ArrayRef<double> llama3) {
+  if (!records({&x, &weight}))
+    return qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false).first;
+  return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec());
+}
+
+// ---------------------------------------------------------------- fused LM head → selected logprob
+// (logp, entropy) of targets under hidden · weightᵀ, fp32, vocab block by vocab block, the logits
+// never stored; -100 targets not scored. Like the custom_op path, the op is given a loss mask of
+// ones (the path the LM head's GPU tests take). lse only where a backward wants it.
+struct LmHeadOut {
+  at::Tensor logp, entropy, lse, targets, mask;
+};
+LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool keep_lse) {
+  const char* op = "lm_head_logprobs";
+  const DeviceOf guard(hidden);
+  LmHeadOut o;
+  const at::Tensor h2 = rows_of(hidden, op, "hidden");
+  o.targets = ids_int32(targets, op, "targets");
+  o.mask = at::ones({o.targets.size(0)}, o.targets.options().dtype(at::kByte));
+  const auto options = h2.options().dtype(acc_of(hidden));
+  const auto shape = hidden.sizes().slice(0, hidden.dim() - 1);
+  o.logp = at::empty(shape, options);
+  o.entropy = at::empty(shape, options);
+  samebits::LmHeadLogprobForwardArgs a;
+  a.hidden = view(h2, op, "hidden");
+  a.weight = view(weight, op, "weight");
+  a.targets = view(o.targets, op, "targets");
+  a.loss_mask = view(o.mask, op, "loss_mask");
+  a.logp = view(o.logp.reshape({-1}), op, "logp");
+  a.entropy = view(o.entropy.reshape({-1}), op, "entropy");
+  if (keep_lse) {
+    o.lse = at::empty({o.targets.size(0)}, options);
+    a.lse = view(o.lse, op, "lse");
+  }
+  run([&] { samebits::lm_head_logprob_forward(context_of(hidden), a); });
+  return o;
+}
+
+struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                                                const at::Tensor& weight, const at::Tensor& targets) {
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true);
+    ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
+    return {o.logp, o.entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const char* op = "lm_head_logprobs_backward";
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &weight = saved[1], &t = saved[2], &mask = saved[3], &lse = saved[4];
+    const DeviceOf guard(hidden);
+    const at::Tensor h2 = rows_of(hidden, op, "hidden");
+    auto flat = [&](const at::Tensor& g) {
+      return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
+    };
+    const at::Tensor dlogp = flat(grads[0]), dentropy = flat(grads[1]);
+    at::Tensor dh = at::empty_like(hidden), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    samebits::LmHeadLogprobBackwardArgs a;
+    a.hidden = view(h2, op, "hidden");
+    a.weight = view(weight, op, "weight");
+    a.targets = view(t, op, "targets");
+    a.loss_mask = view(mask, op, "loss_mask");
+    a.lse = view(lse, op, "lse");
+    a.dlogp = view(dlogp, op, "dlogp");
+    a.dentropy = view(dentropy, op, "dentropy");
+    a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
+    a.dweight = view(dw, op, "dweight");
+    run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
+    return {dh, dw.to(weight.scalar_type()), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
+                                                    const at::Tensor& targets) {
+  if (!records({&hidden, &weight})) {
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, false);
+    return {o.logp, o.entropy};
+  }
+  const auto out = LmHeadLogprobs::apply(hidden, weight, targets);
+  return {out[0], out[1]};
+}
+
 // ---------------------------------------------------------------- device memory
 // samebits' device memory (the chain's activations, an engine's KV cache, the kernels' temporaries)
 // from PyTorch's caching allocator while this library is loaded: one cache of free GPU memory in
@@ -639,6 +805,8 @@ TORCH_LIBRARY(samebits_ext, m) {
   m.def("token_logprobs(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
   m.def("attention(Tensor q, Tensor k, Tensor v, int[] lengths, float scale) -> Tensor");
   m.def("embedding(Tensor ids, Tensor table) -> Tensor");
+  m.def("qk_norm(Tensor x, Tensor weight, float eps, Tensor? positions, float theta, float[] llama3) -> Tensor");
+  m.def("lm_head_logprobs(Tensor hidden, Tensor weight, Tensor targets) -> (Tensor, Tensor)");
 }
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).
@@ -650,4 +818,6 @@ TORCH_LIBRARY_IMPL(samebits_ext, CompositeImplicitAutograd, m) {
   m.impl("token_logprobs", token_logprobs);
   m.impl("attention", attention);
   m.impl("embedding", embedding);
+  m.impl("qk_norm", qk_norm);
+  m.impl("lm_head_logprobs", lm_head_logprobs);
 }

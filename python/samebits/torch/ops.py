@@ -560,6 +560,8 @@ def qk_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, positions: Optional[Te
     """Qwen3's QK-norm: RMSNorm over head_dim of every head of x [T, heads, head_dim]; with
     positions, fused with RoPE (the same bits as qk_norm then rope, in one pass; its backward keeps
     the rotated-back gradient in fp32)."""
+    if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
+        return _dispatched(_ext.qk_norm, x, weight, float(eps), positions, float(theta), _llama3(rope_scaling))
     return _qk_norm(x, weight, eps, positions, float(theta), _llama3(rope_scaling))[0]
 
 
@@ -632,5 +634,7 @@ def lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[T
     vocab block and never stored (bitwise an fp32-output linear followed by token_logprobs): the
     [tokens, vocab] logits matrix an RL loss would otherwise materialize is never allocated, forward
     or backward. Targets equal to -100 are not scored (logp = entropy = 0, no gradient)."""
+    if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
+        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets))
     logp, entropy, _ = _lm_head_logprobs(hidden, weight, targets)
     return logp, entropy
