@@ -119,6 +119,56 @@ bool records(std::initializer_list<const at::Tensor*> inputs) {
   return false;
 }
 
+// A weight's gradient where the caller keeps an fp32 accumulator beside it (`main_grad`, the
+// convention of Megatron / Transformer Engine): the backward adds into it — row segments given as
+// the packed sequences' lengths, so a step's sum does not depend on how its sequences are split
+// into micro-batches (the library starts a new group at every segment) — and gives the weight
+// itself no gradient. Without main_grad: a zeroed fp32 buffer rounded once to the weight's dtype.
+struct WeightGrad {
+  at::Tensor main_grad, segments;  // segments: int32 [S, 2] {row, len} on the host (optional)
+};
+WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths,
+                          const at::Tensor& weight, const char* op) {
+  WeightGrad g;
+  if (main_grad && main_grad->defined()) {
+    TORCH_CHECK_VALUE(main_grad->scalar_type() == acc_of(weight) && main_grad->sizes() == weight.sizes() &&
+                          main_grad->is_contiguous() && main_grad->device() == weight.device(),
+                      "samebits.torch ", op, ": argument 'main_grad': must be a contiguous ", acc_of(weight),
+                      " tensor of the weight's shape ", weight.sizes(), " on its device");
+    g.main_grad = *main_grad;
+  }
+  if (lengths.has_value()) {
+    const at::IntArrayRef n = *lengths;
+    g.segments = at::empty({int64_t(n.size()), 2}, at::TensorOptions().dtype(at::kInt));
+    int32_t* row = g.segments.data_ptr<int32_t>();
+    int64_t at_row = 0;
+    for (const int64_t len : n) {
+      TORCH_CHECK_VALUE(len >= 0 && at_row + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
+                        ": argument 'segments': a length of ", len, " is not taken");
+      row[0] = int32_t(at_row), row[1] = int32_t(len);
+      at_row += len, row += 2;
+    }
+  }
+  return g;
+}
+void keep(torch::autograd::AutogradContext* ctx, const WeightGrad& g) {
+  ctx->saved_data["main_grad"] = g.main_grad;
+  ctx->saved_data["segments"] = g.segments;
+}
+WeightGrad kept(torch::autograd::AutogradContext* ctx) {
+  return {ctx->saved_data["main_grad"].toTensor(), ctx->saved_data["segments"].toTensor()};
+}
+// The backward's weight-gradient accumulator, and what autograd gets for the weight.
+at::Tensor dweight_of(const WeightGrad& g, const at::Tensor& weight) {
+  return g.main_grad.defined() ? g.main_grad : at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+}
+at::Tensor weight_grad_out(const WeightGrad& g, const at::Tensor& dw, const at::Tensor& weight) {
+  return g.main_grad.defined() ? at::Tensor() : dw.to(weight.scalar_type());
+}
+void with_segments(samebits::TensorView& field, const WeightGrad& g, const char* op) {
+  if (g.segments.defined()) field = view(g.segments, op, "segments");
+}
+
 // ---------------------------------------------------------------- rms_norm
 // y = rms_norm(s) with s = x, or s = x + residual rounded once (add_rms_norm, which also returns
 // s); rstd (fp32) only where a backward will want it.
@@ -153,7 +203,8 @@ NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::
 
 struct RmsNorm : torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps) {
+                            double eps, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+    keep(ctx, weight_grad_of(main_grad, segments, weight, "rms_norm"));
     const NormOut o = norm_forward(x, nullptr, weight, eps, true, "rms_norm");
     ctx->save_for_backward({x, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
@@ -167,8 +218,10 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     const DeviceOf guard(x);
     const at::Tensor g = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
     const at::Tensor dy = rows_of(g, "rms_norm_backward"), x2 = rows_of(x, "rms_norm_backward");
-    at::Tensor dx = at::empty_like(x2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    const WeightGrad wg = kept(ctx);
+    at::Tensor dx = at::empty_like(x2), dw = dweight_of(wg, weight);
     samebits::RmsNormBackwardArgs a;
+    with_segments(a.segments, wg, "rms_norm_backward");
     a.dy = view(dy, "rms_norm_backward", "dy");
     a.x = view(x2, "rms_norm_backward", "x");
     a.weight = view(weight, "rms_norm_backward", "weight");
@@ -177,13 +230,13 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     a.dweight = view(dw, "rms_norm_backward", "dweight");
     a.eps = ctx->saved_data["eps"].toDouble();
     run([&] { samebits::rmsnorm_backward(context_of(x), a); });
-    return {dx.view(x.sizes()), dw.to(weight.scalar_type()), at::Tensor()};
+    return {dx.view(x.sizes()), weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   if (!records({&x, &weight})) return norm_forward(x, nullptr, weight, eps, false, "rms_norm").y;
-  return RmsNorm::apply(x, weight, eps);
+  return RmsNorm::apply(x, weight, eps, main_grad, segments);
 }
 
 // ---------------------------------------------------------------- add_rms_norm
@@ -193,7 +246,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // (autograd's default, as for the custom_op path's Python autograd Function: the same arguments).
 struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& residual, const at::Tensor& weight, double eps) {
+                                                const at::Tensor& residual, const at::Tensor& weight, double eps,
+                                                const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+    keep(ctx, weight_grad_of(main_grad, segments, weight, "add_rms_norm"));
     const NormOut o = norm_forward(x, &residual, weight, eps, true, "add_rms_norm");
     ctx->save_for_backward({o.sum, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
@@ -210,8 +265,10 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
     const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum), op);
     at::Tensor ds;
     if (grads[1].defined()) ds = rows_of(grads[1].contiguous(), op);
-    at::Tensor dx = at::empty_like(s2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    const WeightGrad wg = kept(ctx);
+    at::Tensor dx = at::empty_like(s2), dw = dweight_of(wg, weight);
     samebits::RmsNormBackwardArgs a;
+    with_segments(a.segments, wg, op);
     a.dy = view(dy, op, "dy");
     if (ds.defined()) a.dresidual_out = view(ds, op, "dresidual_out");
     a.x = view(s2, op, "x");
@@ -222,17 +279,17 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
     a.eps = ctx->saved_data["eps"].toDouble();
     run([&] { samebits::rmsnorm_backward(context_of(sum), a); });
     const at::Tensor d = dx.view(sum.sizes());
-    return {d, d, dw.to(weight.scalar_type()), at::Tensor()};
+    return {d, d, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps) {
+                                                double eps, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   if (!records({&x, &residual, &weight})) {
     const NormOut o = norm_forward(x, &residual, weight, eps, false, "add_rms_norm");
     return {o.y, o.sum};
   }
-  const auto out = AddRmsNorm::apply(x, residual, weight, eps);
+  const auto out = AddRmsNorm::apply(x, residual, weight, eps, main_grad, segments);
   return {out[0], out[1]};
 }
 
@@ -301,7 +358,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
 
 struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+    keep(ctx, weight_grad_of(main_grad, segments, weight, "linear"));
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias"] = bool(bias && bias->defined());
     return linear_forward(x, weight, bias);
@@ -317,7 +375,8 @@ struct Linear : torch::autograd::Function<Linear> {
     const at::Tensor g = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({x2.size(0), weight.size(0)}, x2.options());
     const at::Tensor dy = g.reshape({-1, weight.size(0)});
-    at::Tensor dx = at::empty_like(x2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    const WeightGrad wg = kept(ctx);
+    at::Tensor dx = at::empty_like(x2), dw = dweight_of(wg, weight);
     at::Tensor db = at::zeros({has_bias ? weight.size(0) : 0}, weight.options().dtype(acc_of(weight)));
     const samebits::Context c = context_of(x);
     samebits::LinearBackwardInputArgs bi;
@@ -328,19 +387,21 @@ struct Linear : torch::autograd::Function<Linear> {
     bw.dy = bi.dy;
     bw.x = view(x2, "linear_backward", "x");
     bw.dweight = view(dw, "linear_backward", "dweight");
+    with_segments(bw.segments, wg, "linear_backward");
     if (has_bias) bw.dbias = view(db, "linear_backward", "dbias");
     run([&] {
       samebits::linear_backward_input(c, bi);
       samebits::linear_backward_weight(c, bw);
     });
-    return {dx.view(x.sizes()), dw.to(weight.scalar_type()), has_bias ? db.to(weight.scalar_type()) : at::Tensor()};
+    return {dx.view(x.sizes()), weight_grad_out(wg, dw, weight), has_bias ? db.to(weight.scalar_type()) : at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   const at::Tensor none;
   if (!records({&x, &weight, bias ? &*bias : &none})) return linear_forward(x, weight, bias);
-  return Linear::apply(x, weight, bias);
+  return Linear::apply(x, weight, bias, main_grad, segments);
 }
 
 // ---------------------------------------------------------------- integer ids
@@ -543,7 +604,9 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
 }
 
 struct Embedding : torch::autograd::Function<Embedding> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table,
+                            const c10::optional<at::Tensor>& main_grad) {
+    keep(ctx, weight_grad_of(main_grad, c10::nullopt, table, "embedding"));
     auto [y, flat] = embedding_forward(ids, table);
     ctx->save_for_backward({flat, table});
     return y;
@@ -557,18 +620,19 @@ struct Embedding : torch::autograd::Function<Embedding> {
     const DeviceOf guard(table);
     const at::Tensor dy = grads[0].defined() ? grads[0].reshape({-1, table.size(1)}).contiguous()
                                              : at::zeros({flat.size(0), table.size(1)}, table.options());
-    at::Tensor dt = at::zeros(table.sizes(), table.options().dtype(acc_of(table)));
+    const WeightGrad wg = kept(ctx);
+    at::Tensor dt = dweight_of(wg, table);
     samebits::EmbeddingBackwardArgs a;
     a.ids = view(flat, op, "ids");
     a.dy = view(dy, op, "dy");
     a.dtable = view(dt, op, "dtable");
     run([&] { samebits::embedding_backward(context_of(table), a); });
-    return {at::Tensor(), dt.to(table.scalar_type())};
+    return {at::Tensor(), weight_grad_out(wg, dt, table), at::Tensor()};
   }
 };
 
-at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table) {
-  return records({&table}) ? Embedding::apply(ids, table) : embedding_forward(ids, table).first;
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table, const c10::optional<at::Tensor>& main_grad) {
+  return records({&table}) ? Embedding::apply(ids, table, main_grad) : embedding_forward(ids, table).first;
 }
 
 // ---------------------------------------------------------------- qk_norm (+ RoPE)
@@ -618,7 +682,8 @@ std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at:
 struct QkNorm : torch::autograd::Function<QkNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, const c10::optional<at::Tensor>& positions, double theta,
-                            std::vector<double> llama3) {
+                            std::vector<double> llama3, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+    keep(ctx, weight_grad_of(main_grad, segments, weight, "qk_norm"));
     const at::Tensor pos = positions ? *positions : at::Tensor();
     auto [y, rstd] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
     ctx->save_for_backward({x, weight, rstd, pos.defined() ? ids_int32(pos, "qk_norm", "positions") : at::Tensor()});
@@ -635,9 +700,11 @@ struct QkNorm : torch::autograd::Function<QkNorm> {
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2], &pos = saved[3];
     const DeviceOf guard(x);
     const at::Tensor dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
-    at::Tensor dx = at::empty_like(x), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    const WeightGrad wg = kept(ctx);
+    at::Tensor dx = at::empty_like(x), dw = dweight_of(wg, weight);
     const std::vector<double> llama3 = ctx->saved_data["llama3"].toDoubleVector();
     samebits::QkNormBackwardArgs a;
+    with_segments(a.segments, wg, op);
     a.dy = view(dy, op, "dy");
     a.x = view(x, op, "x");
     a.weight = view(weight, op, "weight");
@@ -648,15 +715,16 @@ struct QkNorm : torch::autograd::Function<QkNorm> {
     if (pos.defined()) a.positions = view(pos, op, "positions");
     a.rope = rope_config(ctx->saved_data["theta"].toDouble(), llama3, op);
     run([&] { samebits::qk_norm_backward(context_of(x), a); });
-    return {dx, dw.to(weight.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
 at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& positions,
-                   double theta, at::ArrayRef<double> llama3) {
+                   double theta, at::ArrayRef<double> llama3, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   if (!records({&x, &weight}))
     return qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false).first;
-  return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec());
+  return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec(), main_grad, segments);
 }
 
 // ---------------------------------------------------------------- fused LM head → selected logprob
@@ -694,7 +762,8 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
 
 struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                                                const at::Tensor& weight, const at::Tensor& targets) {
+                                                const at::Tensor& weight, const at::Tensor& targets, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+    keep(ctx, weight_grad_of(main_grad, segments, weight, "lm_head_logprobs"));
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, true);
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
     return {o.logp, o.entropy};
@@ -711,8 +780,10 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
       return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
     };
     const at::Tensor dlogp = flat(grads[0]), dentropy = flat(grads[1]);
-    at::Tensor dh = at::empty_like(hidden), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+    const WeightGrad wg = kept(ctx);
+    at::Tensor dh = at::empty_like(hidden), dw = dweight_of(wg, weight);
     samebits::LmHeadLogprobBackwardArgs a;
+    with_segments(a.segments, wg, op);
     a.hidden = view(h2, op, "hidden");
     a.weight = view(weight, op, "weight");
     a.targets = view(t, op, "targets");
@@ -723,17 +794,17 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
     a.dweight = view(dw, op, "dweight");
     run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
-    return {dh, dw.to(weight.scalar_type()), at::Tensor()};
+    return {dh, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
-                                                    const at::Tensor& targets) {
+                                                    const at::Tensor& targets, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   if (!records({&hidden, &weight})) {
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, false);
     return {o.logp, o.entropy};
   }
-  const auto out = LmHeadLogprobs::apply(hidden, weight, targets);
+  const auto out = LmHeadLogprobs::apply(hidden, weight, targets, main_grad, segments);
   return {out[0], out[1]};
 }
 
@@ -798,15 +869,19 @@ const bool torch_allocator_installed = [] {
 }  // namespace
 
 TORCH_LIBRARY(samebits_ext, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  // main_grad: the weight's fp32 accumulator (WeightGrad); segments: the packed sequences' lengths.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? main_grad=None, int[]? segments=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, Tensor? main_grad=None, int[]? segments=None) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? main_grad=None, "
+        "int[]? segments=None) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("token_logprobs(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
   m.def("attention(Tensor q, Tensor k, Tensor v, int[] lengths, float scale) -> Tensor");
-  m.def("embedding(Tensor ids, Tensor table) -> Tensor");
-  m.def("qk_norm(Tensor x, Tensor weight, float eps, Tensor? positions, float theta, float[] llama3) -> Tensor");
-  m.def("lm_head_logprobs(Tensor hidden, Tensor weight, Tensor targets) -> (Tensor, Tensor)");
+  m.def("embedding(Tensor ids, Tensor table, Tensor? main_grad=None) -> Tensor");
+  m.def("qk_norm(Tensor x, Tensor weight, float eps, Tensor? positions, float theta, float[] llama3, "
+        "Tensor? main_grad=None, int[]? segments=None) -> Tensor");
+  m.def("lm_head_logprobs(Tensor hidden, Tensor weight, Tensor targets, Tensor? main_grad=None, "
+        "int[]? segments=None) -> (Tensor, Tensor)");
 }
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).
