@@ -38,6 +38,7 @@ import torch
 
 from . import _core
 from . import torch as sbt
+from .torch import _common
 
 
 class _Shape:
@@ -57,8 +58,16 @@ def _config(hf_model):
     return _core.config_of_json(_config_json(hf_model, next(hf_model.parameters()).dtype))
 
 
-def _linear(x, module):
-    return sbt.linear(x, module.weight, module.bias)
+def _acc(module, weight, lengths):
+    """The keyword arguments that make an op accumulate `weight`'s gradient into its main_grad
+    (patch(main_grad=True)), segment by segment over the packed sequences; none otherwise."""
+    if not getattr(module, "_samebits_main_grad", False):
+        return {}
+    return {"main_grad": weight.main_grad, "segments": lengths}
+
+
+def _linear(x, module, owner, lengths):
+    return sbt.linear(x, module.weight, module.bias, **_acc(owner, module.weight, lengths))
 
 
 def _layer_forward(self, x, residual, positions, lengths):
@@ -66,24 +75,28 @@ def _layer_forward(self, x, residual, positions, lengths):
     projection (or the embedding's rows when residual is None), residual: its x_mid. Returns this
     layer's (down, x_mid)."""
     c = self._samebits_shape
+    norm1 = self.input_layernorm.weight
     if residual is None:  # the first layer: its input norm over the embedding's rows
-        n1, x_in = sbt.rms_norm(x, self.input_layernorm.weight, c.eps), x
+        n1, x_in = sbt.rms_norm(x, norm1, c.eps, **_acc(self, norm1, lengths)), x
     else:
-        n1, x_in = sbt.add_rms_norm(x, residual, self.input_layernorm.weight, c.eps)
+        n1, x_in = sbt.add_rms_norm(x, residual, norm1, c.eps, **_acc(self, norm1, lengths))
     attn, T = self.self_attn, n1.shape[0]
-    q = _linear(n1, attn.q_proj).view(T, c.heads, c.head_dim)
-    k = _linear(n1, attn.k_proj).view(T, c.kv_heads, c.head_dim)
-    v = _linear(n1, attn.v_proj).view(T, c.kv_heads, c.head_dim)
+    q = _linear(n1, attn.q_proj, self, lengths).view(T, c.heads, c.head_dim)
+    k = _linear(n1, attn.k_proj, self, lengths).view(T, c.kv_heads, c.head_dim)
+    v = _linear(n1, attn.v_proj, self, lengths).view(T, c.kv_heads, c.head_dim)
     if c.qk_norm:  # Qwen3: QK-norm fused with RoPE
-        q = sbt.qk_norm(q, attn.q_norm.weight, c.eps, positions, c.theta, c.rope_scaling)
-        k = sbt.qk_norm(k, attn.k_norm.weight, c.eps, positions, c.theta, c.rope_scaling)
+        qn, kn = attn.q_norm.weight, attn.k_norm.weight
+        q = sbt.qk_norm(q, qn, c.eps, positions, c.theta, c.rope_scaling, **_acc(self, qn, lengths))
+        k = sbt.qk_norm(k, kn, c.eps, positions, c.theta, c.rope_scaling, **_acc(self, kn, lengths))
     else:
         q = sbt.rope(q, positions, c.theta, c.rope_scaling)
         k = sbt.rope(k, positions, c.theta, c.rope_scaling)
-    o = _linear(sbt.attention(q, k, v, lengths).reshape(T, c.heads * c.head_dim), attn.o_proj)
-    n2, x_mid = sbt.add_rms_norm(o, x_in, self.post_attention_layernorm.weight, c.eps)
+    o = _linear(sbt.attention(q, k, v, lengths).reshape(T, c.heads * c.head_dim), attn.o_proj, self, lengths)
+    norm2 = self.post_attention_layernorm.weight
+    n2, x_mid = sbt.add_rms_norm(o, x_in, norm2, c.eps, **_acc(self, norm2, lengths))
     mlp = self.mlp
-    down = _linear(sbt.swiglu(_linear(n2, mlp.gate_proj), _linear(n2, mlp.up_proj)), mlp.down_proj)
+    gate, up = _linear(n2, mlp.gate_proj, self, lengths), _linear(n2, mlp.up_proj, self, lengths)
+    down = _linear(sbt.swiglu(gate, up), mlp.down_proj, self, lengths)
     return down, x_mid
 
 
@@ -125,11 +138,13 @@ def _model_forward(self, input_ids, lengths):
     # The layers get the lengths as the checked list (a tensor or a generator would be walked again
     # in every layer, a CUDA tensor with a synchronisation per sequence).
     lengths, ids, positions, targets = _packed(input_ids, lengths, device)
-    x, residual = sbt.embedding(ids, inner.embed_tokens.weight), None
+    table = inner.embed_tokens.weight
+    acc = {"main_grad": table.main_grad} if self._samebits_main_grad else {}  # token order: no segments needed
+    x, residual = sbt.embedding(ids, table, **acc), None
     for layer in inner.layers:
         x, residual = layer(x, residual, positions, lengths)
-    hidden, _ = sbt.add_rms_norm(x, residual, inner.norm.weight, c.eps)
-    return sbt.lm_head_logprobs(hidden, self.lm_head.weight, targets)
+    hidden, _ = sbt.add_rms_norm(x, residual, inner.norm.weight, c.eps, **_acc(self, inner.norm.weight, lengths))
+    return sbt.lm_head_logprobs(hidden, self.lm_head.weight, targets, **_acc(self, self.lm_head.weight, lengths))
 
 
 def _token_logprobs(self, sequences, entropy: bool = False):
@@ -145,21 +160,39 @@ def _token_logprobs(self, sequences, entropy: bool = False):
     return (logps, [x[:-1] for x in ent.split(lengths)]) if entropy else logps
 
 
-def patch(hf_model):
+def patch(hf_model, main_grad: bool = False):
     """Make a transformers Qwen3 / Llama causal LM (on the GPU or the CPU, bf16 / fp16 / fp32) run
     samebits' ops in the chain's order inside its own modules; in place. The model's forward
     becomes model(input_ids, lengths) -> (logp, entropy) over packed rows, and
     model.token_logprobs(sequences) gives per-sequence logprobs. Raises samebits.Error on a model
-    the chain does not take (another architecture, biases, RoPE scaling other than Llama-3's)."""
+    the chain does not take (another architecture, biases, RoPE scaling other than Llama-3's).
+
+    main_grad=True: every parameter gets an fp32 `main_grad` (zeros; the convention of Megatron /
+    Transformer Engine) that each backward adds its gradient into, segment by segment over the
+    packed sequences, leaving `.grad` None — a step's gradient bits then do not depend on how its
+    sequences are split into micro-batches (at sequence boundaries). Zero them between steps
+    yourself. Needs samebits.torch's C++ dispatcher ops in eager mode; one GPU (FSDP gathers
+    weights that carry no main_grad); not for tied embeddings yet (the LM head's and the
+    embedding's sums would meet in a split-dependent order)."""
     config = _config(hf_model)
+    if main_grad and getattr(hf_model.config, "tie_word_embeddings", False):
+        raise _core.Error("samebits.hf.patch: main_grad=True with tied word embeddings is not supported yet")
+    if main_grad and _common._ext is None:
+        raise _core.Error("samebits.hf.patch: main_grad=True needs samebits.torch's C++ dispatcher ops, which this "
+                          "build does not have for this torch")
     shape = _Shape(config)
     inner = getattr(hf_model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(hf_model, "lm_head"):
         raise _core.Error("samebits.hf.patch: expects a transformers *ForCausalLM (model.model.layers, lm_head)")
     for layer in inner.layers:
         layer._samebits_shape = shape
+        layer._samebits_main_grad = main_grad
         layer.forward = types.MethodType(_layer_forward, layer)
+    if main_grad:
+        for p in hf_model.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
     hf_model._samebits_shape = shape
+    hf_model._samebits_main_grad = main_grad
     hf_model.forward = types.MethodType(_model_forward, hf_model)
     hf_model.token_logprobs = types.MethodType(_token_logprobs, hf_model)
     return hf_model

@@ -17,6 +17,13 @@ def _dispatched(op, *args):
         raise Error(str(e)) from None
 
 
+def _needs_dispatcher(main_grad, op: str) -> None:
+    """main_grad accumulation is the C++ dispatcher ops' (_torch_ops.cpp: WeightGrad); refuse it elsewhere."""
+    if main_grad is not None and (_ext is None or not _eager()):
+        raise Error(f"samebits.torch {op}: argument 'main_grad': takes samebits.torch's C++ dispatcher ops in eager "
+                    "mode (not built for this torch, or under torch.compile / torch.func)")
+
+
 def _eager() -> bool:
     """Whether a call may take the C++ dispatcher op: not while torch.compile traces (the op has no
     fake kernel) nor under torch.func transforms (a C++ autograd Function refuses them)."""
@@ -75,10 +82,14 @@ def _linear_grad(ctx, dy):
 _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """y = x @ weight.T (+ bias): a row's bits do not depend on how many rows share the call."""
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, main_grad: Optional[Tensor] = None,
+           segments: Optional[List[int]] = None) -> Tensor:
+    """y = x @ weight.T (+ bias): a row's bits do not depend on how many rows share the call.
+    main_grad: weight's fp32 accumulator, which the backward adds into (segment by segment where
+    `segments`, the packed sequences' lengths, are given) instead of setting weight.grad."""
+    _needs_dispatcher(main_grad, "linear")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return _dispatched(_ext.linear, x, weight, bias)
+        return _dispatched(_ext.linear, x, weight, bias, main_grad, segments)
     return _linear(x, weight, bias)
 
 
@@ -133,10 +144,12 @@ def _rms_grad(ctx, dy, _drstd):
 _rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, main_grad: Optional[Tensor] = None,
+             segments: Optional[List[int]] = None) -> Tensor:
     """x * rsqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32, rounded once."""
+    _needs_dispatcher(main_grad, "rms_norm")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return _dispatched(_ext.rms_norm, x, weight, float(eps))
+        return _dispatched(_ext.rms_norm, x, weight, float(eps), main_grad, segments)
     return _rms_norm(x, weight, eps)[0]
 
 
@@ -196,11 +209,13 @@ def _add_rms_grad(ctx, dy, ds, _drstd):
 _add_rms_norm.register_autograd(_add_rms_grad, setup_context=_add_rms_setup)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *,
+                 main_grad: Optional[Tensor] = None, segments: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
     """The decoder's residual step fused with the next norm: s = x + residual (fp32, rounded once to
     x's dtype), y = rms_norm(s). Returns (y, s); the backward takes gradients on both."""
+    _needs_dispatcher(main_grad, "add_rms_norm")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return tuple(_dispatched(_ext.add_rms_norm, x, residual, weight, float(eps)))
+        return tuple(_dispatched(_ext.add_rms_norm, x, residual, weight, float(eps), main_grad, segments))
     y, s, _ = _add_rms_norm(x, residual, weight, eps)
     return y, s
 
@@ -436,11 +451,12 @@ def _embedding_grad(ctx, dy):
 _embedding.register_autograd(_embedding_grad, setup_context=_embedding_setup)
 
 
-def embedding(ids: Tensor, table: Tensor) -> Tensor:
+def embedding(ids: Tensor, table: Tensor, *, main_grad: Optional[Tensor] = None) -> Tensor:
     """table[ids] (int32 / int64 ids); the table's gradient sums each row's uses in ascending token order
     in an fp32 accumulator, without atomics."""
+    _needs_dispatcher(main_grad, "embedding")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return _dispatched(_ext.embedding, ids, table)
+        return _dispatched(_ext.embedding, ids, table, main_grad)
     return _embedding(ids, table)
 
 
@@ -556,12 +572,15 @@ _qk_norm.register_autograd(_qk_grad, setup_context=_qk_setup)
 
 
 def qk_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, positions: Optional[Tensor] = None, theta: float = 1e6,
-            rope_scaling: Optional[dict] = None) -> Tensor:
+            rope_scaling: Optional[dict] = None, *, main_grad: Optional[Tensor] = None,
+            segments: Optional[List[int]] = None) -> Tensor:
     """Qwen3's QK-norm: RMSNorm over head_dim of every head of x [T, heads, head_dim]; with
     positions, fused with RoPE (the same bits as qk_norm then rope, in one pass; its backward keeps
     the rotated-back gradient in fp32)."""
+    _needs_dispatcher(main_grad, "qk_norm")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return _dispatched(_ext.qk_norm, x, weight, float(eps), positions, float(theta), _llama3(rope_scaling))
+        return _dispatched(_ext.qk_norm, x, weight, float(eps), positions, float(theta), _llama3(rope_scaling),
+                           main_grad, segments)
     return _qk_norm(x, weight, eps, positions, float(theta), _llama3(rope_scaling))[0]
 
 
@@ -629,12 +648,14 @@ def _lm_grad(ctx, dlogp, dentropy, _dlse):
 _lm_head_logprobs.register_autograd(_lm_grad, setup_context=_lm_setup)
 
 
-def lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+def lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, main_grad: Optional[Tensor] = None,
+                     segments: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
     """(logp, entropy) of targets under logits = hidden @ weight.T, computed in fp32 vocab block by
     vocab block and never stored (bitwise an fp32-output linear followed by token_logprobs): the
     [tokens, vocab] logits matrix an RL loss would otherwise materialize is never allocated, forward
     or backward. Targets equal to -100 are not scored (logp = entropy = 0, no gradient)."""
+    _needs_dispatcher(main_grad, "lm_head_logprobs")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets))
+        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments))
     logp, entropy, _ = _lm_head_logprobs(hidden, weight, targets)
     return logp, entropy
