@@ -151,12 +151,18 @@ WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::Option
   }
   return g;
 }
+// Kept for the backward only where given (an IValue of an undefined tensor is None in some torch versions).
 void keep(torch::autograd::AutogradContext* ctx, const WeightGrad& g) {
-  ctx->saved_data["main_grad"] = g.main_grad;
-  ctx->saved_data["segments"] = g.segments;
+  ctx->saved_data["has_main_grad"] = g.main_grad.defined();
+  ctx->saved_data["has_segments"] = g.segments.defined();
+  if (g.main_grad.defined()) ctx->saved_data["main_grad"] = g.main_grad;
+  if (g.segments.defined()) ctx->saved_data["segments"] = g.segments;
 }
 WeightGrad kept(torch::autograd::AutogradContext* ctx) {
-  return {ctx->saved_data["main_grad"].toTensor(), ctx->saved_data["segments"].toTensor()};
+  WeightGrad g;
+  if (ctx->saved_data["has_main_grad"].toBool()) g.main_grad = ctx->saved_data["main_grad"].toTensor();
+  if (ctx->saved_data["has_segments"].toBool()) g.segments = ctx->saved_data["segments"].toTensor();
+  return g;
 }
 // The backward's weight-gradient accumulator, and what autograd gets for the weight.
 at::Tensor dweight_of(const WeightGrad& g, const at::Tensor& weight) {
