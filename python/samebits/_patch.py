@@ -144,7 +144,11 @@ def _model_forward(self, input_ids, lengths):
     for layer in inner.layers:
         x, residual = layer(x, residual, positions, lengths)
     hidden, _ = sbt.add_rms_norm(x, residual, inner.norm.weight, c.eps, **_acc(self, inner.norm.weight, lengths))
-    return sbt.lm_head_logprobs(hidden, self.lm_head.weight, targets, **_acc(self, self.lm_head.weight, lengths))
+    head = self.lm_head.weight
+    acc = _acc(self, head, lengths)
+    if acc and head is table:  # tied: the LM head's sum in a buffer of its own (reduce_main_grad adds it)
+        acc["main_grad"] = head.main_grad_lm_head
+    return sbt.lm_head_logprobs(hidden, head, targets, **acc)
 
 
 def _token_logprobs(self, sequences, entropy: bool = False):
@@ -171,12 +175,12 @@ def patch(hf_model, main_grad: bool = False):
     Transformer Engine) that each backward adds its gradient into, segment by segment over the
     packed sequences, leaving `.grad` None — a step's gradient bits then do not depend on how its
     sequences are split into micro-batches (at sequence boundaries). Zero them between steps
-    yourself. Needs samebits.torch's C++ dispatcher ops in eager mode; one GPU (FSDP gathers
-    weights that carry no main_grad); not for tied embeddings yet (the LM head's and the
-    embedding's sums would meet in a split-dependent order)."""
+    yourself. With tied word embeddings the LM head's part goes to a second buffer,
+    `main_grad_lm_head` (the chain keeps the two apart too: one buffer would take the two sums in
+    an order set by the split); reduce_main_grad(model) adds it in, once a step, after the last
+    backward. Needs samebits.torch's C++ dispatcher ops in eager mode; one GPU (FSDP gathers
+    weights that carry no main_grad)."""
     config = _config(hf_model)
-    if main_grad and getattr(hf_model.config, "tie_word_embeddings", False):
-        raise _core.Error("samebits.hf.patch: main_grad=True with tied word embeddings is not supported yet")
     if main_grad and _common._ext is None:
         raise _core.Error("samebits.hf.patch: main_grad=True needs samebits.torch's C++ dispatcher ops, which this "
                           "build does not have for this torch")
@@ -191,8 +195,21 @@ def patch(hf_model, main_grad: bool = False):
     if main_grad:
         for p in hf_model.parameters():
             p.main_grad = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if hf_model.lm_head.weight is inner.embed_tokens.weight:
+            hf_model.lm_head.weight.main_grad_lm_head = torch.zeros_like(hf_model.lm_head.weight.main_grad)
     hf_model._samebits_shape = shape
     hf_model._samebits_main_grad = main_grad
     hf_model.forward = types.MethodType(_model_forward, hf_model)
     hf_model.token_logprobs = types.MethodType(_token_logprobs, hf_model)
     return hf_model
+
+
+def reduce_main_grad(hf_model):
+    """After a step's last backward under patch(main_grad=True): a tied model's LM-head part of the
+    shared weight's gradient (main_grad_lm_head) added into its main_grad, and zeroed; nothing for
+    an untied model. The two sums are each split-independent, so their sum is too."""
+    head = hf_model.lm_head.weight
+    extra = getattr(head, "main_grad_lm_head", None)
+    if extra is not None:
+        head.main_grad.add_(extra)
+        extra.zero_()

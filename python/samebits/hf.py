@@ -334,6 +334,6 @@ def logprobs(hf_model, sequences, entropy: bool = False, backend: str = "auto"):
     return Scorer(hf_model, backend).logprobs(sequences, entropy)
 
 
-from ._patch import patch  # noqa: E402 (the module mode: samebits' ops inside the model's own modules)
+from ._patch import patch, reduce_main_grad  # noqa: E402 (the module mode: samebits' ops in the model's modules)
 
-__all__ = ["Generator", "Rollout", "Scorer", "logprobs", "model_of", "patch"]
+__all__ = ["Generator", "Rollout", "Scorer", "logprobs", "model_of", "patch", "reduce_main_grad"]
