@@ -118,3 +118,16 @@ def test_add_rms_norm_and_swiglu_are_the_custom_ops_bit_for_bit(device, dtype):
 
     for p, q, what in zip(run_swiglu(_common._ext.swiglu), run_swiglu(ops._swiglu), ("y", "dgate", "dup")):
         assert torch.equal(bits(p), bits(q)), f"swiglu {what}"
+
+
+def test_outputs_of_the_dispatcher_ops_take_in_place_updates():
+    """A C++ autograd Function's outputs that are views refuse in-place ops; the ops return their
+    outputs at full shape (no views), as the custom_op path does."""
+    E = _common._ext
+    x = torch.randn(2, 3, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    for name, y in {"rms_norm": E.rms_norm(x, w, 1e-5), "add_rms_norm": E.add_rms_norm(x, x.detach(), w, 1e-5)[0],
+                    "swiglu": E.swiglu(x, x.detach()), "linear": E.linear(x, W, None)}.items():
+        y.mul_(2).float().sum().backward()  # raised for views made inside the Function
+        assert y.grad_fn is not None, name

@@ -19,6 +19,7 @@
 #endif
 
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "samebits/error.hpp"
@@ -89,49 +90,84 @@ struct DeviceOf {
 
 at::ScalarType acc_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-at::Tensor rows_of(const at::Tensor& x, const char* op) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, "samebits.torch ", op, ": argument 'x': needs at least one dimension");
-  TORCH_CHECK_VALUE(x.is_contiguous(), "samebits.torch ", op, ": argument 'x': must be contiguous (.contiguous())");
+// x as [rows, last dimension] (a view: x is contiguous). `arg` names it in an error.
+at::Tensor rows_of(const at::Tensor& x, const char* op, const char* arg = "x") {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "samebits.torch ", op, ": argument '", arg, "': needs at least one dimension");
+  TORCH_CHECK_VALUE(x.is_contiguous(), "samebits.torch ", op, ": argument '", arg,
+                    "': must be contiguous (.contiguous())");
   return x.reshape({-1, x.size(-1)});
 }
 
 // ---------------------------------------------------------------- rms_norm
+// y = rms_norm(s) with s = x, or s = x + residual rounded once (add_rms_norm, which also returns
+// s). Outputs are allocated at their final shape and the kernel given 2-D views of them: a custom
+// autograd Function's outputs that are views refuse in-place updates.
+struct NormOut {
+  at::Tensor y, sum, rstd;
+};
+NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                     const char* op) {
+  const DeviceOf guard(x);
+  const at::Tensor x2 = rows_of(x, op);
+  NormOut o;
+  o.y = at::empty_like(x);
+  o.rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
+  samebits::RmsNormForwardArgs a;
+  a.x = view(x2, op, "x");
+  a.weight = view(weight, op, "weight");
+  a.y = view(rows_of(o.y, op, "y"), op, "y");
+  a.rstd = view(o.rstd, op, "rstd");
+  at::Tensor r2;
+  if (residual) {
+    r2 = rows_of(*residual, op, "residual");
+    o.sum = at::empty_like(x);
+    a.residual = view(r2, op, "residual");
+    a.residual_out = view(rows_of(o.sum, op, "residual_out"), op, "residual_out");
+  }
+  a.eps = eps;
+  run([&] { samebits::rmsnorm_forward(context_of(x), a); });
+  return o;
+}
+
+// (dx, dweight) of the norm of s (the norm's input) from dy, plus ds where s is an output too
+// (add_rms_norm: its gradient added inside the norm's backward, dresidual_out).
+std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& s, const at::Tensor& weight, const at::Tensor& rstd,
+                                                const at::Tensor& dy_in, const at::Tensor& ds_in, double eps,
+                                                const char* op) {
+  const DeviceOf guard(s);
+  const at::Tensor s2 = rows_of(s, op);
+  const at::Tensor dy = rows_of(dy_in.defined() ? dy_in.contiguous() : at::zeros_like(s), op, "dy");
+  at::Tensor ds;
+  if (ds_in.defined()) ds = rows_of(ds_in.contiguous(), op, "dresidual_out");
+  at::Tensor dx = at::empty_like(s), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+  samebits::RmsNormBackwardArgs a;
+  a.dy = view(dy, op, "dy");
+  if (ds.defined()) a.dresidual_out = view(ds, op, "dresidual_out");
+  a.x = view(s2, op, "x");
+  a.weight = view(weight, op, "weight");
+  a.rstd = view(rstd, op, "rstd");
+  a.dx = view(rows_of(dx, op, "dx"), op, "dx");
+  a.dweight = view(dw, op, "dweight");
+  a.eps = eps;
+  run([&] { samebits::rmsnorm_backward(context_of(s), a); });
+  return {dx, dw.to(weight.scalar_type())};
+}
+
 struct RmsNorm : torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps) {
-    const DeviceOf guard(x);
-    const at::Tensor x2 = rows_of(x, "rms_norm");
-    at::Tensor y = at::empty_like(x2), rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
-    samebits::RmsNormForwardArgs a;
-    a.x = view(x2, "rms_norm", "x");
-    a.weight = view(weight, "rms_norm", "weight");
-    a.y = view(y, "rms_norm", "y");
-    a.rstd = view(rstd, "rms_norm", "rstd");
-    a.eps = eps;
-    run([&] { samebits::rmsnorm_forward(context_of(x), a); });
-    ctx->save_for_backward({x, weight, rstd});
+    const NormOut o = norm_forward(x, nullptr, weight, eps, "rms_norm");
+    ctx->save_for_backward({x, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
-    return y.view(x.sizes());
+    return o.y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
-    const DeviceOf guard(x);
-    const at::Tensor g = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
-    const at::Tensor dy = rows_of(g, "rms_norm_backward"), x2 = rows_of(x, "rms_norm_backward");
-    at::Tensor dx = at::empty_like(x2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
-    samebits::RmsNormBackwardArgs a;
-    a.dy = view(dy, "rms_norm_backward", "dy");
-    a.x = view(x2, "rms_norm_backward", "x");
-    a.weight = view(weight, "rms_norm_backward", "weight");
-    a.rstd = view(rstd, "rms_norm_backward", "rstd");
-    a.dx = view(dx, "rms_norm_backward", "dx");
-    a.dweight = view(dw, "rms_norm_backward", "dweight");
-    a.eps = ctx->saved_data["eps"].toDouble();
-    run([&] { samebits::rmsnorm_backward(context_of(x), a); });
-    return {dx.view(x.sizes()), dw.to(weight.scalar_type()), at::Tensor()};
+    auto [dx, dw] = norm_backward(saved[0], saved[1], saved[2], grads[0], at::Tensor(),
+                                  ctx->saved_data["eps"].toDouble(), "rms_norm_backward");
+    return {dx, dw, at::Tensor()};
   }
 };
 
@@ -145,47 +181,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                                                 const at::Tensor& residual, const at::Tensor& weight, double eps) {
-    const DeviceOf guard(x);
-    const at::Tensor x2 = rows_of(x, "add_rms_norm"), r2 = rows_of(residual, "add_rms_norm");
-    at::Tensor y = at::empty_like(x2), sum = at::empty_like(x2);
-    at::Tensor rstd = at::empty({x2.size(0)}, x2.options().dtype(acc_of(x)));
-    samebits::RmsNormForwardArgs a;
-    a.x = view(x2, "add_rms_norm", "x");
-    a.residual = view(r2, "add_rms_norm", "residual");
-    a.weight = view(weight, "add_rms_norm", "weight");
-    a.y = view(y, "add_rms_norm", "y");
-    a.residual_out = view(sum, "add_rms_norm", "residual_out");
-    a.rstd = view(rstd, "add_rms_norm", "rstd");
-    a.eps = eps;
-    run([&] { samebits::rmsnorm_forward(context_of(x), a); });
-    ctx->save_for_backward({sum, weight, rstd});
+    const NormOut o = norm_forward(x, &residual, weight, eps, "add_rms_norm");
+    ctx->save_for_backward({o.sum, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
-    return {y.view(x.sizes()), sum.view(x.sizes())};
+    return {o.y, o.sum};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &sum = saved[0], &weight = saved[1], &rstd = saved[2];
-    const DeviceOf guard(sum);
-    const char* op = "add_rms_norm_backward";
-    const at::Tensor s2 = rows_of(sum, op);
-    const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum), op);
-    at::Tensor ds;
-    if (grads[1].defined()) ds = rows_of(grads[1].contiguous(), op);
-    at::Tensor dx = at::empty_like(s2), dw = at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
-    samebits::RmsNormBackwardArgs a;
-    a.dy = view(dy, op, "dy");
-    if (ds.defined()) a.dresidual_out = view(ds, op, "dresidual_out");
-    a.x = view(s2, op, "x");
-    a.weight = view(weight, op, "weight");
-    a.rstd = view(rstd, op, "rstd");
-    a.dx = view(dx, op, "dx");
-    a.dweight = view(dw, op, "dweight");
-    a.eps = ctx->saved_data["eps"].toDouble();
-    run([&] { samebits::rmsnorm_backward(context_of(sum), a); });
-    const at::Tensor d = dx.view(sum.sizes());
-    return {d, d, dw.to(weight.scalar_type()), at::Tensor()};
+    auto [dx, dw] = norm_backward(saved[0], saved[1], saved[2], grads[0], grads[1],
+                                  ctx->saved_data["eps"].toDouble(), "add_rms_norm_backward");
+    return {dx, dx, dw, at::Tensor()};
   }
 };
 
@@ -200,15 +207,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 struct SwiGlu : torch::autograd::Function<SwiGlu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     const DeviceOf guard(gate);
-    const at::Tensor g2 = rows_of(gate, "swiglu"), u2 = rows_of(up, "swiglu");
-    at::Tensor y = at::empty_like(g2);
+    const at::Tensor g2 = rows_of(gate, "swiglu", "gate"), u2 = rows_of(up, "swiglu", "up");
+    at::Tensor y = at::empty_like(gate);  // at its final shape (a view would refuse in-place updates)
     samebits::SwiGluForwardArgs a;
     a.gate = view(g2, "swiglu", "gate");
     a.up = view(u2, "swiglu", "up");
-    a.y = view(y, "swiglu", "y");
+    a.y = view(rows_of(y, "swiglu", "y"), "swiglu", "y");
     run([&] { samebits::swiglu_forward(context_of(gate), a); });
     ctx->save_for_backward({gate, up});
-    return y.view(gate.sizes());
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -241,18 +248,19 @@ struct Linear : torch::autograd::Function<Linear> {
                             const c10::optional<at::Tensor>& bias) {
     const DeviceOf guard(x);
     const at::Tensor x2 = rows_of(x, "linear");
-    at::Tensor y = at::empty({x2.size(0), weight.size(0)}, x2.options());
+    TORCH_CHECK_VALUE(weight.dim() == 2, "samebits.torch linear: argument 'weight': must be 2-D [out, in]");
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    at::Tensor y = at::empty(shape, x.options());  // at its final shape (a view would refuse in-place updates)
     samebits::LinearForwardArgs a;
     a.x = view(x2, "linear", "x");
     a.weight = view(weight, "linear", "weight");
     if (bias && bias->defined()) a.bias = view(*bias, "linear", "bias");
-    a.y = view(y, "linear", "y");
+    a.y = view(rows_of(y, "linear", "y"), "linear", "y");
     run([&] { samebits::linear_forward(context_of(x), a); });
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias"] = bool(bias && bias->defined());
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = weight.size(0);
-    return y.view(shape);
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,

@@ -9,6 +9,14 @@ from torch import Tensor
 from ._common import Error, _acc, _desc, _device, _ext, _int32, _rows, _stream, raw
 
 
+def _dispatched(op, *args):
+    """A C++ dispatcher op's call (_torch_ops.cpp), a samebits error (ValueError there) as samebits.Error."""
+    try:
+        return op(*args)
+    except ValueError as e:
+        raise Error(str(e)) from None
+
+
 def _eager() -> bool:
     """Whether a call may take the C++ dispatcher op: not while torch.compile traces (the op has no
     fake kernel) nor under torch.func transforms (a C++ autograd Function refuses them)."""
@@ -70,10 +78,7 @@ _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y = x @ weight.T (+ bias): a row's bits do not depend on how many rows share the call."""
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        try:
-            return _ext.linear(x, weight, bias)
-        except ValueError as e:
-            raise Error(str(e)) from None
+        return _dispatched(_ext.linear, x, weight, bias)
     return _linear(x, weight, bias)
 
 
@@ -131,10 +136,7 @@ _rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32, rounded once."""
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        try:
-            return _ext.rms_norm(x, weight, float(eps))
-        except ValueError as e:
-            raise Error(str(e)) from None
+        return _dispatched(_ext.rms_norm, x, weight, float(eps))
     return _rms_norm(x, weight, eps)[0]
 
 
@@ -198,10 +200,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6)
     """The decoder's residual step fused with the next norm: s = x + residual (fp32, rounded once to
     x's dtype), y = rms_norm(s). Returns (y, s); the backward takes gradients on both."""
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        try:
-            return tuple(_ext.add_rms_norm(x, residual, weight, float(eps)))
-        except ValueError as e:
-            raise Error(str(e)) from None
+        return tuple(_dispatched(_ext.add_rms_norm, x, residual, weight, float(eps)))
     y, s, _ = _add_rms_norm(x, residual, weight, eps)
     return y, s
 
@@ -385,10 +384,7 @@ _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up computed in fp32 and rounded once (the MLP's activation)."""
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        try:
-            return _ext.swiglu(gate, up)
-        except ValueError as e:
-            raise Error(str(e)) from None
+        return _dispatched(_ext.swiglu, gate, up)
     return _swiglu(gate, up)
 
 
