@@ -123,28 +123,36 @@ __global__ void __launch_bounds__(64, 1) read_kv(const __grid_constant__ CUtenso
 #endif
 }
 
-template <int MODE>
-float time_mode(const CUtensorMap& k, const CUtensorMap& v, int seqs, int ctx, int sms, unsigned* sink) {
-  const int smem = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
-  CHECK(cudaFuncSetAttribute(read_kv<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int items = MODE == ALL_HEADS ? seqs : seqs * HEADS;
-  const int grid = std::min(items, sms);
+// The median of 10 timed runs of `launch` (after two warm-up runs), CUDA events around each.
+template <class F>
+float median_ms(F&& launch) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   std::vector<float> ms;
   for (int rep = 0; rep < 12; ++rep) {
     CHECK(cudaEventRecord(a));
-    read_kv<MODE><<<grid, 64, smem>>>(k, v, seqs, ctx, sink);
+    launch();
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0;
     CHECK(cudaEventElapsedTime(&t, a, b));
-    if (rep >= 2) ms.push_back(t);  // two warm-up runs
+    if (rep >= 2) ms.push_back(t);
   }
   CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+template <int MODE>
+float time_mode(const CUtensorMap& k, const CUtensorMap& v, int seqs, int ctx, int sms, unsigned* sink) {
+  const int smem = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+  CHECK(cudaFuncSetAttribute(read_kv<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int items = MODE == ALL_HEADS ? seqs : seqs * HEADS;
+  const int grid = std::min(items, sms);
+  return median_ms([&] { read_kv<MODE><<<grid, 64, smem>>>(k, v, seqs, ctx, sink); });
 }
 
 }  // namespace
@@ -172,22 +180,9 @@ int main(int argc, char** argv) {
   std::printf("%s, %d SMs: %d sequences x %d keys x %d heads x %d (bf16), K + V = %.1f MB\n", prop.name, sms, seqs, ctx,
               HEADS, D, total / 1e6);
   // The reference: a device-to-device copy of the same bytes (read + written, as bench_generate counts).
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 12; ++rep) {
-    CHECK(cudaEventRecord(a));
-    CHECK(cudaMemcpyAsync(v, k, bytes, cudaMemcpyDeviceToDevice));
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (rep >= 2) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double copy_bw = 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e12;
-  std::printf("copy (read + written): %.3f ms, %.2f TB/s\n", ms[ms.size() / 2], copy_bw);
+  const float copy_ms = median_ms([&] { CHECK(cudaMemcpyAsync(v, k, bytes, cudaMemcpyDeviceToDevice)); });
+  const double copy_bw = 2.0 * double(bytes) / (copy_ms * 1e-3) / 1e12;
+  std::printf("copy (read + written): %.3f ms, %.2f TB/s\n", copy_ms, copy_bw);
   const struct {
     const char* name;
     float ms;

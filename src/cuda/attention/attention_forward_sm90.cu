@@ -557,6 +557,12 @@ unsigned grid_of(const Plan& w, int sms) {
   return unsigned(g);
 }
 
+// The combine's grid: a CTA a (combine, row); in a graph one CTA with nothing to do where no span
+// splits (its node stays, see launch).
+dim3 combine_grid(const Plan& w) {
+  return dim3(unsigned(std::max<size_t>(w.combines.size(), 1)), unsigned(std::max(w.most_rows, 1)));
+}
+
 // A forward kernel and the shared memory it launches with.
 struct ForwardKernel {
   void* fn = nullptr;
@@ -717,9 +723,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   // A graph always holds the combine: a step without split spans runs it as one CTA with nothing to
   // do (whether a disabled node passes the programmatic launch on to the O GEMM is not documented).
   if (!w.combines.empty() || rec)
-    launch_after_previous(reinterpret_cast<const void*>(attention_combine_kernel<T, D>),
-                          dim3(unsigned(std::max<size_t>(w.combines.size(), 1)), unsigned(std::max(w.most_rows, 1))),
-                          dim3(D / 2), 0, stream, op, args, after_previous);
+    launch_after_previous(reinterpret_cast<const void*>(attention_combine_kernel<T, D>), combine_grid(w), dim3(D / 2), 0,
+                          stream, op, args, after_previous);
   if (rec) {
     call.combine = last_captured_node(stream, op);
     call.params = std::make_unique<Params>(p);
@@ -800,7 +805,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
     check(cudaGraphExecKernelNodeSetParams(exec, c.forward, &k), op, "update the forward node");
     cudaKernelNodeParams m{};
     m.func = c.combine_kernel;
-    m.gridDim = dim3(unsigned(std::max<size_t>(w.combines.size(), 1)), unsigned(std::max(w.most_rows, 1)));
+    m.gridDim = combine_grid(w);
     m.blockDim = dim3(unsigned(c.D / 2));
     m.kernelParams = args;
     check(cudaGraphExecKernelNodeSetParams(exec, c.combine, &m), op, "update the combine node");

@@ -307,7 +307,7 @@ void launch_products_ar(const T* a, const T* const (&b)[G], const typename Epi::
 template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G>
 void launch_products(const T* a, const T* const (&b)[G], const typename Epi::Params (&ep)[G], const int64_t (&N)[G],
                      int count, int64_t M, int64_t K, cudaStream_t stream, const char* op, bool b_settled = false) {
-  constexpr int full_rows = COMPACT ? 64 : BM;
+  constexpr int full_rows = Tile<BN, COMPACT>::A_ROWS;
   if constexpr (COMPACT && !TRANS_B) {  // the forward's decode-sized calls: a thin ring (Tile)
     static const bool thin = env_switch("SAMEBITS_THIN_RING");  // "0": 64 rows of x a box (A/B runs)
     if (thin && M <= THIN_ROWS)
