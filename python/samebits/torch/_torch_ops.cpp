@@ -63,8 +63,10 @@ DType dtype_of(const at::Tensor& t, const char* op, const char* arg) {
 TensorView view(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "samebits.torch ", op, ": argument '", arg,
                     "': device ", t.device(), " is not taken (cpu or cuda)");
-  TORCH_CHECK_VALUE(t.is_contiguous(), "samebits.torch ", op, ": argument '", arg, "': must be contiguous (.contiguous())");
-  TORCH_CHECK_VALUE(t.dim() <= samebits::kMaxDims, "samebits.torch ", op, ": argument '", arg, "': too many dimensions");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "samebits.torch ", op, ": argument '", arg,
+                    "': must be contiguous (.contiguous())");
+  TORCH_CHECK_VALUE(t.dim() <= samebits::kMaxDims, "samebits.torch ", op, ": argument '", arg,
+                    "': too many dimensions");
   const std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
   return TensorView::of(t.data_ptr(), dtype_of(t, op, arg), shape.data(), int(shape.size()),
                         t.is_cuda() ? samebits::Device::cuda : samebits::Device::cpu);
@@ -207,9 +209,35 @@ NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::
   return o;
 }
 
+// (dx, what autograd gets for the weight) of the norm of s (the norm's input) from dy, plus ds where
+// s is an output too (add_rms_norm: its gradient added inside the norm's backward, dresidual_out).
+std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& s, const at::Tensor& weight, const at::Tensor& rstd,
+                                                const at::Tensor& dy_in, const at::Tensor& ds_in, double eps,
+                                                const WeightGrad& wg, const char* op) {
+  const DeviceOf guard(s);
+  const at::Tensor s2 = rows_of(s, op);
+  const at::Tensor dy = rows_of(dy_in.defined() ? dy_in.contiguous() : at::zeros_like(s), op, "dy");
+  at::Tensor ds;
+  if (ds_in.defined()) ds = rows_of(ds_in.contiguous(), op, "dresidual_out");
+  at::Tensor dx = at::empty_like(s), dw = dweight_of(wg, weight);
+  samebits::RmsNormBackwardArgs a;
+  with_segments(a.segments, wg, op);
+  a.dy = view(dy, op, "dy");
+  if (ds.defined()) a.dresidual_out = view(ds, op, "dresidual_out");
+  a.x = view(s2, op, "x");
+  a.weight = view(weight, op, "weight");
+  a.rstd = view(rstd, op, "rstd");
+  a.dx = view(rows_of(dx, op, "dx"), op, "dx");
+  a.dweight = view(dw, op, "dweight");
+  a.eps = eps;
+  run([&] { samebits::rmsnorm_backward(context_of(s), a); });
+  return {dx, weight_grad_out(wg, dw, weight)};
+}
+
 struct RmsNorm : torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+                            double eps, const c10::optional<at::Tensor>& main_grad,
+                            at::OptionalIntArrayRef segments) {
     keep(ctx, weight_grad_of(main_grad, segments, weight, "rms_norm"));
     const NormOut o = norm_forward(x, nullptr, weight, eps, true, "rms_norm");
     ctx->save_for_backward({x, weight, o.rstd});
@@ -220,27 +248,14 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
-    const DeviceOf guard(x);
-    const at::Tensor g = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
-    const at::Tensor dy = rows_of(g, "rms_norm_backward"), x2 = rows_of(x, "rms_norm_backward");
-    const WeightGrad wg = kept(ctx);
-    at::Tensor dx = at::empty_like(x2), dw = dweight_of(wg, weight);
-    samebits::RmsNormBackwardArgs a;
-    with_segments(a.segments, wg, "rms_norm_backward");
-    a.dy = view(dy, "rms_norm_backward", "dy");
-    a.x = view(x2, "rms_norm_backward", "x");
-    a.weight = view(weight, "rms_norm_backward", "weight");
-    a.rstd = view(rstd, "rms_norm_backward", "rstd");
-    a.dx = view(dx, "rms_norm_backward", "dx");
-    a.dweight = view(dw, "rms_norm_backward", "dweight");
-    a.eps = ctx->saved_data["eps"].toDouble();
-    run([&] { samebits::rmsnorm_backward(context_of(x), a); });
-    return {dx.view(x.sizes()), weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [dx, dw] = norm_backward(saved[0], saved[1], saved[2], grads[0], at::Tensor(),
+                                  ctx->saved_data["eps"].toDouble(), kept(ctx), "rms_norm_backward");
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   if (!records({&x, &weight})) return norm_forward(x, nullptr, weight, eps, false, "rms_norm").y;
   return RmsNorm::apply(x, weight, eps, main_grad, segments);
 }
@@ -253,7 +268,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                                                 const at::Tensor& residual, const at::Tensor& weight, double eps,
-                                                const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+                                                const c10::optional<at::Tensor>& main_grad,
+                                                at::OptionalIntArrayRef segments) {
     keep(ctx, weight_grad_of(main_grad, segments, weight, "add_rms_norm"));
     const NormOut o = norm_forward(x, &residual, weight, eps, true, "add_rms_norm");
     ctx->save_for_backward({o.sum, weight, o.rstd});
@@ -264,33 +280,16 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &sum = saved[0], &weight = saved[1], &rstd = saved[2];
-    const DeviceOf guard(sum);
-    const char* op = "add_rms_norm_backward";
-    const at::Tensor s2 = rows_of(sum, op);
-    const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum), op);
-    at::Tensor ds;
-    if (grads[1].defined()) ds = rows_of(grads[1].contiguous(), op);
-    const WeightGrad wg = kept(ctx);
-    at::Tensor dx = at::empty_like(s2), dw = dweight_of(wg, weight);
-    samebits::RmsNormBackwardArgs a;
-    with_segments(a.segments, wg, op);
-    a.dy = view(dy, op, "dy");
-    if (ds.defined()) a.dresidual_out = view(ds, op, "dresidual_out");
-    a.x = view(s2, op, "x");
-    a.weight = view(weight, op, "weight");
-    a.rstd = view(rstd, op, "rstd");
-    a.dx = view(dx, op, "dx");
-    a.dweight = view(dw, op, "dweight");
-    a.eps = ctx->saved_data["eps"].toDouble();
-    run([&] { samebits::rmsnorm_backward(context_of(sum), a); });
-    const at::Tensor d = dx.view(sum.sizes());
-    return {d, d, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [dx, dw] = norm_backward(saved[0], saved[1], saved[2], grads[0], grads[1],
+                                  ctx->saved_data["eps"].toDouble(), kept(ctx), "add_rms_norm_backward");
+    return {dx, dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight,
+                                                double eps, const c10::optional<at::Tensor>& main_grad,
+                            at::OptionalIntArrayRef segments) {
   if (!records({&x, &residual, &weight})) {
     const NormOut o = norm_forward(x, &residual, weight, eps, false, "add_rms_norm");
     return {o.y, o.sum};
@@ -364,7 +363,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
 
 struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+                            const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
     keep(ctx, weight_grad_of(main_grad, segments, weight, "linear"));
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias"] = bool(bias && bias->defined());
@@ -404,7 +404,8 @@ struct Linear : torch::autograd::Function<Linear> {
   }
 };
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   const at::Tensor none;
   if (!records({&x, &weight, bias ? &*bias : &none})) return linear_forward(x, weight, bias);
   return Linear::apply(x, weight, bias, main_grad, segments);
@@ -659,7 +660,8 @@ samebits::RopeConfig rope_config(double theta, at::ArrayRef<double> llama3, cons
 }
 
 std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                                  const at::Tensor& positions, double theta, at::ArrayRef<double> llama3,
+                                                  const at::Tensor& positions, double theta,
+                                                  at::ArrayRef<double> llama3,
                                                   bool keep_rstd) {
   const char* op = "qk_norm";
   const DeviceOf guard(x);
@@ -688,7 +690,8 @@ std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at:
 struct QkNorm : torch::autograd::Function<QkNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, const c10::optional<at::Tensor>& positions, double theta,
-                            std::vector<double> llama3, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+                            std::vector<double> llama3,
+                            const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
     keep(ctx, weight_grad_of(main_grad, segments, weight, "qk_norm"));
     const at::Tensor pos = positions ? *positions : at::Tensor();
     auto [y, rstd] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
@@ -726,8 +729,10 @@ struct QkNorm : torch::autograd::Function<QkNorm> {
   }
 };
 
-at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& positions,
-                   double theta, at::ArrayRef<double> llama3, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                   const c10::optional<at::Tensor>& positions,
+                   double theta, at::ArrayRef<double> llama3,
+                   const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   if (!records({&x, &weight}))
     return qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false).first;
   return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec(), main_grad, segments);
@@ -740,7 +745,8 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps, co
 struct LmHeadOut {
   at::Tensor logp, entropy, lse, targets, mask;
 };
-LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool keep_lse) {
+LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                          bool keep_lse) {
   const char* op = "lm_head_logprobs";
   const DeviceOf guard(hidden);
   LmHeadOut o;
@@ -768,7 +774,9 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
 
 struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                                                const at::Tensor& weight, const at::Tensor& targets, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+                                                const at::Tensor& weight, const at::Tensor& targets,
+                                                const c10::optional<at::Tensor>& main_grad,
+                                                at::OptionalIntArrayRef segments) {
     keep(ctx, weight_grad_of(main_grad, segments, weight, "lm_head_logprobs"));
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, true);
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
@@ -805,7 +813,9 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
 };
 
 std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
-                                                    const at::Tensor& targets, const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+                                                    const at::Tensor& targets,
+                                                    const c10::optional<at::Tensor>& main_grad,
+                                                    at::OptionalIntArrayRef segments) {
   if (!records({&hidden, &weight})) {
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, false);
     return {o.logp, o.entropy};
