@@ -186,6 +186,25 @@ def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
     assert "Attention" in sbt.attention(q.requires_grad_(), k, k, [3, 5]).grad_fn.name()
 
 
+def test_bad_input_to_a_call_that_records_a_backward_is_an_error():
+    """The same refusals where an input wants a gradient (the op's C++ autograd Function is applied),
+    main_grad's among them: an exception, and the process goes on."""
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, **bf)
+    with pytest.raises(samebits.Error, match="weight"):
+        sbt.linear(x, torch.randn(32, 63, **bf, requires_grad=True))
+    with pytest.raises(samebits.Error, match="weight"):
+        sbt.rms_norm(torch.randn(4, 64, device=DEV, requires_grad=True), torch.ones(32, device=DEV))
+    if _common._ext is not None:
+        w = torch.randn(32, 64, **bf, requires_grad=True)
+        with pytest.raises(samebits.Error, match="main_grad"):
+            sbt.linear(x, w, main_grad=torch.zeros(64, 32, device=DEV))
+        with pytest.raises(samebits.Error, match="segments"):
+            sbt.linear(x, w, main_grad=torch.zeros(32, 64, device=DEV), segments=[2, -1])
+    y = sbt.linear(x, torch.randn(32, 64, **bf, requires_grad=True))
+    y.sum().backward()  # and the next call records and runs its backward
+
+
 def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     """With the dispatcher library loaded, an engine's KV cache (and every samebits allocation outside
     its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes back to

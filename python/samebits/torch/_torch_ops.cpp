@@ -129,24 +129,34 @@ bool records(std::initializer_list<const at::Tensor*> inputs) {
 struct WeightGrad {
   at::Tensor main_grad, segments;  // segments: int32 [S, 2] {row, len} on the host (optional)
 };
-WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths,
-                          const at::Tensor& weight, const char* op) {
-  WeightGrad g;
-  if (main_grad && main_grad->defined()) {
+// Refuses a main_grad or segments the backward could not take. Called before an autograd Function's
+// apply, so a refusal leaves no half-built node behind.
+void check_weight_grad(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths,
+                       const at::Tensor& weight, const char* op) {
+  if (main_grad && main_grad->defined())
     TORCH_CHECK_VALUE(main_grad->scalar_type() == acc_of(weight) && main_grad->sizes() == weight.sizes() &&
                           main_grad->is_contiguous() && main_grad->device() == weight.device(),
                       "samebits.torch ", op, ": argument 'main_grad': must be a contiguous ", acc_of(weight),
                       " tensor of the weight's shape ", weight.sizes(), " on its device");
-    g.main_grad = *main_grad;
+  if (lengths.has_value()) {
+    int64_t at_row = 0;
+    for (const int64_t len : *lengths) {
+      TORCH_CHECK_VALUE(len >= 0 && at_row + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
+                        ": argument 'segments': a length of ", len, " is not taken");
+      at_row += len;
+    }
   }
+}
+// The accumulator and the segments' {row, len} table of arguments check_weight_grad took.
+WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths) {
+  WeightGrad g;
+  if (main_grad && main_grad->defined()) g.main_grad = *main_grad;
   if (lengths.has_value()) {
     const at::IntArrayRef n = *lengths;
     g.segments = at::empty({int64_t(n.size()), 2}, at::TensorOptions().dtype(at::kInt));
     int32_t* row = g.segments.data_ptr<int32_t>();
     int64_t at_row = 0;
     for (const int64_t len : n) {
-      TORCH_CHECK_VALUE(len >= 0 && at_row + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
-                        ": argument 'segments': a length of ", len, " is not taken");
       row[0] = int32_t(at_row), row[1] = int32_t(len);
       at_row += len, row += 2;
     }
@@ -238,7 +248,7 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, const c10::optional<at::Tensor>& main_grad,
                             at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments, weight, "rms_norm"));
+    keep(ctx, weight_grad_of(main_grad, segments));
     const NormOut o = norm_forward(x, nullptr, weight, eps, true, "rms_norm");
     ctx->save_for_backward({x, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
@@ -256,6 +266,7 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+  check_weight_grad(main_grad, segments, weight, "rms_norm");
   if (!records({&x, &weight})) return norm_forward(x, nullptr, weight, eps, false, "rms_norm").y;
   return RmsNorm::apply(x, weight, eps, main_grad, segments);
 }
@@ -270,7 +281,7 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
                                                 const at::Tensor& residual, const at::Tensor& weight, double eps,
                                                 const c10::optional<at::Tensor>& main_grad,
                                                 at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments, weight, "add_rms_norm"));
+    keep(ctx, weight_grad_of(main_grad, segments));
     const NormOut o = norm_forward(x, &residual, weight, eps, true, "add_rms_norm");
     ctx->save_for_backward({o.sum, weight, o.rstd});
     ctx->saved_data["eps"] = eps;
@@ -290,6 +301,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight,
                                                 double eps, const c10::optional<at::Tensor>& main_grad,
                             at::OptionalIntArrayRef segments) {
+  check_weight_grad(main_grad, segments, weight, "add_rms_norm");
   if (!records({&x, &residual, &weight})) {
     const NormOut o = norm_forward(x, &residual, weight, eps, false, "add_rms_norm");
     return {o.y, o.sum};
@@ -365,7 +377,7 @@ struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias,
                             const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments, weight, "linear"));
+    keep(ctx, weight_grad_of(main_grad, segments));
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias"] = bool(bias && bias->defined());
     return linear_forward(x, weight, bias);
@@ -406,6 +418,7 @@ struct Linear : torch::autograd::Function<Linear> {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+  check_weight_grad(main_grad, segments, weight, "linear");
   const at::Tensor none;
   if (!records({&x, &weight, bias ? &*bias : &none})) return linear_forward(x, weight, bias);
   return Linear::apply(x, weight, bias, main_grad, segments);
@@ -613,7 +626,7 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
 struct Embedding : torch::autograd::Function<Embedding> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table,
                             const c10::optional<at::Tensor>& main_grad) {
-    keep(ctx, weight_grad_of(main_grad, c10::nullopt, table, "embedding"));
+    keep(ctx, weight_grad_of(main_grad, c10::nullopt));
     auto [y, flat] = embedding_forward(ids, table);
     ctx->save_for_backward({flat, table});
     return y;
@@ -639,6 +652,7 @@ struct Embedding : torch::autograd::Function<Embedding> {
 };
 
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table, const c10::optional<at::Tensor>& main_grad) {
+  check_weight_grad(main_grad, c10::nullopt, table, "embedding");
   return records({&table}) ? Embedding::apply(ids, table, main_grad) : embedding_forward(ids, table).first;
 }
 
@@ -692,7 +706,7 @@ struct QkNorm : torch::autograd::Function<QkNorm> {
                             double eps, const c10::optional<at::Tensor>& positions, double theta,
                             std::vector<double> llama3,
                             const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments, weight, "qk_norm"));
+    keep(ctx, weight_grad_of(main_grad, segments));
     const at::Tensor pos = positions ? *positions : at::Tensor();
     auto [y, rstd] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
     ctx->save_for_backward({x, weight, rstd, pos.defined() ? ids_int32(pos, "qk_norm", "positions") : at::Tensor()});
@@ -733,6 +747,7 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                    const c10::optional<at::Tensor>& positions,
                    double theta, at::ArrayRef<double> llama3,
                    const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
+  check_weight_grad(main_grad, segments, weight, "qk_norm");
   if (!records({&x, &weight}))
     return qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false).first;
   return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec(), main_grad, segments);
@@ -777,7 +792,7 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
                                                 const at::Tensor& weight, const at::Tensor& targets,
                                                 const c10::optional<at::Tensor>& main_grad,
                                                 at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments, weight, "lm_head_logprobs"));
+    keep(ctx, weight_grad_of(main_grad, segments));
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, true);
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
     return {o.logp, o.entropy};
@@ -816,6 +831,7 @@ std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, co
                                                     const at::Tensor& targets,
                                                     const c10::optional<at::Tensor>& main_grad,
                                                     at::OptionalIntArrayRef segments) {
+  check_weight_grad(main_grad, segments, weight, "lm_head_logprobs");
   if (!records({&hidden, &weight})) {
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, false);
     return {o.logp, o.entropy};
