@@ -133,21 +133,18 @@ struct WeightGrad {
 // apply, so a refusal leaves no half-built node behind.
 void check_weight_grad(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths,
                        const at::Tensor& weight, const char* op) {
-  run([&] {
-    if (main_grad && main_grad->defined() &&
-        !(main_grad->scalar_type() == acc_of(weight) && main_grad->sizes() == weight.sizes() &&
-          main_grad->is_contiguous() && main_grad->device() == weight.device()))
-      throw samebits::Error(std::string("torch ") + op, "main_grad",
-                            c10::str("must be a contiguous ", acc_of(weight), " tensor of the weight's shape ",
-                                     weight.sizes(), " on its device"));
-    if (!lengths.has_value()) return;
-    int64_t at_row = 0;
-    for (const int64_t len : *lengths) {
-      if (len < 0 || at_row + len > std::numeric_limits<int32_t>::max())
-        throw samebits::Error(std::string("torch ") + op, "segments", c10::str("a length of ", len, " is not taken"));
-      at_row += len;
-    }
-  });
+  if (main_grad && main_grad->defined())
+    TORCH_CHECK_VALUE(main_grad->scalar_type() == acc_of(weight) && main_grad->sizes() == weight.sizes() &&
+                          main_grad->is_contiguous() && main_grad->device() == weight.device(),
+                      "samebits.torch ", op, ": argument 'main_grad': must be a contiguous ", acc_of(weight),
+                      " tensor of the weight's shape ", weight.sizes(), " on its device");
+  if (!lengths.has_value()) return;
+  int64_t at_row = 0;
+  for (const int64_t len : *lengths) {
+    TORCH_CHECK_VALUE(len >= 0 && at_row + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
+                      ": argument 'segments': a length of ", len, " is not taken");
+    at_row += len;
+  }
 }
 // The accumulator and the segments' {row, len} table of arguments check_weight_grad took.
 WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths) {
