@@ -83,6 +83,15 @@ samebits::Context context_of(const at::Tensor& t) {
   return ctx;
 }
 
+// Numbers in this library's messages go through std::to_string, never c10::str's stream: on the
+// H100 machine (torch 2.11, g++ 13.3) an integer streamed by code compiled into this module crashed
+// the process (std::ostream::_M_insert<long>), where strings, dtypes and devices stream fine.
+std::string shape_text(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
 // Runs a samebits op, its Error as a ValueError naming the same op, argument and problem.
 template <class F>
 void run(F&& f) {
@@ -137,12 +146,12 @@ void check_weight_grad(const c10::optional<at::Tensor>& main_grad, at::OptionalI
     TORCH_CHECK_VALUE(main_grad->scalar_type() == acc_of(weight) && main_grad->sizes() == weight.sizes() &&
                           main_grad->is_contiguous() && main_grad->device() == weight.device(),
                       "samebits.torch ", op, ": argument 'main_grad': must be a contiguous ", acc_of(weight),
-                      " tensor of the weight's shape ", weight.sizes(), " on its device");
+                      " tensor of the weight's shape ", shape_text(weight), " on its device");
   if (!lengths.has_value()) return;
   int64_t at_row = 0;
   for (const int64_t len : *lengths) {
     TORCH_CHECK_VALUE(len >= 0 && at_row + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
-                      ": argument 'segments': a length of ", len, " is not taken");
+                      ": argument 'segments': a length of ", std::to_string(len), " is not taken");
     at_row += len;
   }
 }
@@ -541,9 +550,9 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   const DeviceOf guard(q);
   for (const int64_t n : lengths)
     TORCH_CHECK_VALUE(n >= 0 && n <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
-                      ": argument 'lengths': a length of ", n, " is not taken");
+                      ": argument 'lengths': a length of ", std::to_string(n), " is not taken");
   TORCH_CHECK_VALUE(q.dim() == 3, "samebits.torch ", op, ": argument 'q': must be 3-D [tokens, heads, head_dim], got ",
-                    q.dim(), "-D");
+                    std::to_string(q.dim()), "-D");
   AttentionOut o;
   o.seqs = seq_table(lengths);
   o.out = at::empty_like(q);
@@ -664,7 +673,7 @@ samebits::RopeConfig rope_config(double theta, at::ArrayRef<double> llama3, cons
   c.theta = theta;
   if (!llama3.empty()) {
     TORCH_CHECK_VALUE(llama3.size() == 4, "samebits.torch ", op, ": argument 'llama3': 4 values or none, got ",
-                      llama3.size());
+                      std::to_string(llama3.size()));
     c.llama3_scaling = true;
     c.factor = llama3[0], c.low_freq_factor = llama3[1], c.high_freq_factor = llama3[2];
     c.original_max_position = int64_t(llama3[3]);
@@ -679,7 +688,7 @@ std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at:
   const char* op = "qk_norm";
   const DeviceOf guard(x);
   TORCH_CHECK_VALUE(x.dim() == 3, "samebits.torch ", op, ": argument 'x': must be 3-D [tokens, heads, head_dim], got ",
-                    x.dim(), "-D");
+                    std::to_string(x.dim()), "-D");
   at::Tensor y = at::empty_like(x), rstd;
   samebits::QkNormForwardArgs a;
   a.x = view(x, op, "x");
