@@ -98,7 +98,10 @@ void run(F&& f) {
   try {
     f();
   } catch (const samebits::Error& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    // ids_int32's stand-in for an int64 value int32 cannot hold, named for what it is
+    const bool narrowed = std::string(e.what()).find("-2147483648") != std::string::npos;
+    TORCH_CHECK_VALUE(false, e.what(),
+                      narrowed ? " (int64 ids / targets on a GPU: a value outside int32 reads as -2147483648)" : "");
   }
 }
 
