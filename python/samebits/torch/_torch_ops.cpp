@@ -99,9 +99,11 @@ void run(F&& f) {
     f();
   } catch (const samebits::Error& e) {
     // ids_int32's stand-in for an int64 value int32 cannot hold, named for what it is
-    const bool narrowed = std::string(e.what()).find("-2147483648") != std::string::npos;
-    TORCH_CHECK_VALUE(false, e.what(),
-                      narrowed ? " (int64 ids / targets on a GPU: a value outside int32 reads as -2147483648)" : "");
+    const std::string what = e.what();
+    const bool narrowed = what.find("-2147483648") != std::string::npos || what.find("2147483647") != std::string::npos;
+    TORCH_CHECK_VALUE(false, what,
+                      narrowed ? " (int64 ids / targets on a GPU: a value outside int32 reads as its nearest int32 bound)"
+                               : "");
   }
 }
 
@@ -438,8 +440,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // ---------------------------------------------------------------- integer ids
 // Token ids / targets as int32 (the library's index type). int32 passes as it is. int64 on the CPU
 // is checked here (a value int32 cannot hold is named); on a GPU a check would read a flag back,
-// so a value outside int32 becomes INT32_MIN instead — outside every vocab and not an ignore index —
-// which the op's own range check (one read-back it makes anyway) names as out of range at its index.
+// so a value outside int32 is clamped to int32's nearest bound instead — outside every vocab and not
+// an ignore index — which the op's own range check (one read-back it makes anyway) names as out of
+// range at its index (run() adds why).
 at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
                     ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
@@ -452,7 +455,7 @@ at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
                         ": argument '", arg, "': a value does not fit in int32");
     return flat.to(at::kInt).contiguous();
   }
-  return at::where((flat < lo) | (flat > hi), at::full({}, lo, flat.options()), flat).to(at::kInt).contiguous();
+  return flat.clamp(lo, hi).to(at::kInt);  // two launches; a clamped value is outside every vocab
 }
 
 // ---------------------------------------------------------------- token_logprobs
