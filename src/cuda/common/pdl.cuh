@@ -41,14 +41,6 @@ inline bool env_switch(const char* name) {
   const char* v = std::getenv(name);
   return !(v && std::strcmp(v, "0") == 0);
 }
-// An integer tuning knob from the environment: `fallback` where unset, unparsable or outside [lo, hi].
-inline int env_int(const char* name, int fallback, int lo, int hi) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  return *end == '\0' && n >= lo && n <= hi ? int(n) : fallback;
-}
 
 // Whether launch_after_previous sets the attribute: a compute capability 9.0 device (the waits are
 // compiled for sm_90a only; on another device the kernels come from the sm_80 PTX, which has

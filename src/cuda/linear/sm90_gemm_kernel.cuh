@@ -103,7 +103,6 @@ struct Products {
   int64_t first_tile[G + 1];  // column tiles before product g; first_tile[count]: all of them
   int count;
   int b_settled;  // the B_g were written before the previous kernel: the ring's first loads of B go before the wait
-  int l2_ktiles;  // settled B: k-tiles of the first tile past the ring's that go to L2 before the wait
 };
 
 template <class T, bool TRANS_B, int BN, bool COMPACT, class Epi, int G, int KB, int AR>
@@ -177,11 +176,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_expect_tx(&full[kt], stage_bytes);
       load_b(kt, &prod.map_b[p], kt, n0);
     }
-    // And the tile's next k-tiles into L2, queued behind the ring's loads: the HBM otherwise idles
-    // while the previous kernels (norms, attention) run, and the mainloop then reads them from L2.
-    const int l2_end = early + prod.l2_ktiles < kt_count ? early + prod.l2_ktiles : kt_count;
-    for (int kt = early; kt < l2_end; ++kt)
-      for (int b = 0; b < KB; ++b) tma_prefetch_l2_2d(&prod.map_b[p], (kt * KB + b) * BK, int32_t(n0));
   }
   // Launched after the previous kernel (cuda/common/pdl.cuh): the CTA got here while that kernel
   // may still run; every thread waits for it before touching global memory (x, C, the output, and w
@@ -280,13 +274,6 @@ void launch_products_kb(const T* a, const T* const (&b)[G], const typename Epi::
   prod.count = count;
   static const bool early_weights = env_switch("SAMEBITS_EARLY_WEIGHTS");
   prod.b_settled = b_settled && early_weights ? 1 : 0;
-  // Settled forward weights: up to l2_prefetch_bytes of each CTA's first tile beyond its ring go to
-  // L2 before the wait (192 KiB: half the H100's L2 over 132 CTAs; SAMEBITS_L2_PREFETCH_KB sets it,
-  // 0 turns it off). Bits do not depend on it.
-  static const int64_t l2_prefetch_bytes = 1024 * env_int("SAMEBITS_L2_PREFETCH_KB", 192, 0, 4096);
-  prod.l2_ktiles = prod.b_settled && !TRANS_B
-                       ? int(l2_prefetch_bytes / (int64_t(KB) * Ring::B_BOX * int64_t(sizeof(T))))
-                       : 0;
   prod.first_tile[0] = 0;
   for (int g = 0; g < count; ++g) {
     prod.map_b[g] = TRANS_B ? tma_map_2d(b[g], K, N[g], BK, streaming, BN == 32 ? 64 : 128)

@@ -60,13 +60,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// Asks the copy engine to bring a box of a tensor into L2 (no shared memory, no barrier, no
-// architectural effect): a later tma_load_2d of the same box then reads L2 instead of HBM.
-__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int32_t c0, int32_t c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(c0), "r"(c1)
-               : "memory");
-}
-
 // An L2 eviction policy (createpolicy) for loads and stores that pass an L2::cache_hint: data read
 // once and written once (a dW accumulator tile) goes first, before operands that many CTAs share.
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {
