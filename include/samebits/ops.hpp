@@ -244,9 +244,15 @@ int64_t logprob_vocab_block(int64_t vocab);
 // ---------------------------------------------------------------- fused LM head -> selected logprob
 // logits = hidden[T,H] · weight[V,H]ᵀ computed in fp32, vocab block by vocab block, and never
 // stored: bitwise equal to linear_forward with an fp32 y followed by logprob_forward.
+// targets_checked: the caller vouches that every target is in [0, V), ignore_index or masked (they
+// are ids that an embedding call over a table of at most V rows has just checked, as
+// samebits.hf.patch's next-token targets are), so the CUDA backend skips its own range check, which
+// reads a flag back (a stream synchronisation). A target outside that range is then not named: the
+// fused kernels read no memory by it (no column matches it), but its logp is meaningless.
 struct LmHeadLogprobForwardArgs {
   TensorView hidden, weight, targets, loss_mask, logp, entropy, lse;
   int32_t ignore_index = -100;
+  bool targets_checked = false;
 };
 // dhidden[T,H] = dlogits · weight; dweight[V,H] += dlogitsᵀ · hidden (fp32 accumulator), with
 // dlogits recomputed block by block in fp32 (the CUDA backend rounds them to the 16-bit input dtype
@@ -258,6 +264,7 @@ struct LmHeadLogprobForwardArgs {
 struct LmHeadLogprobBackwardArgs {
   TensorView hidden, weight, targets, loss_mask, lse, dlogp, dentropy, dhidden, dweight, segments;
   int32_t ignore_index = -100;
+  bool targets_checked = false;  // as the forward's
 };
 void lm_head_logprob_forward(const Context&, const LmHeadLogprobForwardArgs&);
 void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);

@@ -39,6 +39,7 @@ import torch
 from . import _core
 from . import torch as sbt
 from .torch import _common
+from .torch import ops as sbt_ops
 
 
 class _Shape:
@@ -148,6 +149,8 @@ def _model_forward(self, input_ids, lengths):
     acc = _acc(self, head, lengths)
     if acc and head is table:  # tied: the LM head's sum in a buffer of its own (reduce_main_grad adds it)
         acc["main_grad"] = head.main_grad_lm_head
+    if head.shape[0] >= table.shape[0]:  # the targets are ids the embedding call above checked
+        return sbt_ops._lm_head_logprobs_of_checked_targets(hidden, head, targets, **acc)
     return sbt.lm_head_logprobs(hidden, head, targets, **acc)
 
 

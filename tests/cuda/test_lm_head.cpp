@@ -53,6 +53,7 @@ struct Options {
   bool entropy_output = true;
   bool entropy_grad = false;
   bool saved_lse = true;
+  bool targets_checked = false;  // the caller vouches for the targets: no range check, no read-back
   std::vector<int32_t> segments;  // {row, len} pairs, relative to the call's rows; empty: none
 };
 
@@ -74,6 +75,7 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
   if (o.entropy_output) f.entropy = entropy.view();
   f.lse = lse.view();
   f.ignore_index = IGNORE;
+  f.targets_checked = o.targets_checked;
   lm_head_logprob_forward(cuda_ctx(), f);
   LmHeadLogprobBackwardArgs g;
   g.hidden = f.hidden;
@@ -91,6 +93,7 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
     g.segments = seg.view();
   }
   g.ignore_index = IGNORE;
+  g.targets_checked = o.targets_checked;
   lm_head_logprob_backward(cuda_ctx(), g);
   return {logp.host(), entropy.host(), lse.host(), dhidden.host(), dweight.host()};
 }
@@ -362,6 +365,27 @@ TEST_F(CudaLmHead, ForwardWithoutEntropyKeepsLogpAndLseBits) {
   const Outputs without = run(b, 0, 130, o);
   expect_same_bits(without.logp, with.logp, "logp");
   expect_same_bits(without.lse, with.lse, "lse");
+}
+
+// Targets the caller vouches for (targets_checked: the range check and its read-back skipped) give
+// the checked call's bits, forward and backward; unvouched, an out-of-range target is still named.
+TEST_F(CudaLmHead, VouchedTargetsSkipTheCheckAndChangeNoBit) {
+  Rng r(53);
+  Batch b(r, DType::bf16, 96, 32000, 64);
+  Options o;
+  o.entropy_grad = true;
+  const Outputs checked = run(b, 0, 96, o);
+  o.targets_checked = true;
+  const Outputs vouched = run(b, 0, 96, o);
+  expect_same_bits(vouched.logp, checked.logp, "logp");
+  expect_same_bits(vouched.entropy, checked.entropy, "entropy");
+  expect_same_bits(vouched.lse, checked.lse, "lse");
+  expect_same_bits(vouched.dhidden, checked.dhidden, "dhidden");
+  expect_same_bits(vouched.dweight, checked.dweight, "dweight");
+  b.targets.set(5, 32000.0);
+  b.mask.set(5, 1.0);
+  o.targets_checked = false;
+  EXPECT_THROW(run(b, 0, 96, o), Error);
 }
 
 // An inactive row whose hidden state holds NaN leaves dweight finite and the other rows' bits alone.

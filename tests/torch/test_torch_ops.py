@@ -318,12 +318,16 @@ def test_qk_norm_and_lm_head_logprobs_are_the_custom_ops_bit_for_bit(device, dty
     targets[0, 8] = targets[1, 8] = -100
     dlogp, dent = (torch.randn(2, 9, generator=g).to(device) for _ in range(2))
 
-    def run_lm(fn):
+    def run_lm(fn, entropy_grad):  # without an entropy gradient, the backward is given none
         h, w = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
         lp, ent = fn(h, w)
-        torch.autograd.backward([lp, ent], [dlogp, dent])
+        torch.autograd.backward([lp, ent] if entropy_grad else [lp], [dlogp, dent] if entropy_grad else [dlogp])
         return lp.detach(), ent.detach(), h.grad, w.grad
-    ours = run_lm(lambda h, w: _common._ext.lm_head_logprobs(h, w, targets))
-    theirs = run_lm(lambda h, w: ops._lm_head_logprobs(h, w, targets)[:2])
-    for a, b, what in zip(ours, theirs, ("logp", "entropy", "dhidden", "dweight")):
-        assert torch.equal(bits(a), bits(b)), f"lm_head_logprobs {what}"
+    for entropy_grad in (True, False):
+        ours = run_lm(lambda h, w: _common._ext.lm_head_logprobs(h, w, targets), entropy_grad)
+        theirs = run_lm(lambda h, w: ops._lm_head_logprobs(h, w, targets)[:2], entropy_grad)
+        # targets vouched for (samebits.hf.patch's next-token ids): no range check, the same bits
+        vouched = run_lm(lambda h, w: _common._ext.lm_head_logprobs(h, w, targets, None, None, True), entropy_grad)
+        for a, b, c, what in zip(ours, theirs, vouched, ("logp", "entropy", "dhidden", "dweight")):
+            assert torch.equal(bits(a), bits(b)), f"lm_head_logprobs {what} (entropy gradient: {entropy_grad})"
+            assert torch.equal(bits(c), bits(a)), f"lm_head_logprobs {what}, targets vouched for"

@@ -775,7 +775,7 @@ struct LmHeadOut {
   at::Tensor logp, entropy, lse, targets, mask;
 };
 LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                          bool keep_lse) {
+                          bool keep_lse, bool targets_checked) {
   const char* op = "lm_head_logprobs";
   const DeviceOf guard(hidden);
   LmHeadOut o;
@@ -797,6 +797,7 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
     o.lse = at::empty({o.targets.size(0)}, options);
     a.lse = view(o.lse, op, "lse");
   }
+  a.targets_checked = targets_checked;
   run([&] { samebits::lm_head_logprob_forward(context_of(hidden), a); });
   return o;
 }
@@ -805,9 +806,10 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
                                                 const at::Tensor& weight, const at::Tensor& targets,
                                                 const c10::optional<at::Tensor>& main_grad,
-                                                at::OptionalIntArrayRef segments) {
+                                                at::OptionalIntArrayRef segments, bool targets_checked) {
     keep(ctx, weight_grad_of(main_grad, segments));
-    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true);
+    ctx->saved_data["targets_checked"] = targets_checked;
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked);
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
     return {o.logp, o.entropy};
   }
@@ -822,7 +824,9 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
     auto flat = [&](const at::Tensor& g) {
       return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
     };
-    const at::Tensor dlogp = flat(grads[0]), dentropy = flat(grads[1]);
+    // No entropy gradient: none given (a zero one would make the backward recompute the statistics,
+    // a whole extra pass of the LM-head GEMM)
+    const at::Tensor dlogp = flat(grads[0]), dentropy = grads[1].defined() ? flat(grads[1]) : at::Tensor();
     const WeightGrad wg = kept(ctx);
     at::Tensor dh = at::empty_like(hidden), dw = dweight_of(wg, weight);
     samebits::LmHeadLogprobBackwardArgs a;
@@ -833,24 +837,27 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
     a.loss_mask = view(mask, op, "loss_mask");
     a.lse = view(lse, op, "lse");
     a.dlogp = view(dlogp, op, "dlogp");
-    a.dentropy = view(dentropy, op, "dentropy");
+    if (dentropy.defined()) a.dentropy = view(dentropy, op, "dentropy");
+    a.targets_checked = ctx->saved_data["targets_checked"].toBool();
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
     a.dweight = view(dw, op, "dweight");
     run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
-    return {dh, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// targets_checked (samebits.hf.patch's next-token targets, ids its embedding call has just checked):
+// the library's LmHeadLogprobForwardArgs::targets_checked — no range check, no read-back.
 std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
                                                     const at::Tensor& targets,
                                                     const c10::optional<at::Tensor>& main_grad,
-                                                    at::OptionalIntArrayRef segments) {
+                                                    at::OptionalIntArrayRef segments, bool targets_checked) {
   check_weight_grad(main_grad, segments, weight, "lm_head_logprobs");
   if (!records({&hidden, &weight})) {
-    const LmHeadOut o = lm_head_forward(hidden, weight, targets, false);
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, false, targets_checked);
     return {o.logp, o.entropy};
   }
-  const auto out = LmHeadLogprobs::apply(hidden, weight, targets, main_grad, segments);
+  const auto out = LmHeadLogprobs::apply(hidden, weight, targets, main_grad, segments, targets_checked);
   return {out[0], out[1]};
 }
 
@@ -927,7 +934,7 @@ TORCH_LIBRARY(samebits_ext, m) {
   m.def("qk_norm(Tensor x, Tensor weight, float eps, Tensor? positions, float theta, float[] llama3, "
         "Tensor? main_grad=None, int[]? segments=None) -> Tensor");
   m.def("lm_head_logprobs(Tensor hidden, Tensor weight, Tensor targets, Tensor? main_grad=None, "
-        "int[]? segments=None) -> (Tensor, Tensor)");
+        "int[]? segments=None, bool targets_checked=False) -> (Tensor, Tensor)");
 }
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).

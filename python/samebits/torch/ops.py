@@ -609,7 +609,7 @@ def _(hidden, weight, targets):
 
 @torch.library.custom_op("samebits::lm_head_logprobs_backward", mutates_args=())
 def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, lse: Tensor, dlogp: Tensor,
-                               dentropy: Tensor) -> Tuple[Tensor, Tensor]:
+                               dentropy: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     name = "lm_head_logprobs_backward"
     h2 = _rows(hidden, name)
     t = _int32(targets, name, "targets")
@@ -621,7 +621,8 @@ def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, 
         raw.lm_head_logprob_backward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
                                      _desc(mask, name, "loss_mask"), _desc(lse.reshape(-1).contiguous(), name, "lse"),
                                      _desc(dlogp.reshape(-1).to(acc).contiguous(), name, "dlogp"),
-                                     _desc(dentropy.reshape(-1).to(acc).contiguous(), name, "dentropy"),
+                                     _desc(None if dentropy is None else dentropy.reshape(-1).to(acc).contiguous(),
+                                           name, "dentropy"),
                                      _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), ignore_index=-100,
                                      stream=_stream(hidden))
     return dh.reshape(hidden.shape), dw.to(weight.dtype)
@@ -640,7 +641,8 @@ def _lm_setup(ctx, inputs, output):
 def _lm_grad(ctx, dlogp, dentropy, _dlse):
     hidden, weight, targets, lse = ctx.saved_tensors
     dlogp = torch.zeros_like(lse) if dlogp is None else dlogp
-    dentropy = torch.zeros_like(lse) if dentropy is None else dentropy
+    # No entropy gradient: none given (a zero one would make the backward recompute the statistics,
+    # a whole extra pass of the LM-head GEMM)
     dh, dw = _lm_head_logprobs_backward(hidden, weight, targets, lse, dlogp, dentropy)
     return dh, dw, None
 
@@ -659,3 +661,16 @@ def lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, main_gr
         return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments))
     logp, entropy, _ = _lm_head_logprobs(hidden, weight, targets)
     return logp, entropy
+
+
+def _lm_head_logprobs_of_checked_targets(hidden: Tensor, weight: Tensor, targets: Tensor, *,
+                                         main_grad: Optional[Tensor] = None,
+                                         segments: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
+    """lm_head_logprobs for targets every one of which the caller has checked is in [0, vocab) or -100
+    (samebits.hf.patch: the next-token ids its embedding call has just checked against a table of at
+    most weight's rows): the dispatcher op skips its own range check, a read-back that would stall
+    the host until the GPU has run the whole forward."""
+    _needs_dispatcher(main_grad, "lm_head_logprobs")
+    if _ext is not None and _eager():
+        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments, True))
+    return lm_head_logprobs(hidden, weight, targets, main_grad=main_grad, segments=segments)

@@ -391,6 +391,16 @@ void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* 
   }
 }
 
+// The rows, and the targets' range unless the caller vouches for it (targets_checked: no read-back).
+template <class Args>
+void check_targets(const char* op, int64_t rows, int64_t vocab, const Args& a, cudaStream_t stream) {
+  if (a.targets_checked) {
+    if (rows > INT32_MAX) throw Unsupported(op, "hidden", "more than 2^31 - 1 rows in one call is not supported");
+    return;
+  }
+  check_rows_and_targets(op, "hidden", rows, vocab, a.targets, a.loss_mask, a.ignore_index, stream);
+}
+
 void require_16bit(const char* op, const TensorView& hidden) {
   if (hidden.dtype == DType::f32)
     throw Unsupported(op, "hidden", "the CUDA LM head takes bf16 or fp16 hidden states and weight");
@@ -399,8 +409,7 @@ void require_16bit(const char* op, const TensorView& hidden) {
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   require_16bit("lm_head_logprob_forward", a.hidden);
-  check_rows_and_targets("lm_head_logprob_forward", "hidden", a.hidden.shape[0], a.weight.shape[0], a.targets,
-                         a.loss_mask, a.ignore_index, stream);
+  check_targets("lm_head_logprob_forward", a.hidden.shape[0], a.weight.shape[0], a, stream);
   forward_into(ctx, a, a.logp.as<float>(), a.entropy.present() ? a.entropy.as<float>() : nullptr,
                a.lse.present() ? a.lse.as<float>() : nullptr);
 }
@@ -523,7 +532,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   require_16bit(op, a.hidden);
   if (a.dhidden.dtype != DType::f32 && a.dhidden.dtype != a.hidden.dtype)
     throw Unsupported(op, "dhidden", "the CUDA LM head writes dhidden in hidden's dtype or fp32");
-  check_rows_and_targets(op, "hidden", T, V, a.targets, a.loss_mask, a.ignore_index, stream);
+  check_targets(op, T, V, a, stream);
   // The statistics: the forward's lse, or (no lse, or an entropy gradient, which needs H) a forward
   // pass into scratch first.
   const float* lse = a.lse.present() ? a.lse.as<const float>() : nullptr;
