@@ -231,6 +231,7 @@ bool paged_attention_takes(Backend backend, int64_t page_size);
 struct LogprobForwardArgs {
   TensorView logits, targets, loss_mask, logp, entropy, lse;  // lse [T] fp32 optional (for backward)
   int32_t ignore_index = -100;
+  bool targets_checked = false;  // as LmHeadLogprobForwardArgs'
 };
 // dlogits[t, j] = dlogp[t]·(onehot_j − p_j) + dentropy[t]·(−p_j·(log p_j + H_t)).
 struct LogprobBackwardArgs {
@@ -249,10 +250,20 @@ int64_t logprob_vocab_block(int64_t vocab);
 // samebits.hf.patch's next-token targets are), so the CUDA backend skips its own range check, which
 // reads a flag back (a stream synchronisation). A target outside that range is then not named: the
 // fused kernels read no memory by it (no column matches it), but its logp is meaningless.
+//
+// logits_kept (optional, fp32 [C, V], C <= T): the first C rows' logits kept from the forward for the
+// backward, which then derives those rows' dlogits from them instead of recomputing them — three
+// GEMMs for those rows instead of four, for C·V·6 bytes (the logits and the backward's 16-bit
+// dlogits). Give the backward the buffer the forward filled; C must be 0, T or where a segment of
+// the backward starts or ends (with no segments: 0 or T), so the weight gradient groups the tokens
+// as without it. The bits are those of the recompute, forward and backward. The caller picks C from
+// a memory budget. Taken by the CUDA fused path (sm_90a, 16-bit, V a multiple of 8, aligned); both
+// calls ignore it elsewhere (the same test on the same tensors).
 struct LmHeadLogprobForwardArgs {
   TensorView hidden, weight, targets, loss_mask, logp, entropy, lse;
   int32_t ignore_index = -100;
   bool targets_checked = false;
+  TensorView logits_kept;
 };
 // dhidden[T,H] = dlogits · weight; dweight[V,H] += dlogitsᵀ · hidden (fp32 accumulator), with
 // dlogits recomputed block by block in fp32 (the CUDA backend rounds them to the 16-bit input dtype
@@ -265,6 +276,7 @@ struct LmHeadLogprobBackwardArgs {
   TensorView hidden, weight, targets, loss_mask, lse, dlogp, dentropy, dhidden, dweight, segments;
   int32_t ignore_index = -100;
   bool targets_checked = false;  // as the forward's
+  TensorView logits_kept;         // the forward's (see above)
 };
 void lm_head_logprob_forward(const Context&, const LmHeadLogprobForwardArgs&);
 void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);

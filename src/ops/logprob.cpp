@@ -66,6 +66,30 @@ static void check_lm_head(const Validator& v, const TensorView& hidden, const Te
   v.dim("weight", weight, 1, hidden.shape[1], "hidden size, as hidden's columns");
 }
 
+// logits_kept: fp32 [C, V] with C <= T, apart from the inputs; in the backward (segments given, or
+// none: a pointer to an absent view), C at a segment's edge.
+static void check_logits_kept(const Validator& v, const TensorView& kept, const TensorView& hidden,
+                              const TensorView& weight, const TensorView* backward_segments) {
+  v.optional("logits_kept", kept, 2);
+  if (!kept.present()) return;
+  v.dtype("logits_kept", kept, DType::f32);
+  v.dim("logits_kept", kept, 1, weight.shape[0], "vocab size, as weight's rows");
+  const int64_t C = kept.shape[0], T = hidden.shape[0];
+  if (C > T) v.fail("logits_kept", "holds " + std::to_string(C) + " rows, more than hidden's " + std::to_string(T));
+  v.no_alias("logits_kept", kept, "hidden", hidden);
+  v.no_alias("logits_kept", kept, "weight", weight);
+  if (!backward_segments || C == 0 || C == T) return;
+  const TensorView& segments = *backward_segments;
+  bool edge = false;
+  if (segments.present()) {
+    const auto* s = segments.as<const int32_t>();
+    for (int64_t i = 0; i < segments.shape[0] && !edge; ++i) edge = s[2 * i] == C || s[2 * i] + s[2 * i + 1] == C;
+  }
+  if (!edge)
+    v.fail("logits_kept", "its " + std::to_string(C) + " rows must end where a segment starts or ends (or be 0 or all " +
+                              std::to_string(T) + " rows), so the weight gradient groups the tokens as without it");
+}
+
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   auto v = begin_op<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
   check_lm_head(v, a.hidden, a.weight);
@@ -74,6 +98,7 @@ void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs&
   check_per_token(v, "logp", a.logp, rows, true);
   check_per_token(v, "entropy", a.entropy, rows, false);
   check_per_token(v, "lse", a.lse, rows, false);
+  check_logits_kept(v, a.logits_kept, a.hidden, a.weight, nullptr);  // any C (the backward checks where it ends)
   run_kernel<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
 }
 
@@ -95,6 +120,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   v.accumulator("dweight", a.dweight);
   v.same_shape("dweight", a.dweight, "weight", a.weight);
   check_segments(v, a.segments, rows);
+  check_logits_kept(v, a.logits_kept, a.hidden, a.weight, &a.segments);
   run_kernel<OpId::lm_head_logprob_backward>("lm_head_logprob_backward", ctx, a);
 }
 

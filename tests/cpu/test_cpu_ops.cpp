@@ -3,11 +3,14 @@
 // fused LM head == linear + logprob, decode == prefill, masked rows are exact zeros.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "samebits/ops.hpp"
 
@@ -281,6 +284,64 @@ TEST(CpuOps, FusedLmHeadEqualsLinearThenLogprobBitwise) {
   EXPECT_EQ(std::memcmp(dh1.data(), dh2.data(), dh1.size() * 4), 0);
   EXPECT_EQ(std::memcmp(dw1.data(), dw2.data(), dw1.size() * 4), 0);
   for (int j = 0; j < V; ++j) ASSERT_EQ(dlogits[3 * V + j], 0.0f);  // a masked row: exact zeros
+}
+
+// logits_kept (the LM head's three-GEMM mode) is checked on every backend: fp32 [C, V], C <= T, and
+// in the backward C where a segment starts or ends; the CPU computes the same bits with or without it.
+TEST(CpuOps, LmHeadKeptLogitsAreCheckedAndChangeNoBit) {
+  const int T = 6, H = 8, V = 40;
+  Rng r(61);
+  auto hidden = random_floats(r, T * H, -1, 1), w = random_floats(r, V * H, -0.5, 0.5);
+  std::vector<int32_t> tg{3, 39, -100, 20, 0, 10};
+  std::vector<float> lp(T), lse(T), kept((T + 1) * V), lp_kept(T), dh(T * H), dh_kept(T * H), dw(V * H), dw_kept(V * H);
+  std::vector<float> dlogp = random_floats(r, T, -1, 1);
+  std::vector<int32_t> segs{0, 2, 2, 3, 5, 1};  // sequences of 2, 3 and 1 tokens
+  auto forward = [&](std::vector<float>& logp, int kept_rows, DType kept_dtype) {
+    LmHeadLogprobForwardArgs f;
+    f.hidden = view(hidden, DType::f32, {T, H});
+    f.weight = view(w, DType::f32, {V, H});
+    f.targets = view(tg, DType::i32, {T});
+    f.logp = view(logp, DType::f32, {T});
+    f.lse = view(lse, DType::f32, {T});
+    if (kept_rows >= 0) f.logits_kept = view(kept, kept_dtype, {kept_rows, V});
+    lm_head_logprob_forward(Context{}, f);
+  };
+  auto backward = [&](std::vector<float>& dhidden, std::vector<float>& dweight, int kept_rows) {
+    LmHeadLogprobBackwardArgs b;
+    b.hidden = view(hidden, DType::f32, {T, H});
+    b.weight = view(w, DType::f32, {V, H});
+    b.targets = view(tg, DType::i32, {T});
+    b.lse = view(lse, DType::f32, {T});
+    b.dlogp = view(dlogp, DType::f32, {T});
+    b.dhidden = view(dhidden, DType::f32, {T, H});
+    b.dweight = view(dweight, DType::f32, {V, H});
+    b.segments = view(segs, DType::i32, {3, 2});
+    if (kept_rows >= 0) b.logits_kept = view(kept, DType::f32, {kept_rows, V});
+    lm_head_logprob_backward(Context{}, b);
+  };
+  forward(lp, -1, DType::f32);
+  backward(dh, dw, -1);
+  for (const int c : {0, 2, 5, 6}) {  // segment edges
+    std::fill(dw_kept.begin(), dw_kept.end(), 0.0f);
+    forward(lp_kept, c, DType::f32);
+    backward(dh_kept, dw_kept, c);
+    EXPECT_EQ(std::memcmp(lp.data(), lp_kept.data(), T * 4), 0) << c;
+    EXPECT_EQ(std::memcmp(dh.data(), dh_kept.data(), dh.size() * 4), 0) << c;
+    EXPECT_EQ(std::memcmp(dw.data(), dw_kept.data(), dw.size() * 4), 0) << c;
+  }
+  auto fails = [](auto&& call, const char* words) {
+    try {
+      call();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "logits_kept");
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no error (" << words << ")";
+  };
+  fails([&] { backward(dh_kept, dw_kept, 3); }, "segment");  // inside the 3-token sequence
+  fails([&] { forward(lp_kept, T + 1, DType::f32); }, "more than");
+  fails([&] { forward(lp_kept, 2, DType::f64); }, "");
 }
 
 TEST(CpuOps, DecodeEqualsPrefillBitwise) {

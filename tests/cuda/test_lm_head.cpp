@@ -5,6 +5,7 @@
 // fp64; bad targets; a weight buffer shared with the embedding (tied) gives the untied bits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -54,6 +55,7 @@ struct Options {
   bool entropy_grad = false;
   bool saved_lse = true;
   bool targets_checked = false;  // the caller vouches for the targets: no range check, no read-back
+  int64_t kept_rows = -1;        // >= 0: logits_kept of that many rows (the three-GEMM mode)
   std::vector<int32_t> segments;  // {row, len} pairs, relative to the call's rows; empty: none
 };
 
@@ -66,6 +68,7 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
   const DeviceBuffer logp(DType::f32, {m}), entropy(DType::f32, {m}), lse(DType::f32, {m});
   const DeviceBuffer dhidden(b.hidden.dtype(), {m, K});
   const DeviceBuffer dweight(dweight_in ? *dweight_in : HostTensor(DType::f32, {V, K}));
+  const DeviceBuffer kept(DType::f32, {std::max<int64_t>(o.kept_rows, 1), V});
   LmHeadLogprobForwardArgs f;
   f.hidden = hidden.rows(off, off + m);
   f.weight = weight.view();
@@ -76,6 +79,7 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
   f.lse = lse.view();
   f.ignore_index = IGNORE;
   f.targets_checked = o.targets_checked;
+  if (o.kept_rows >= 0) f.logits_kept = kept.rows(0, o.kept_rows);
   lm_head_logprob_forward(cuda_ctx(), f);
   LmHeadLogprobBackwardArgs g;
   g.hidden = f.hidden;
@@ -94,6 +98,7 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
   }
   g.ignore_index = IGNORE;
   g.targets_checked = o.targets_checked;
+  g.logits_kept = f.logits_kept;
   lm_head_logprob_backward(cuda_ctx(), g);
   return {logp.host(), entropy.host(), lse.host(), dhidden.host(), dweight.host()};
 }
@@ -386,6 +391,36 @@ TEST_F(CudaLmHead, VouchedTargetsSkipTheCheckAndChangeNoBit) {
   b.mask.set(5, 1.0);
   o.targets_checked = false;
   EXPECT_THROW(run(b, 0, 96, o), Error);
+}
+
+// The three-GEMM mode (logits_kept: the forward keeps the first C rows' fp32 logits, the backward
+// derives their dlogits from them) gives the recomputing backward's bits for every C at a sequence's
+// edge, with and without an entropy gradient, against a recompute walking the vocab in chunks.
+TEST_F(CudaLmHead, KeptLogitsGiveTheRecomputesBits) {
+  Rng r(59);
+  const Batch b(r, DType::bf16, 96, 8192, 128);
+  for (const bool entropy_grad : {false, true}) {
+    Options o;
+    o.entropy_grad = entropy_grad;
+    o.segments = {0, 30, 30, 40, 70, 26};
+    detail::lm_head_vocab_chunk_override() = 2048;
+    const Outputs recomputed = run(b, 0, 96, o);
+    detail::lm_head_vocab_chunk_override() = 0;
+    for (const int64_t c : {0, 30, 70, 96}) {
+      o.kept_rows = c;
+      const Outputs kept = run(b, 0, 96, o);
+      const std::string at = " (C = " + std::to_string(c) + ", entropy gradient " + std::to_string(entropy_grad) + ")";
+      expect_same_bits(kept.logp, recomputed.logp, ("logp" + at).c_str());
+      expect_same_bits(kept.entropy, recomputed.entropy, ("entropy" + at).c_str());
+      expect_same_bits(kept.lse, recomputed.lse, ("lse" + at).c_str());
+      expect_same_bits(kept.dhidden, recomputed.dhidden, ("dhidden" + at).c_str());
+      expect_same_bits(kept.dweight, recomputed.dweight, ("dweight" + at).c_str());
+    }
+  }
+  Options inside;
+  inside.segments = {0, 30, 30, 40, 70, 26};
+  inside.kept_rows = 50;  // inside the second sequence: refused, naming the argument
+  EXPECT_THROW(run(b, 0, 96, inside), Error);
 }
 
 // An inactive row whose hidden state holds NaN leaves dweight finite and the other rows' bits alone.

@@ -259,14 +259,61 @@ __global__ void rows_to_keep(const T* hidden, int64_t M, int64_t K, const uint8_
 // The backward's epilogue: the chunk's dlogits in the weight's dtype, then the plain store path.
 // dlogits[t, j] = g·(onehot_j − p_j) + ge·(−p_j·(log p_j + H)), p_j = e^(z_j − lse), as the
 // standalone backward computes it; inactive rows are zeros. ENTROPY: an entropy gradient is given.
-template <class T>
-struct DlogitsParams {
-  typename sm90gemm::StoreEpilogue<T, T, false>::Params store;  // the dlogits chunk [M, chunk width]
+struct DlogitsParamsBase {
   const int32_t* targets;
   const uint8_t* active;
   const float *lse, *dlogp, *dentropy, *entropy;  // dentropy, entropy: ENTROPY only
   int64_t col0;                                    // the chunk's first vocab column
 };
+template <class T>
+struct DlogitsParams : DlogitsParamsBase {
+  typename sm90gemm::StoreEpilogue<T, T, false>::Params store;  // the dlogits chunk [M, chunk width]
+};
+DlogitsParamsBase dlogits_params(const LmHeadLogprobBackwardArgs& a, const uint8_t* active, const float* lse,
+                                 const float* entropy, int64_t col0) {
+  DlogitsParamsBase p;
+  p.targets = a.targets.as<const int32_t>();
+  p.active = active;
+  p.lse = lse;
+  p.dlogp = a.dlogp.as<const float>();
+  p.dentropy = a.dentropy.present() ? a.dentropy.as<const float>() : nullptr;
+  p.entropy = entropy;
+  p.col0 = col0;
+  return p;
+}
+// One row's terms of dlogits, loaded once per row (a tile's, or the kept-logits kernel's).
+struct DlogitsRow {
+  bool active;
+  int64_t target_col;  // the target's column in the caller's column numbering, −1 if not among them
+  float l, g, ge, H;
+};
+template <bool ENTROPY>
+__device__ __forceinline__ DlogitsRow dlogits_row(const DlogitsParamsBase& p, int64_t row, int64_t M, int64_t col0,
+                                                  int64_t width) {
+  DlogitsRow r;
+  r.active = row < M && p.active[row] != 0;
+  const int64_t target = r.active ? p.targets[row] : -1;
+  r.target_col = target >= col0 && target < col0 + width ? target - col0 : -1;
+  r.l = r.active ? p.lse[row] : 0.0f;
+  r.g = r.active ? p.dlogp[row] : 0.0f;
+  r.ge = ENTROPY && r.active ? p.dentropy[row] : 0.0f;
+  r.H = r.ge != 0.0f ? p.entropy[row] : 0.0f;
+  return r;
+}
+// A logit's dlogit (fp32, before the one rounding to the weight's dtype).
+template <bool ENTROPY>
+__device__ __forceinline__ float dlogit(const DlogitsRow& r, float z, int64_t col) {
+  const float lp = __fsub_rn(z, r.l), pr = exp_f(lp);
+  float out = __fmul_rn(-r.g, pr);
+  const float with_g = __fadd_rn(out, r.g);
+  out = col == r.target_col ? with_g : out;
+  if constexpr (ENTROPY) {  // a select, not a branch
+    const float with_h = __fadd_rn(out, __fmul_rn(r.ge, __fmul_rn(-pr, __fadd_rn(lp, r.H))));
+    out = r.ge != 0.0f ? with_h : out;
+  }
+  return r.active ? out : 0.0f;
+}
+
 template <class T, bool ENTROPY>
 struct DlogitsEpilogue {
   using Store = sm90gemm::StoreEpilogue<T, T, false>;
@@ -278,26 +325,12 @@ struct DlogitsEpilogue {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
   }
-  // One row's terms, loaded once per tile; the value of an accumulator is computed as it is stored,
-  // so the accumulators are consumed in place (no second array of 128 values).
-  struct Row {
-    bool active;
-    int target_col;  // the target's column within the tile, −1 if it is not in the tile
-    float l, g, ge, H;
-  };
+  // The value of an accumulator is computed as it is stored, so the accumulators are consumed in
+  // place (no second array of 128 values).
   struct Value {
-    Row row[2];
+    DlogitsRow row[2];
     __device__ __forceinline__ float operator()(float z, int h, int col) const {
-      const Row& r = row[h];
-      const float lp = __fsub_rn(z, r.l), pr = exp_f(lp);
-      float out = __fmul_rn(-r.g, pr);
-      const float with_g = __fadd_rn(out, r.g);
-      out = col == r.target_col ? with_g : out;
-      if constexpr (ENTROPY) {  // a select, not a branch
-        const float with_h = __fadd_rn(out, __fmul_rn(r.ge, __fmul_rn(-pr, __fadd_rn(lp, r.H))));
-        out = r.ge != 0.0f ? with_h : out;
-      }
-      return r.active ? out : 0.0f;
+      return dlogit<ENTROPY>(row[h], z, col);
     }
   };
   template <int BN, int BOXES>
@@ -306,23 +339,26 @@ struct DlogitsEpilogue {
                                                   State& s) {
     const int warp = t / 32, lane = t % 32;
     Value value;
-    const int64_t col0 = p.col0 + n0;  // the tile's first vocab column
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row_base + warp * 16 + lane / 4 + h * 8;
-      Row& r = value.row[h];
-      r.active = row < M && p.active[row] != 0;
-      const int64_t target = r.active ? p.targets[row] : -1;
-      r.target_col = target >= col0 && target < col0 + BN ? int(target - col0) : -1;
-      r.l = r.active ? p.lse[row] : 0.0f;
-      r.g = r.active ? p.dlogp[row] : 0.0f;
-      r.ge = ENTROPY && r.active ? p.dentropy[row] : 0.0f;
-      r.H = r.ge != 0.0f ? p.entropy[row] : 0.0f;
-    }
+    for (int h = 0; h < 2; ++h)  // the tile's columns: the target's column within the tile
+      value.row[h] = dlogits_row<ENTROPY>(p, row_base + warp * 16 + lane / 4 + h * 8, M, p.col0 + n0, BN);
     Store::template store<BN, BOXES>(p.store, d, value, staging, row_base, n0, M, N, t, c, s);
   }
   __device__ __forceinline__ static void finish(const Params& p, int t, State& s) { Store::finish(p.store, t, s); }
 };
+
+// dlogits of rows whose fp32 logits the forward kept (logits_kept): the epilogue's arithmetic on
+// the same fp32 logit, rounded once to the weight's dtype, so the bits are the recomputing
+// backward's. One block walks one row's columns; rows stride over the grid.
+template <class T, bool ENTROPY>
+__global__ void dlogits_from_kept(const float* logits, const DlogitsParamsBase p, int64_t M, int64_t V, T* dlogits) {
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const DlogitsRow r = dlogits_row<ENTROPY>(p, row, M, 0, V);
+    const float* z = logits + row * V;
+    T* out = dlogits + row * V;
+    for (int64_t col = threadIdx.x; col < V; col += blockDim.x) out[col] = sm90gemm::convert<T>(dlogit<ENTROPY>(r, z[col], col));
+  }
+}
 
 // ---------------------------------------------------------------- host side
 
@@ -406,12 +442,39 @@ void require_16bit(const char* op, const TensorView& hidden) {
     throw Unsupported(op, "hidden", "the CUDA LM head takes bf16 or fp16 hidden states and weight");
 }
 
+// The rows whose logits the fused path keeps (LmHeadLogprobForwardArgs::logits_kept): the same
+// answer in the forward and the backward, which look at the same tensors.
+int64_t kept_rows(const TensorView& hidden, const TensorView& weight, const TensorView& kept) {
+  return kept.present() && fused_path(hidden, weight, true) ? kept.shape[0] : 0;
+}
+
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
+  const int64_t T = a.hidden.shape[0], C = kept_rows(a.hidden, a.weight, a.logits_kept);
   require_16bit("lm_head_logprob_forward", a.hidden);
-  check_targets("lm_head_logprob_forward", a.hidden.shape[0], a.weight.shape[0], a, stream);
-  forward_into(ctx, a, a.logp.as<float>(), a.entropy.present() ? a.entropy.as<float>() : nullptr,
-               a.lse.present() ? a.lse.as<float>() : nullptr);
+  check_targets("lm_head_logprob_forward", T, a.weight.shape[0], a, stream);
+  float* logp = a.logp.as<float>();
+  float* entropy = a.entropy.present() ? a.entropy.as<float>() : nullptr;
+  float* lse = a.lse.present() ? a.lse.as<float>() : nullptr;
+  if (C > 0) {  // kept rows: the GEMM's fp32 logits stored, then the standalone logprob (the fused bits)
+    linear_forward(ctx, {a.hidden.rows(0, C), a.weight, {}, a.logits_kept});
+    LogprobForwardArgs f;
+    f.logits = a.logits_kept;
+    f.targets = a.targets.rows(0, C);
+    f.loss_mask = rows_or_none(a.loss_mask, 0, C);
+    f.logp = a.logp.rows(0, C);
+    f.entropy = rows_or_none(a.entropy, 0, C);
+    f.lse = rows_or_none(a.lse, 0, C);
+    f.ignore_index = a.ignore_index;
+    f.targets_checked = true;  // checked (or vouched for) above
+    logprob_forward(ctx, f);
+  }
+  if (C == T) return;
+  LmHeadLogprobForwardArgs rest = a;
+  rest.hidden = a.hidden.rows(C, T);
+  rest.targets = a.targets.rows(C, T);
+  rest.loss_mask = rows_or_none(a.loss_mask, C, T);
+  forward_into(ctx, rest, logp + C, entropy ? entropy + C : nullptr, lse ? lse + C : nullptr);
 }
 
 // The vocab chunk of the fused backward: as wide as keeps its dlogits within 256 MiB, a multiple of
@@ -443,7 +506,8 @@ void mark_active(const LmHeadLogprobBackwardArgs& a, uint8_t* active, cudaStream
 }
 
 template <class T>
-void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy, cudaStream_t stream) {
+void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy,
+                    const std::vector<int32_t>& segs, cudaStream_t stream) {
   const char* op = "lm_head_logprob_backward";
   const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
   const T* hidden = a.hidden.as<const T>();
@@ -458,7 +522,6 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
   const bool direct = chunks == 1 || a.dhidden.dtype == DType::f32;
   ScratchBuffer acc_buf(direct ? 0 : size_t(M) * size_t(K) * sizeof(float), stream, op);
   float* acc = a.dhidden.dtype == DType::f32 ? a.dhidden.as<float>() : acc_buf.as<float>();
-  const std::vector<int32_t> segs = covering_segments(a.segments, M);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t col0 = c * chunk, width = std::min(chunk, V - col0);
     const T* w_chunk = weight + col0 * K;
@@ -466,13 +529,7 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
     p.store.out = dlogits.as<T>();
     p.store.store_by_tma = M > 128 && (width * int64_t(sizeof(T))) % 16 == 0;
     if (p.store.store_by_tma) p.store.map_out = sm90::tma_map_2d(dlogits.as<const T>(), M, width, 64);
-    p.targets = a.targets.as<const int32_t>();
-    p.active = active.as<const uint8_t>();
-    p.lse = lse;
-    p.dlogp = a.dlogp.as<const float>();
-    p.dentropy = a.dentropy.present() ? a.dentropy.as<const float>() : nullptr;
-    p.entropy = entropy;
-    p.col0 = col0;
+    static_cast<DlogitsParamsBase&>(p) = dlogits_params(a, active.as<const uint8_t>(), lse, entropy, col0);
     if (p.dentropy) launch_vocab_gemm<T, DlogitsEpilogue<T, true>>(hidden, w_chunk, p, M, width, K, stream, op);
     else launch_vocab_gemm<T, DlogitsEpilogue<T, false>>(hidden, w_chunk, p, M, width, K, stream, op);
     const bool last = c + 1 == chunks;
@@ -487,6 +544,59 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
     gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, keep.as<const uint8_t>(), segs.data(),
                              int64_t(segs.size() / 2), a.dweight.as<float>() + col0 * K, M, width, K, stream);
   }
+}
+
+// Rows [0, C) of a backward whose forward kept their fp32 logits: dlogits from them (no GEMM), then
+// the same dX and dW kernels as the fused backward, over the whole vocab at once (the fused one's
+// vocab chunks change no bit). segs: the covering segments of these rows.
+template <class T>
+void kept_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy,
+                   const std::vector<int32_t>& segs, cudaStream_t stream) {
+  const char* op = "lm_head_logprob_backward";
+  const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
+  const T* hidden = a.hidden.as<const T>();
+  ScratchBuffer active(size_t(M), stream, op), keep(size_t(M), stream, op);
+  mark_active(a, active.as<uint8_t>(), stream);
+  rows_to_keep<T><<<unsigned((M + 7) / 8), 256, 0, stream>>>(hidden, M, K, active.as<const uint8_t>(), keep.as<uint8_t>());
+  check(cudaGetLastError(), op, "keep launch");
+  ScratchBuffer dlogits(size_t(M) * size_t(V) * sizeof(T), stream, op);
+  const DlogitsParamsBase p = dlogits_params(a, active.as<const uint8_t>(), lse, entropy, 0);
+  const unsigned blocks = unsigned(std::min<int64_t>(M, 65535));
+  if (p.dentropy) dlogits_from_kept<T, true><<<blocks, 256, 0, stream>>>(a.logits_kept.as<const float>(), p, M, V, dlogits.as<T>());
+  else dlogits_from_kept<T, false><<<blocks, 256, 0, stream>>>(a.logits_kept.as<const float>(), p, M, V, dlogits.as<T>());
+  check(cudaGetLastError(), op, "kept dlogits launch");
+  gemm_sm90_input_grad<T>(dlogits.as<const T>(), a.weight.as<const T>(), a.dhidden.data, a.dhidden.dtype, M, V, K, stream);
+  gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, keep.as<const uint8_t>(), segs.data(), int64_t(segs.size() / 2),
+                           a.dweight.as<float>(), M, V, K, stream);
+}
+
+// The backward's rows [begin, end) as arguments of their own (dweight, weight and flags shared).
+LmHeadLogprobBackwardArgs backward_rows(const LmHeadLogprobBackwardArgs& a, int64_t begin, int64_t end) {
+  LmHeadLogprobBackwardArgs r = a;
+  r.hidden = a.hidden.rows(begin, end);
+  r.targets = a.targets.rows(begin, end);
+  r.loss_mask = rows_or_none(a.loss_mask, begin, end);
+  r.lse = rows_or_none(a.lse, begin, end);
+  r.dlogp = a.dlogp.rows(begin, end);
+  r.dentropy = rows_or_none(a.dentropy, begin, end);
+  r.dhidden = a.dhidden.rows(begin, end);
+  r.segments = {};  // the callers pass covering segments of their own rows
+  return r;
+}
+
+// The covering segments (covering_segments) of rows [0, T) split at row C, an edge of one of them
+// (the op's validation checks it): those before C, and those after it counted from C.
+std::pair<std::vector<int32_t>, std::vector<int32_t>> split_covering(const TensorView& segments, int64_t T, int64_t C) {
+  std::pair<std::vector<int32_t>, std::vector<int32_t>> out;
+  const std::vector<int32_t> all = covering_segments(segments, T);
+  for (size_t i = 0; i < all.size(); i += 2) {
+    const int64_t row = all[i], len = all[i + 1];
+    if (row < C && row + len > C) throw Error("lm_head_logprob_backward", "logits_kept", "its rows end inside a segment");
+    auto& side = row < C ? out.first : out.second;
+    side.push_back(int32_t(row < C ? row : row - C));
+    side.push_back(int32_t(len));
+  }
+  return out;
 }
 
 // Composed: per chunk of tokens, fp32 logits, logprob_backward to dlogits in the input's dtype, and
@@ -550,7 +660,13 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
     lse = stats.as<float>() + 2 * T;
   }
   if (fused_path(a.hidden, a.weight, true)) {
-    with_16bit_storage(a.hidden.dtype, [&](auto tag) { fused_backward<decltype(tag)>(a, lse, entropy, stream); });
+    const int64_t C = kept_rows(a.hidden, a.weight, a.logits_kept);
+    const auto segs = split_covering(a.segments, T, C);
+    with_16bit_storage(a.hidden.dtype, [&](auto tag) {
+      using T_ = decltype(tag);
+      if (C > 0) kept_backward<T_>(backward_rows(a, 0, C), lse, entropy, segs.first, stream);
+      if (C < T) fused_backward<T_>(backward_rows(a, C, T), lse + C, entropy ? entropy + C : nullptr, segs.second, stream);
+    });
     return;
   }
   composed_backward(ctx, a, lse);
