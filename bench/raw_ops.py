@@ -56,15 +56,17 @@ class RawOps:
         d = self.d
         self.raw.linear_forward(d(x), d(w), None, d(y), self.stream())
 
-    def lm_head_forward(self, hidden, weight, targets, mask, logp, entropy=None, lse=None):
+    def lm_head_forward(self, hidden, weight, targets, mask, logp, entropy=None, lse=None, logits_kept=None):
         d = self.d
         self.raw.lm_head_logprob_forward(d(hidden), d(weight), d(targets), d(mask), d(logp), d(entropy), d(lse),
-                                         ignore_index=IGNORE, stream=self.stream())
+                                         logits_kept=d(logits_kept), ignore_index=IGNORE, stream=self.stream())
 
-    def lm_head_backward(self, hidden, weight, targets, mask, lse, dlogp, dentropy, dhidden, dweight):
+    def lm_head_backward(self, hidden, weight, targets, mask, lse, dlogp, dentropy, dhidden, dweight,
+                         logits_kept=None):
         d = self.d
         self.raw.lm_head_logprob_backward(d(hidden), d(weight), d(targets), d(mask), d(lse), d(dlogp), d(dentropy),
-                                          d(dhidden), d(dweight), ignore_index=IGNORE, stream=self.stream())
+                                          d(dhidden), d(dweight), logits_kept=d(logits_kept), ignore_index=IGNORE,
+                                          stream=self.stream())
 
     # ------------------------------------------------------------ norms, elementwise, RoPE
     def rmsnorm_forward(self, x, weight, y, rstd, residual=None, residual_out=None):
