@@ -150,7 +150,8 @@ def _model_forward(self, input_ids, lengths):
     if acc and head is table:  # tied: the LM head's sum in a buffer of its own (reduce_main_grad adds it)
         acc["main_grad"] = head.main_grad_lm_head
     if head.shape[0] >= table.shape[0]:  # the targets are ids the embedding call above checked
-        return sbt_ops._lm_head_logprobs_of_checked_targets(hidden, head, targets, **acc)
+        return sbt_ops._lm_head_logprobs_of_checked_targets(hidden, head, targets,
+                                                            keep_logits_bytes=self._samebits_keep_logits_bytes, **acc)
     return sbt.lm_head_logprobs(hidden, head, targets, **acc)
 
 
@@ -167,7 +168,7 @@ def _token_logprobs(self, sequences, entropy: bool = False):
     return (logps, [x[:-1] for x in ent.split(lengths)]) if entropy else logps
 
 
-def patch(hf_model, main_grad: bool = False):
+def patch(hf_model, main_grad: bool = False, keep_logits_bytes: int = 0):
     """Make a transformers Qwen3 / Llama causal LM (on the GPU or the CPU, bf16 / fp16 / fp32) run
     samebits' ops in the chain's order inside its own modules; in place. The model's forward
     becomes model(input_ids, lengths) -> (logp, entropy) over packed rows, and
@@ -182,7 +183,11 @@ def patch(hf_model, main_grad: bool = False):
     `main_grad_lm_head` (the chain keeps the two apart too: one buffer would take the two sums in
     an order set by the split); reduce_main_grad(model) adds it in, once a step, after the last
     backward. Needs samebits.torch's C++ dispatcher ops in eager mode; one GPU (FSDP gathers
-    weights that carry no main_grad)."""
+    weights that carry no main_grad).
+
+    keep_logits_bytes: memory a training forward may spend keeping the LM head's fp32 logits for
+    its backward (samebits.torch.lm_head_logprobs), which then runs three vocab GEMMs instead of
+    four for the rows kept; the same bits. 0 (the default): none kept."""
     config = _config(hf_model)
     if main_grad and _common._ext is None:
         raise _core.Error("samebits.hf.patch: main_grad=True needs samebits.torch's C++ dispatcher ops, which this "
@@ -202,6 +207,7 @@ def patch(hf_model, main_grad: bool = False):
             hf_model.lm_head.weight.main_grad_lm_head = torch.zeros_like(hf_model.lm_head.weight.main_grad)
     hf_model._samebits_shape = shape
     hf_model._samebits_main_grad = main_grad
+    hf_model._samebits_keep_logits_bytes = int(keep_logits_bytes)
     hf_model.forward = types.MethodType(_model_forward, hf_model)
     hf_model.token_logprobs = types.MethodType(_token_logprobs, hf_model)
     return hf_model

@@ -207,3 +207,28 @@ def test_main_grad_is_refused_where_it_cannot_hold():
             sbt.linear(x, w, main_grad=torch.zeros(64, 32, device=DEV))
         with pytest.raises(samebits.Error, match="main_grad"):  # not fp32
             sbt.linear(x, w, main_grad=torch.zeros(32, 64, device=DEV, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_kept_logits_change_no_bit_of_a_training_step(main_grad):
+    """patch(model, keep_logits_bytes=...): the LM head's backward runs three vocab GEMMs for the rows
+    whose logits the forward kept — the logprobs and every gradient keep their bits, whatever the
+    budget (all rows, the first sequences, none)."""
+    torch.manual_seed(10)
+    seqs = [torch.randint(0, 4096, (n,)).tolist() for n in (17, 64, 5, 30)]
+    adv = [1.0, -0.5, 2.0, 0.25]
+
+    def step(budget):
+        model = samebits.hf.patch(model_of("qwen3"), main_grad=main_grad, keep_logits_bytes=budget)
+        logps = model.token_logprobs(seqs)
+        sum(a * lp.sum() for a, lp in zip(adv, logps)).backward()
+        grads = {n: (p.main_grad if main_grad else p.grad).detach().clone() for n, p in model.named_parameters()}
+        return [lp.detach() for lp in logps], grads
+
+    vocab = model_of("qwen3").lm_head.weight.shape[0]
+    want_lp, want = step(0)
+    for budget in (1 << 34, vocab * 6 * 90, vocab * 6 * 20):
+        lp, got = step(budget)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(lp, want_lp)), f"logprobs, budget {budget}"
+        for n in want:
+            assert torch.equal(bits(got[n]), bits(want[n])), f"{n}: budget {budget}"

@@ -205,6 +205,35 @@ def test_bad_input_to_a_call_that_records_a_backward_is_an_error():
     y.sum().backward()  # and the next call records and runs its backward
 
 
+def test_lm_head_logprobs_with_logits_kept_are_the_recomputes_bits():
+    """keep_logits_bytes (the three-GEMM mode: the forward's fp32 logits kept for the backward): the
+    same logp, dhidden and dweight bits whatever the budget — all rows, none, or (segments given)
+    the rows of the first sequences that fit."""
+    if _common._ext is None:
+        pytest.skip("the C++ dispatcher ops are not built for this torch")
+    g = torch.Generator(device="cpu").manual_seed(12)
+    hidden0 = torch.randn(40, 128, generator=g).to(DEV, torch.bfloat16)
+    weight0 = torch.randn(4096, 128, generator=g).to(DEV, torch.bfloat16)
+    targets = torch.randint(0, 4096, (40,), generator=g).to(DEV)
+    targets[[9, 24, 39]] = -100
+    dlogp = torch.randn(40, generator=g).to(DEV)
+    lengths = [10, 15, 15]
+
+    def run(budget, segments):
+        h, w = hidden0.clone().requires_grad_(), weight0.clone()
+        mg = torch.zeros(w.shape, device=DEV)
+        w.requires_grad_()
+        lp, _ = sbt.lm_head_logprobs(h, w, targets, main_grad=mg, segments=segments, keep_logits_bytes=budget)
+        (lp * dlogp).sum().backward()
+        return lp.detach(), h.grad, mg
+    per_row = 4096 * 6
+    for segments in (None, lengths):
+        want = run(0, segments)
+        for budget in (per_row * 40, per_row * 12, per_row * 25 + 7, 1):
+            for a, b, what in zip(run(budget, segments), want, ("logp", "dhidden", "dweight")):
+                assert torch.equal(bits(a), bits(b)), f"{what}: budget {budget} bytes, segments {segments}"
+
+
 def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     """With the dispatcher library loaded, an engine's KV cache (and every samebits allocation outside
     its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes back to

@@ -772,10 +772,27 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 // never stored; -100 targets not scored. Like the custom_op path, the op is given a loss mask of
 // ones (the path the LM head's GPU tests take). lse only where a backward wants it.
 struct LmHeadOut {
-  at::Tensor logp, entropy, lse, targets, mask;
+  at::Tensor logp, entropy, lse, targets, mask, kept;  // kept: the first rows' fp32 logits (where kept)
 };
+// The rows whose logits a recording call keeps for its backward (LmHeadLogprobForwardArgs::
+// logits_kept, three GEMMs for them instead of four): as many as `budget` bytes hold at 6 bytes a
+// logit (the fp32 logits, the backward's bf16 dlogits), ending at a sequence's end where `lengths`
+// are given, else all rows or none. On a GPU only (the CPU computes no GEMM to save).
+int64_t kept_rows_of(const at::Tensor& hidden, const at::Tensor& weight, int64_t budget, at::OptionalIntArrayRef lengths) {
+  const int64_t T = hidden.numel() / std::max<int64_t>(1, hidden.size(-1)), per_row = weight.size(0) * 6;
+  if (budget <= 0 || !hidden.is_cuda() || T == 0) return 0;
+  const int64_t fit = budget / per_row;
+  if (fit >= T) return T;
+  int64_t rows = 0, end = 0;
+  if (lengths.has_value())
+    for (const int64_t len : *lengths) {
+      if ((end += len) > fit) break;
+      rows = end;
+    }
+  return rows;
+}
 LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                          bool keep_lse, bool targets_checked) {
+                          bool keep_lse, bool targets_checked, int64_t kept_rows = 0) {
   const char* op = "lm_head_logprobs";
   const DeviceOf guard(hidden);
   LmHeadOut o;
@@ -798,6 +815,10 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
     a.lse = view(o.lse, op, "lse");
   }
   a.targets_checked = targets_checked;
+  if (kept_rows > 0) {
+    o.kept = at::empty({kept_rows, weight.size(0)}, h2.options().dtype(at::kFloat));
+    a.logits_kept = view(o.kept, op, "logits_kept");
+  }
   run([&] { samebits::lm_head_logprob_forward(context_of(hidden), a); });
   return o;
 }
@@ -806,10 +827,14 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
                                                 const at::Tensor& weight, const at::Tensor& targets,
                                                 const c10::optional<at::Tensor>& main_grad,
-                                                at::OptionalIntArrayRef segments, bool targets_checked) {
+                                                at::OptionalIntArrayRef segments, bool targets_checked,
+                                                int64_t keep_logits_bytes) {
     keep(ctx, weight_grad_of(main_grad, segments));
     ctx->saved_data["targets_checked"] = targets_checked;
-    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked);
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked,
+                                       kept_rows_of(hidden, weight, keep_logits_bytes, segments));
+    ctx->saved_data["has_kept"] = o.kept.defined();
+    if (o.kept.defined()) ctx->saved_data["kept"] = o.kept;
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
     return {o.logp, o.entropy};
   }
@@ -839,25 +864,34 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
     a.dlogp = view(dlogp, op, "dlogp");
     if (dentropy.defined()) a.dentropy = view(dentropy, op, "dentropy");
     a.targets_checked = ctx->saved_data["targets_checked"].toBool();
+    at::Tensor kept;
+    if (ctx->saved_data["has_kept"].toBool()) {
+      kept = ctx->saved_data["kept"].toTensor();
+      a.logits_kept = view(kept, op, "logits_kept");
+    }
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
     a.dweight = view(dw, op, "dweight");
     run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
-    return {dh, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 // targets_checked (samebits.hf.patch's next-token targets, ids its embedding call has just checked):
 // the library's LmHeadLogprobForwardArgs::targets_checked — no range check, no read-back.
+// keep_logits_bytes: the memory a recording call may spend keeping logits for its backward
+// (kept_rows_of); the same bits either way.
 std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
                                                     const at::Tensor& targets,
                                                     const c10::optional<at::Tensor>& main_grad,
-                                                    at::OptionalIntArrayRef segments, bool targets_checked) {
+                                                    at::OptionalIntArrayRef segments, bool targets_checked,
+                                                    int64_t keep_logits_bytes) {
   check_weight_grad(main_grad, segments, weight, "lm_head_logprobs");
   if (!records({&hidden, &weight})) {
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, false, targets_checked);
     return {o.logp, o.entropy};
   }
-  const auto out = LmHeadLogprobs::apply(hidden, weight, targets, main_grad, segments, targets_checked);
+  const auto out =
+      LmHeadLogprobs::apply(hidden, weight, targets, main_grad, segments, targets_checked, keep_logits_bytes);
   return {out[0], out[1]};
 }
 
@@ -934,7 +968,7 @@ TORCH_LIBRARY(samebits_ext, m) {
   m.def("qk_norm(Tensor x, Tensor weight, float eps, Tensor? positions, float theta, float[] llama3, "
         "Tensor? main_grad=None, int[]? segments=None) -> Tensor");
   m.def("lm_head_logprobs(Tensor hidden, Tensor weight, Tensor targets, Tensor? main_grad=None, "
-        "int[]? segments=None, bool targets_checked=False) -> (Tensor, Tensor)");
+        "int[]? segments=None, bool targets_checked=False, int keep_logits_bytes=0) -> (Tensor, Tensor)");
 }
 // One kernel for every device, autograd included: the op records its own backward (RmsNorm), so it
 // is registered at CompositeImplicitAutograd (the dispatcher runs it above autograd).

@@ -651,26 +651,32 @@ _lm_head_logprobs.register_autograd(_lm_grad, setup_context=_lm_setup)
 
 
 def lm_head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, main_grad: Optional[Tensor] = None,
-                     segments: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
+                     segments: Optional[List[int]] = None, keep_logits_bytes: int = 0) -> Tuple[Tensor, Tensor]:
     """(logp, entropy) of targets under logits = hidden @ weight.T, computed in fp32 vocab block by
     vocab block and never stored (bitwise an fp32-output linear followed by token_logprobs): the
     [tokens, vocab] logits matrix an RL loss would otherwise materialize is never allocated, forward
-    or backward. Targets equal to -100 are not scored (logp = entropy = 0, no gradient)."""
+    or backward. Targets equal to -100 are not scored (logp = entropy = 0, no gradient).
+    keep_logits_bytes: memory a call that records a backward may spend keeping the first rows'
+    fp32 logits for it (6 bytes a logit with the backward's dlogits; rows ending at a sequence's end
+    where `segments` are given, else all rows or none), whose backward then runs three GEMMs for
+    them instead of four — the same bits (the C++ dispatcher ops on a GPU; ignored elsewhere)."""
     _needs_dispatcher(main_grad, "lm_head_logprobs")
     if _ext is not None and _eager():  # the C++ dispatcher op: the same kernels
-        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments))
+        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments, False,
+                                 int(keep_logits_bytes)))
     logp, entropy, _ = _lm_head_logprobs(hidden, weight, targets)
     return logp, entropy
 
 
 def _lm_head_logprobs_of_checked_targets(hidden: Tensor, weight: Tensor, targets: Tensor, *,
-                                         main_grad: Optional[Tensor] = None,
-                                         segments: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
+                                         main_grad: Optional[Tensor] = None, segments: Optional[List[int]] = None,
+                                         keep_logits_bytes: int = 0) -> Tuple[Tensor, Tensor]:
     """lm_head_logprobs for targets every one of which the caller has checked is in [0, vocab) or -100
     (samebits.hf.patch: the next-token ids its embedding call has just checked against a table of at
     most weight's rows): the dispatcher op skips its own range check, a read-back that would stall
     the host until the GPU has run the whole forward."""
     _needs_dispatcher(main_grad, "lm_head_logprobs")
     if _ext is not None and _eager():
-        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments, True))
+        return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments, True,
+                                 int(keep_logits_bytes)))
     return lm_head_logprobs(hidden, weight, targets, main_grad=main_grad, segments=segments)
