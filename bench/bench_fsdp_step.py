@@ -145,12 +145,13 @@ def estimate_bytes(cfg, tokens, world, optim, arm):
     return total
 
 
-def prepare(model, samebits_arm):
-    """What precedes sharding: samebits.hf.patch (the samebits arm; in place, before any hook), then
-    torch's activation checkpointing on every decoder layer (both arms)."""
+def prepare(model, samebits_arm, keep_logits_bytes=0):
+    """What precedes sharding: samebits.hf.patch (the samebits arm; in place, before any hook; its LM
+    head may keep logits for the backward, --keep-logits-mb), then torch's activation checkpointing on
+    every decoder layer (both arms)."""
     if samebits_arm:
         import samebits.hf
-        samebits.hf.patch(model)
+        samebits.hf.patch(model, keep_logits_bytes=keep_logits_bytes)
     for layer in model.model.layers:
         checkpoint(layer)
     model.train()
@@ -247,7 +248,7 @@ def run_arm(arm, cfg, batches, adv, args, rank, world):
         with torch.no_grad():
             want = samebits.hf.Scorer(model).token_logprobs(batches[0].tolist())
         samebits._core.device_memory_release("cuda")
-    prepare(model, ours)
+    prepare(model, ours, args.keep_logits_mb << 20)
     if ours and args.check:
         if rank == 0:  # the patched model's gradient of every rank's first batch at once, on one GPU
             everyone = [rank_data(cfg, args, r) for r in range(world)]
@@ -323,6 +324,9 @@ def main():
     ap.add_argument("--optim", choices=("sgd", "adamw", "none"), default="sgd",
                     help="the step's optimizer (none: forward + backward only)")
     ap.add_argument("--reps", type=int, default=7, help="timed steps an arm (the median is reported)")
+    ap.add_argument("--keep-logits-mb", type=int, default=0,
+                    help="samebits arm: MiB its LM head may keep logits in for the backward (three vocab GEMMs "
+                         "instead of four for those rows; the same bits)")
     ap.add_argument("--arms", default="stock,samebits", help="which arms, in this order (stock, samebits)")
     ap.add_argument("--check", action="store_true",
                     help="samebits arm: logprobs = the single-GPU chain's, gradients bitwise run to run")
