@@ -127,6 +127,11 @@ ParsedCommandLine parse_command_line(int argc, const char* const* argv) {
       ->capture_default_str();
   grads_cmd->add_flag("--recompute", grads.recompute,
                       "Keep only each layer's input and rerun the layer in the backward: less memory, the same bits");
+  grads_cmd->add_option("--lm-head-keep-mb", grads.lm_head_keep_mb,
+                        "MiB the LM head may keep logits in for the backward (GPU: three vocab GEMMs instead of "
+                        "four for the sequences that fit; the same bits)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   add_progress(grads_cmd, gr_quiet, gr_progress);
 
   ActivationsRequest activations;

@@ -41,6 +41,7 @@ struct GradsRequest {
   std::string input, output, backend = "auto";
   int micro_batch = 16;
   bool recompute = false;  // keep layer inputs alone; the backward reruns each layer (same bits)
+  int lm_head_keep_mb = 0;  // MiB of LM-head logits kept for the backward (three GEMMs; same bits)
   ProgressMode progress = ProgressMode::automatic;
 };
 

@@ -143,8 +143,10 @@ int64_t write_activations(const Model& model, Backend backend, std::istream& in,
 }
 
 int64_t write_gradients(const Model& model, Backend backend, const std::vector<InputSequence>& seqs,
-                        const std::string& path, int batch_size, const ProgressFn& progress, ForwardKeep keep) {
-  const Chain chain = chain_on(model, backend);
+                        const std::string& path, int batch_size, const ProgressFn& progress, ForwardKeep keep,
+                        int64_t lm_head_keep_bytes) {
+  Chain chain = chain_on(model, backend);
+  chain.set_lm_head_keep_bytes(lm_head_keep_bytes);
   ModelGrads grads(model, DType::f32, backend);
   int64_t scored = 0;
   in_batches(seqs, batch_size, progress, [&](const ChainBatch& b, const InputSequence*) {

@@ -46,11 +46,12 @@ void write_logprobs(const Model& model, Backend backend, std::istream& in, std::
 // input and scoring as write_logprobs) with respect to every weight, accumulated in fp32 over
 // micro-batches of `batch_size` sequences, in input order, written as fp32 safetensors (a tied
 // embedding's gradient is the sum of its two uses). The bits depend on the order of the sequences
-// (a sum in order), never on `batch_size` nor on `keep` (ForwardKeep::layer_inputs: `--recompute`).
+// (a sum in order), never on `batch_size` nor on `keep` (ForwardKeep::layer_inputs: `--recompute`)
+// nor on `lm_head_keep_bytes` (Chain::set_lm_head_keep_bytes: `--lm-head-keep-mb`).
 // Returns the number of scored tokens.
 int64_t write_gradients(const Model& model, Backend backend, const std::vector<InputSequence>& seqs,
                         const std::string& path, int batch_size = 16, const ProgressFn& progress = {},
-                        ForwardKeep keep = ForwardKeep::all);
+                        ForwardKeep keep = ForwardKeep::all, int64_t lm_head_keep_bytes = 0);
 int64_t write_gradients(const Model& model, Backend backend, std::istream& in, const std::string& path,
                         int batch_size = 16);
 

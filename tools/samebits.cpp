@@ -152,7 +152,8 @@ int run(const GradsRequest& r) {
   doing = "computing the gradients";
   const int64_t n = write_gradients(job.model, job.backend, job.seqs, r.output, r.micro_batch,
                                     progress_printer("grads", r.progress),
-                                    r.recompute ? ForwardKeep::layer_inputs : ForwardKeep::all);
+                                    r.recompute ? ForwardKeep::layer_inputs : ForwardKeep::all,
+                                    int64_t(r.lm_head_keep_mb) << 20);
   std::cerr << fmt::format("wrote the gradients of {} scored tokens to {}\n", n, r.output);
   return 0;
 }

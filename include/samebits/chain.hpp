@@ -202,6 +202,12 @@ class Chain {
   DeviceTensor backward(const ChainBatch& batch, const ChainForward& fwd, const std::vector<double>& dlogp,
                         ModelGrads& grads) const;
 
+  // Memory a forward that keeps activations may spend keeping the LM head's fp32 logits for the
+  // backward (LmHeadLogprobForwardArgs::logits_kept: three vocab GEMMs instead of four for those
+  // rows), 6 bytes a logit, on the first whole sequences that fit (by row); the same bits whatever
+  // the budget. 0 (the default): none. Taken on the CUDA backend.
+  void set_lm_head_keep_bytes(int64_t bytes) { lm_head_keep_bytes_ = bytes; }
+
   const Model& model() const { return model_; }
   DType act_dtype() const { return act_; }
   Backend backend() const { return ctx_.backend; }
@@ -252,6 +258,7 @@ class Chain {
   Context ctx_;
   DType act_, acc_;
   std::map<std::string, DeviceTensor> device_weights_;  // a copy of the weights off the CPU backend
+  int64_t lm_head_keep_bytes_ = 0;
 };
 
 }  // namespace samebits

@@ -338,6 +338,18 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     lh.logp = logp.view();
     lh.entropy = entropy.view();
     lh.lse = lse.view();
+    // Logits kept for the backward (set_lm_head_keep_bytes): the first whole sequences that fit.
+    if (keep != ForwardKeep::none && !cache && lm_head_keep_bytes_ > 0 && ctx_.backend == Backend::cuda) {
+      const int64_t fit = lm_head_keep_bytes_ / (head.shape[0] * 6);
+      int64_t rows = 0;
+      const HostTensor segs = segments_of(batch);
+      for (int64_t i = 0; i < segs.shape()[0]; ++i) {
+        const int64_t end = int64_t(segs.get(2 * i)) + int64_t(segs.get(2 * i + 1));
+        if (end > fit) break;
+        rows = end;
+      }
+      if (rows > 0) lh.logits_kept = record(f.trace, "head.logits_kept", DType::f32, {rows, head.shape[0]}).view();
+    }
     lm_head_logprob_forward(ctx_, lh);
     const HostTensor logp_host = logp.to_host(), entropy_host = entropy.to_host();
     for (int64_t i = 0; i < T; ++i) {
@@ -538,6 +550,8 @@ DeviceTensor Chain::backward(const ChainBatch& batch, const ChainForward& f, con
     a.dlogp = g_logp.view();
     a.dhidden = dn.view();
     a.dweight = G("lm_head.weight");  // the tied model's LM-head accumulator is a separate buffer
+    if (const DeviceTensor* kept = find_activation(f.trace, "head.logits_kept"))
+      a.logits_kept = kept->view();
     a.segments = segments.view();
     lm_head_logprob_backward(ctx_, a);
   }

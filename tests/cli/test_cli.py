@@ -174,14 +174,18 @@ def test_grads_and_activations_default_to_the_builtin_model(tmp_path):
         assert (tmp_path / f"{cmd}.safetensors").stat().st_size > 0
 
 
-def test_grads_with_recompute_writes_the_same_bits(tmp_path):
-    for extra in ([], ["--recompute"], ["--recompute", "--micro-batch", "1"]):
-        out = tmp_path / f"g{len(extra)}.safetensors"
-        p = run("grads", "--input", "-", "--output", out, *extra, input=SEQS)
+def test_grads_with_recompute_or_kept_logits_write_the_same_bits(tmp_path):
+    # --lm-head-keep-mb: the LM head's logits kept for the backward (on a GPU: three vocab GEMMs)
+    extras = ([], ["--recompute"], ["--recompute", "--micro-batch", "1"], ["--lm-head-keep-mb", "1"],
+              ["--lm-head-keep-mb", "1", "--recompute", "--micro-batch", "1"])
+    for i, extra in enumerate(extras):
+        p = run("grads", "--input", "-", "--output", tmp_path / f"g{i}.safetensors", *extra, input=SEQS)
         assert p.returncode == 0, p.stderr
     want = (tmp_path / "g0.safetensors").read_bytes()
-    assert (tmp_path / "g1.safetensors").read_bytes() == want
-    assert (tmp_path / "g3.safetensors").read_bytes() == want
+    for i, extra in enumerate(extras[1:], 1):
+        assert (tmp_path / f"g{i}.safetensors").read_bytes() == want, extra
+    bad = run("grads", "--input", "-", "--output", tmp_path / "x.safetensors", "--lm-head-keep-mb", "-1", input=SEQS)
+    assert bad.returncode != 0 and "lm-head-keep-mb" in bad.stderr, bad.stderr
 
 
 # ---------------------------------------------------------------- CLI behaviour

@@ -45,6 +45,12 @@ ChainBatch eight_long_sequences() {
   return ChainBatch::packed(seqs);
 }
 
+bool find_activation_for_test(const ChainForward& f, const std::string& name) {
+  for (const auto& [n, t] : f.trace)
+    if (n == name) return true;
+  return false;
+}
+
 }  // namespace
 
 TEST_F(CudaChain, GatePassesOnTheBuiltinQwen3Models) {
@@ -212,6 +218,43 @@ TEST_F(CudaChain, RecomputingEachLayerGivesTheKeptForwardsBitsInLessMemory) {
   }
   std::cout << "forward + backward peak at 8 layers: all " << kept.peak << " B, layer inputs " << rerun.peak << " B\n";
   EXPECT_LT(2 * rerun.peak, kept.peak) << "recomputing peaked at " << rerun.peak << " B, keeping all at " << kept.peak;
+}
+
+TEST_F(CudaChain, KeptLmHeadLogitsChangeNoBitOfATrainingStep) {
+  // Chain::set_lm_head_keep_bytes: the LM head keeps the first whole sequences' fp32 logits for the
+  // backward (three vocab GEMMs for them): every logprob and gradient bit of the recomputing step,
+  // for budgets that hold all eight sequences, three of them, or less than one.
+  ChainBatch b = eight_long_sequences();
+  for (size_t i = 0; i < b.loss_mask.size(); i += 5) b.loss_mask[i] = 0;
+  std::vector<double> dlogp(size_t(b.rows()));
+  for (size_t i = 0; i < dlogp.size(); ++i) dlogp[i] = double(int(i % 7) - 3) / 4;
+  const Model& m = Model::builtin(false);
+  const int64_t per_row = m.config().vocab_size * 6;
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  auto train = [&](int64_t budget, ForwardKeep keep) {
+    Chain chain(m, ctx);
+    chain.set_lm_head_keep_bytes(budget);
+    ModelGrads g(m, DType::f32, Backend::cuda);
+    const ChainForward f = chain.forward(b, keep);
+    EXPECT_EQ(budget >= per_row * 250, find_activation_for_test(f, "head.logits_kept")) << budget;
+    std::map<std::string, HostTensor> out;
+    out.emplace("dembed", chain.backward(b, f, dlogp, g).to_host());
+    for (const std::string& name : g.names()) out.emplace(name, g.gradient(name));
+    HostTensor logp(DType::f64, {int64_t(f.logp.size())});
+    std::memcpy(logp.data(), f.logp.data(), logp.bytes());
+    out.emplace("logp", logp);
+    return out;
+  };
+  const auto want = train(0, ForwardKeep::all);
+  for (const int64_t budget : {per_row * 2000, per_row * 750 + 5, per_row * 100})
+    for (const ForwardKeep keep : {ForwardKeep::all, ForwardKeep::layer_inputs}) {
+      const auto got = train(budget, keep);
+      for (const auto& [name, t] : want) {
+        ASSERT_EQ(got.at(name).bytes(), t.bytes()) << name;
+        EXPECT_EQ(std::memcmp(got.at(name).data(), t.data(), t.bytes()), 0) << name << ", budget " << budget;
+      }
+    }
 }
 
 TEST_F(CudaChain, CacheAndAccumulatorsOnAnotherBackendAreRejected) {
