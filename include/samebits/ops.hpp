@@ -237,6 +237,7 @@ struct LogprobForwardArgs {
 struct LogprobBackwardArgs {
   TensorView logits, targets, loss_mask, lse, dlogp, dentropy, dlogits;
   int32_t ignore_index = -100;
+  bool targets_checked = false;  // as LmHeadLogprobForwardArgs'
 };
 void logprob_forward(const Context&, const LogprobForwardArgs&);
 void logprob_backward(const Context&, const LogprobBackwardArgs&);
@@ -279,6 +280,9 @@ struct LmHeadLogprobBackwardArgs {
   TensorView logits_kept;         // the forward's (see above)
 };
 void lm_head_logprob_forward(const Context&, const LmHeadLogprobForwardArgs&);
+// Whether the backend takes logits_kept for these tensors (the CUDA fused path): callers allocate
+// the buffer only where it does.
+bool lm_head_keeps_logits(Backend backend, const TensorView& hidden, const TensorView& weight);
 void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);
 
 // ---------------------------------------------------------------- sampling

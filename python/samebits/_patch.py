@@ -152,7 +152,7 @@ def _model_forward(self, input_ids, lengths):
     if head.shape[0] >= table.shape[0]:  # the targets are ids the embedding call above checked
         return sbt_ops._lm_head_logprobs_of_checked_targets(hidden, head, targets,
                                                             keep_logits_bytes=self._samebits_keep_logits_bytes, **acc)
-    return sbt.lm_head_logprobs(hidden, head, targets, **acc)
+    return sbt.lm_head_logprobs(hidden, head, targets, keep_logits_bytes=self._samebits_keep_logits_bytes, **acc)
 
 
 def _token_logprobs(self, sequences, entropy: bool = False):

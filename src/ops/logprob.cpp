@@ -69,7 +69,8 @@ static void check_lm_head(const Validator& v, const TensorView& hidden, const Te
 // logits_kept: fp32 [C, V] with C <= T, apart from the inputs; in the backward (segments given, or
 // none: a pointer to an absent view), C at a segment's edge.
 static void check_logits_kept(const Validator& v, const TensorView& kept, const TensorView& hidden,
-                              const TensorView& weight, const TensorView* backward_segments) {
+                              const TensorView& weight, const TensorView* backward_segments,
+                              std::initializer_list<std::pair<const char*, const TensorView*>> outputs) {
   v.optional("logits_kept", kept, 2);
   if (!kept.present()) return;
   v.dtype("logits_kept", kept, DType::f32);
@@ -78,6 +79,7 @@ static void check_logits_kept(const Validator& v, const TensorView& kept, const 
   if (C > T) v.fail("logits_kept", "holds " + std::to_string(C) + " rows, more than hidden's " + std::to_string(T));
   v.no_alias("logits_kept", kept, "hidden", hidden);
   v.no_alias("logits_kept", kept, "weight", weight);
+  for (const auto& [name, out] : outputs) v.no_alias("logits_kept", kept, name, *out);
   if (!backward_segments || C == 0 || C == T) return;
   const TensorView& segments = *backward_segments;
   bool edge = false;
@@ -90,6 +92,19 @@ static void check_logits_kept(const Validator& v, const TensorView& kept, const 
                               std::to_string(T) + " rows), so the weight gradient groups the tokens as without it");
 }
 
+#if SAMEBITS_WITH_CUDA
+namespace cuda {
+bool lm_head_keeps_logits(const TensorView& hidden, const TensorView& weight);  // logprob/lm_head.cu
+}
+#endif
+bool lm_head_keeps_logits(Backend backend, const TensorView& hidden, const TensorView& weight) {
+#if SAMEBITS_WITH_CUDA
+  if (backend == Backend::cuda) return cuda::lm_head_keeps_logits(hidden, weight);
+#endif
+  (void)backend, (void)hidden, (void)weight;
+  return false;
+}
+
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   auto v = begin_op<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
   check_lm_head(v, a.hidden, a.weight);
@@ -98,7 +113,8 @@ void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs&
   check_per_token(v, "logp", a.logp, rows, true);
   check_per_token(v, "entropy", a.entropy, rows, false);
   check_per_token(v, "lse", a.lse, rows, false);
-  check_logits_kept(v, a.logits_kept, a.hidden, a.weight, nullptr);  // any C (the backward checks where it ends)
+  check_logits_kept(v, a.logits_kept, a.hidden, a.weight, nullptr,  // any C (the backward checks where it ends)
+                    {{"logp", &a.logp}, {"entropy", &a.entropy}, {"lse", &a.lse}});
   run_kernel<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
 }
 
@@ -120,7 +136,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   v.accumulator("dweight", a.dweight);
   v.same_shape("dweight", a.dweight, "weight", a.weight);
   check_segments(v, a.segments, rows);
-  check_logits_kept(v, a.logits_kept, a.hidden, a.weight, &a.segments);
+  check_logits_kept(v, a.logits_kept, a.hidden, a.weight, &a.segments, {{"dhidden", &a.dhidden}, {"dweight", &a.dweight}});
   run_kernel<OpId::lm_head_logprob_backward>("lm_head_logprob_backward", ctx, a);
 }
 

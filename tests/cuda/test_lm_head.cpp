@@ -397,26 +397,35 @@ TEST_F(CudaLmHead, VouchedTargetsSkipTheCheckAndChangeNoBit) {
 // derives their dlogits from them) gives the recomputing backward's bits for every C at a sequence's
 // edge, with and without an entropy gradient, against a recompute walking the vocab in chunks.
 TEST_F(CudaLmHead, KeptLogitsGiveTheRecomputesBits) {
-  Rng r(59);
-  const Batch b(r, DType::bf16, 96, 8192, 128);
-  for (const bool entropy_grad : {false, true}) {
-    Options o;
-    o.entropy_grad = entropy_grad;
-    o.segments = {0, 30, 30, 40, 70, 26};
-    detail::lm_head_vocab_chunk_override() = 2048;
-    const Outputs recomputed = run(b, 0, 96, o);
-    detail::lm_head_vocab_chunk_override() = 0;
-    for (const int64_t c : {0, 30, 70, 96}) {
-      o.kept_rows = c;
-      const Outputs kept = run(b, 0, 96, o);
-      const std::string at = " (C = " + std::to_string(c) + ", entropy gradient " + std::to_string(entropy_grad) + ")";
-      expect_same_bits(kept.logp, recomputed.logp, ("logp" + at).c_str());
-      expect_same_bits(kept.entropy, recomputed.entropy, ("entropy" + at).c_str());
-      expect_same_bits(kept.lse, recomputed.lse, ("lse" + at).c_str());
-      expect_same_bits(kept.dhidden, recomputed.dhidden, ("dhidden" + at).c_str());
-      expect_same_bits(kept.dweight, recomputed.dweight, ("dweight" + at).c_str());
+  // bf16 over a vocab of whole units and fp16 over Qwen3's (not a multiple of 256); sequences with a
+  // gap between them (rows 30 … 39 belong to none), C at ends and starts; one inactive row whose
+  // hidden state is NaN among the kept ones.
+  for (const auto& [dt, V] : {std::pair<DType, int64_t>{DType::bf16, 8192}, {DType::f16, 151936}}) {
+    Rng r(59);
+    Batch b(r, dt, 96, V, 128);
+    b.mask.set(5, 0.0);
+    for (int64_t k = 0; k < 128; ++k) b.hidden.set(5 * 128 + k, std::nan(""));
+    for (const bool entropy_grad : {false, true}) {
+      Options o;
+      o.entropy_grad = entropy_grad;
+      o.segments = {0, 30, 40, 30, 70, 26};
+      detail::lm_head_vocab_chunk_override() = 2048;
+      const Outputs recomputed = run(b, 0, 96, o);
+      detail::lm_head_vocab_chunk_override() = 0;
+      for (const int64_t c : {0, 30, 40, 70, 96}) {
+        o.kept_rows = c;
+        const Outputs kept = run(b, 0, 96, o);
+        const std::string at = " (" + std::string(dtype_name(dt)) + ", C = " + std::to_string(c) +
+                               ", entropy gradient " + std::to_string(entropy_grad) + ")";
+        expect_same_bits(kept.logp, recomputed.logp, "logp" + at);
+        expect_same_bits(kept.entropy, recomputed.entropy, "entropy" + at);
+        expect_same_bits(kept.dhidden, recomputed.dhidden, "dhidden" + at);
+        expect_same_bits(kept.dweight, recomputed.dweight, "dweight" + at);
+      }
     }
   }
+  Rng r(60);
+  const Batch b(r, DType::bf16, 96, 8192, 128);
   Options inside;
   inside.segments = {0, 30, 30, 40, 70, 26};
   inside.kept_rows = 50;  // inside the second sequence: refused, naming the argument

@@ -777,10 +777,13 @@ struct LmHeadOut {
 // The rows whose logits a recording call keeps for its backward (LmHeadLogprobForwardArgs::
 // logits_kept, three GEMMs for them instead of four): as many as `budget` bytes hold at 6 bytes a
 // logit (the fp32 logits, the backward's bf16 dlogits), ending at a sequence's end where `lengths`
-// are given, else all rows or none. On a GPU only (the CPU computes no GEMM to save).
-int64_t kept_rows_of(const at::Tensor& hidden, const at::Tensor& weight, int64_t budget, at::OptionalIntArrayRef lengths) {
-  const int64_t T = hidden.numel() / std::max<int64_t>(1, hidden.size(-1)), per_row = weight.size(0) * 6;
-  if (budget <= 0 || !hidden.is_cuda() || T == 0) return 0;
+// are given, else all rows or none; none where the library would not take them
+// (samebits::lm_head_keeps_logits: the CUDA fused path).
+int64_t kept_rows_of(const samebits::TensorView& hidden, const samebits::TensorView& weight, int64_t budget,
+                     at::OptionalIntArrayRef lengths) {
+  const int64_t T = hidden.shape[0], per_row = weight.shape[0] * 6;
+  if (budget <= 0 || T == 0 || per_row <= 0 || !samebits::lm_head_keeps_logits(samebits::Backend::cuda, hidden, weight))
+    return 0;
   const int64_t fit = budget / per_row;
   if (fit >= T) return T;
   int64_t rows = 0, end = 0;
@@ -792,7 +795,8 @@ int64_t kept_rows_of(const at::Tensor& hidden, const at::Tensor& weight, int64_t
   return rows;
 }
 LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                          bool keep_lse, bool targets_checked, int64_t kept_rows = 0) {
+                          bool keep_lse, bool targets_checked, int64_t keep_logits_bytes = 0,
+                          at::OptionalIntArrayRef lengths = c10::nullopt) {
   const char* op = "lm_head_logprobs";
   const DeviceOf guard(hidden);
   LmHeadOut o;
@@ -815,6 +819,7 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
     a.lse = view(o.lse, op, "lse");
   }
   a.targets_checked = targets_checked;
+  const int64_t kept_rows = hidden.is_cuda() ? kept_rows_of(a.hidden, a.weight, keep_logits_bytes, lengths) : 0;
   if (kept_rows > 0) {
     o.kept = at::empty({kept_rows, weight.size(0)}, h2.options().dtype(at::kFloat));
     a.logits_kept = view(o.kept, op, "logits_kept");
@@ -831,8 +836,8 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
                                                 int64_t keep_logits_bytes) {
     keep(ctx, weight_grad_of(main_grad, segments));
     ctx->saved_data["targets_checked"] = targets_checked;
-    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked,
-                                       kept_rows_of(hidden, weight, keep_logits_bytes, segments));
+    ctx->set_materialize_grads(false);  // an output without a gradient gets none (no zero entropy gradient)
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked, keep_logits_bytes, segments);
     ctx->saved_data["has_kept"] = o.kept.defined();
     if (o.kept.defined()) ctx->saved_data["kept"] = o.kept;
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
@@ -865,8 +870,10 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
     if (dentropy.defined()) a.dentropy = view(dentropy, op, "dentropy");
     a.targets_checked = ctx->saved_data["targets_checked"].toBool();
     at::Tensor kept;
-    if (ctx->saved_data["has_kept"].toBool()) {
-      kept = ctx->saved_data["kept"].toTensor();
+    if (ctx->saved_data["has_kept"].toBool()) {  // taken once: the buffer goes with this backward
+      kept = ctx->saved_data["kept"].toTensor();   // (a retained graph's next backward recomputes: the same bits)
+      ctx->saved_data["has_kept"] = false;
+      ctx->saved_data.erase("kept");
       a.logits_kept = view(kept, op, "logits_kept");
     }
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");

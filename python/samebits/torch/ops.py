@@ -636,6 +636,7 @@ def _(hidden, weight, targets, lse, dlogp, dentropy):
 def _lm_setup(ctx, inputs, output):
     hidden, weight, targets = inputs
     ctx.save_for_backward(hidden, weight, targets, output[2])
+    ctx.set_materialize_grads(False)  # an output without a gradient gets None (no zero entropy gradient)
 
 
 def _lm_grad(ctx, dlogp, dentropy, _dlse):

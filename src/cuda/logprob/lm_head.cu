@@ -423,18 +423,9 @@ void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* 
     f.entropy = out(entropy, r0, n);
     f.lse = out(lse, r0, n);
     f.ignore_index = a.ignore_index;
+    f.targets_checked = true;  // the LM head's own call checked them (or the caller vouched)
     logprob_forward(ctx, f);
   }
-}
-
-// The rows, and the targets' range unless the caller vouches for it (targets_checked: no read-back).
-template <class Args>
-void check_targets(const char* op, int64_t rows, int64_t vocab, const Args& a, cudaStream_t stream) {
-  if (a.targets_checked) {
-    if (rows > INT32_MAX) throw Unsupported(op, "hidden", "more than 2^31 - 1 rows in one call is not supported");
-    return;
-  }
-  check_rows_and_targets(op, "hidden", rows, vocab, a.targets, a.loss_mask, a.ignore_index, stream);
 }
 
 void require_16bit(const char* op, const TensorView& hidden) {
@@ -445,14 +436,14 @@ void require_16bit(const char* op, const TensorView& hidden) {
 // The rows whose logits the fused path keeps (LmHeadLogprobForwardArgs::logits_kept): the same
 // answer in the forward and the backward, which look at the same tensors.
 int64_t kept_rows(const TensorView& hidden, const TensorView& weight, const TensorView& kept) {
-  return kept.present() && fused_path(hidden, weight, true) ? kept.shape[0] : 0;
+  return kept.present() && weight.shape[0] > 0 && fused_path(hidden, weight, true) ? kept.shape[0] : 0;
 }
 
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   const int64_t T = a.hidden.shape[0], C = kept_rows(a.hidden, a.weight, a.logits_kept);
   require_16bit("lm_head_logprob_forward", a.hidden);
-  check_targets("lm_head_logprob_forward", T, a.weight.shape[0], a, stream);
+  check_targets_of("lm_head_logprob_forward", "hidden", T, a.weight.shape[0], a, stream);
   float* logp = a.logp.as<float>();
   float* entropy = a.entropy.present() ? a.entropy.as<float>() : nullptr;
   float* lse = a.lse.present() ? a.lse.as<float>() : nullptr;
@@ -624,6 +615,7 @@ void composed_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a, c
     b.dentropy = rows_or_none(a.dentropy, r0, r0 + n);
     b.dlogits = dz;
     b.ignore_index = a.ignore_index;
+    b.targets_checked = true;  // the LM head's own call checked them (or the caller vouched)
     logprob_backward(ctx, b);
     linear_backward_input(ctx, {dz, a.weight, a.dhidden.rows(r0, r0 + n)});
     LinearBackwardWeightArgs w;
@@ -642,7 +634,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   require_16bit(op, a.hidden);
   if (a.dhidden.dtype != DType::f32 && a.dhidden.dtype != a.hidden.dtype)
     throw Unsupported(op, "dhidden", "the CUDA LM head writes dhidden in hidden's dtype or fp32");
-  check_targets(op, T, V, a, stream);
+  check_targets_of(op, "hidden", T, V, a, stream);
   // The statistics: the forward's lse, or (no lse, or an entropy gradient, which needs H) a forward
   // pass into scratch first.
   const float* lse = a.lse.present() ? a.lse.as<const float>() : nullptr;
@@ -673,6 +665,10 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
 }
 
 }  // namespace
+
+bool lm_head_keeps_logits(const TensorView& hidden, const TensorView& weight) {
+  return hidden.ndim == 2 && weight.ndim == 2 && weight.shape[0] > 0 && fused_path(hidden, weight, true);
+}
 
 SAMEBITS_REGISTER_KERNEL(lm_head_logprob_forward, Backend::cuda, LmHeadLogprobForwardArgs, lm_head_logprob_forward);
 SAMEBITS_REGISTER_KERNEL(lm_head_logprob_backward, Backend::cuda, LmHeadLogprobBackwardArgs, lm_head_logprob_backward);

@@ -307,11 +307,7 @@ void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
   const char* op = "logprob_forward";
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
-  if (a.targets_checked) {  // the caller vouches for them (LmHeadLogprobForwardArgs::targets_checked)
-    if (T > INT32_MAX) throw Unsupported(op, "logits", "more than 2^31 - 1 rows in one call is not supported");
-  } else {
-    check_rows_and_targets(op, "logits", T, V, a.targets, a.loss_mask, a.ignore_index, stream);
-  }
+  check_targets_of(op, "logits", T, V, a, stream);
   with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     size_t smem = 0;
@@ -327,7 +323,7 @@ void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
   const char* op = "logprob_backward";
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
-  check_rows_and_targets(op, "logits", T, V, a.targets, a.loss_mask, a.ignore_index, stream);
+  check_targets_of(op, "logits", T, V, a, stream);
   with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     with_float_storage(a.dlogits.dtype, [&](auto out_tag) {

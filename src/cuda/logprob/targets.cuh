@@ -21,4 +21,14 @@ inline void check_rows_and_targets(const char* op, const char* rows_name, int64_
                        mask.present() ? mask.as<const uint8_t>() : nullptr, true, ignore, stream);
 }
 
+// The rows, and the targets' range unless the caller vouches for it (Args::targets_checked: no
+// range check, no read-back).
+template <class Args>
+void check_targets_of(const char* op, const char* rows_name, int64_t rows, int64_t vocab, const Args& a,
+                      cudaStream_t stream) {
+  if (!a.targets_checked) return check_rows_and_targets(op, rows_name, rows, vocab, a.targets, a.loss_mask,
+                                                        a.ignore_index, stream);
+  if (rows > INT32_MAX) throw Unsupported(op, rows_name, "more than 2^31 - 1 rows in one call is not supported");
+}
+
 }  // namespace samebits::cuda
