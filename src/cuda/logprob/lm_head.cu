@@ -496,6 +496,16 @@ void mark_active(const LmHeadLogprobBackwardArgs& a, uint8_t* active, cudaStream
   check(cudaGetLastError(), "lm_head_logprob_backward", "mask launch");
 }
 
+// The backward's per-row masks: active (the token is scored) and keep (what the weight gradient
+// zeroes: rows_to_keep).
+template <class T>
+void row_masks(const LmHeadLogprobBackwardArgs& a, uint8_t* active, uint8_t* keep, cudaStream_t stream) {
+  const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1];
+  mark_active(a, active, stream);
+  rows_to_keep<T><<<unsigned((M + 7) / 8), 256, 0, stream>>>(a.hidden.as<const T>(), M, K, active, keep);
+  check(cudaGetLastError(), "lm_head_logprob_backward", "keep launch");
+}
+
 template <class T>
 void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy,
                     const std::vector<int32_t>& segs, cudaStream_t stream) {
@@ -504,9 +514,7 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
   const T* hidden = a.hidden.as<const T>();
   const T* weight = a.weight.as<const T>();
   ScratchBuffer active(size_t(M), stream, op), keep(size_t(M), stream, op);
-  mark_active(a, active.as<uint8_t>(), stream);
-  rows_to_keep<T><<<unsigned((M + 7) / 8), 256, 0, stream>>>(hidden, M, K, active.as<const uint8_t>(), keep.as<uint8_t>());
-  check(cudaGetLastError(), op, "keep launch");
+  row_masks<T>(a, active.as<uint8_t>(), keep.as<uint8_t>(), stream);
   const int64_t chunk = vocab_chunk(M, V, sizeof(T)), chunks = (V + chunk - 1) / chunk;
   ScratchBuffer dlogits(size_t(M) * size_t(std::min(chunk, V)) * sizeof(T), stream, op);
   // dhidden's fp32 accumulator across chunks: dhidden itself when it is fp32.
@@ -547,9 +555,7 @@ void kept_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const f
   const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
   const T* hidden = a.hidden.as<const T>();
   ScratchBuffer active(size_t(M), stream, op), keep(size_t(M), stream, op);
-  mark_active(a, active.as<uint8_t>(), stream);
-  rows_to_keep<T><<<unsigned((M + 7) / 8), 256, 0, stream>>>(hidden, M, K, active.as<const uint8_t>(), keep.as<uint8_t>());
-  check(cudaGetLastError(), op, "keep launch");
+  row_masks<T>(a, active.as<uint8_t>(), keep.as<uint8_t>(), stream);
   ScratchBuffer dlogits(size_t(M) * size_t(V) * sizeof(T), stream, op);
   const DlogitsParamsBase p = dlogits_params(a, active.as<const uint8_t>(), lse, entropy, 0);
   const unsigned blocks = unsigned(std::min<int64_t>(M, 65535));
