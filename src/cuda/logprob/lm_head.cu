@@ -349,14 +349,27 @@ struct DlogitsEpilogue {
 
 // dlogits of rows whose fp32 logits the forward kept (logits_kept): the epilogue's arithmetic on
 // the same fp32 logit, rounded once to the weight's dtype, so the bits are the recomputing
-// backward's. One block walks one row's columns; rows stride over the grid.
+// backward's. One block walks one row's columns eight at a time (two 16-byte loads, one 16-byte
+// store: V is a multiple of 8 and both buffers 16-byte aligned on the fused path); rows stride
+// over the grid. Memory-bound: 6 bytes a logit.
 template <class T, bool ENTROPY>
 __global__ void dlogits_from_kept(const float* logits, const DlogitsParamsBase p, int64_t M, int64_t V, T* dlogits) {
+  static_assert(sizeof(T) == 2, "16-bit dlogits: eight make one 16-byte store");
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     const DlogitsRow r = dlogits_row<ENTROPY>(p, row, M, 0, V);
-    const float* z = logits + row * V;
-    T* out = dlogits + row * V;
-    for (int64_t col = threadIdx.x; col < V; col += blockDim.x) out[col] = sm90gemm::convert<T>(dlogit<ENTROPY>(r, z[col], col));
+    const float4* z = reinterpret_cast<const float4*>(logits + row * V);
+    uint4* out = reinterpret_cast<uint4*>(dlogits + row * V);
+    for (int64_t c8 = threadIdx.x; c8 < V / 8; c8 += blockDim.x) {
+      const float4 lo = z[2 * c8], hi = z[2 * c8 + 1];
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      union {
+        T t[8];
+        uint4 u;
+      } o;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o.t[j] = sm90gemm::convert<T>(dlogit<ENTROPY>(r, v[j], c8 * 8 + j));
+      out[c8] = o.u;
+    }
   }
 }
 
@@ -436,7 +449,10 @@ void require_16bit(const char* op, const TensorView& hidden) {
 // The rows whose logits the fused path keeps (LmHeadLogprobForwardArgs::logits_kept): the same
 // answer in the forward and the backward, which look at the same tensors.
 int64_t kept_rows(const TensorView& hidden, const TensorView& weight, const TensorView& kept) {
-  return kept.present() && weight.shape[0] > 0 && fused_path(hidden, weight, true) ? kept.shape[0] : 0;
+  return kept.present() && reinterpret_cast<uintptr_t>(kept.data) % 16 == 0 && weight.shape[0] > 0 &&
+                 fused_path(hidden, weight, true)
+             ? kept.shape[0]
+             : 0;
 }
 
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
