@@ -101,11 +101,13 @@ def _layer_forward(self, x, residual, positions, lengths):
     return down, x_mid
 
 
-def _packed(input_ids, lengths, device):
+def _packed(input_ids, lengths, device, vocab):
     """The lengths as a list of ints, int32 ids [T], positions [T] (restarting at 0 in each sequence)
     and targets [T] (the next token of the same sequence; -100 on each sequence's last row: not
-    scored), on `device`. Nothing here waits for the GPU: the positions go up in one copy from
-    page-locked memory, and the targets are made from them on the device."""
+    scored), on `device`, and whether the ids were checked against `vocab` here (ids in host memory
+    are: the embedding then skips its own check, which waits for the GPU). Nothing here waits for
+    the GPU: the positions go up in one copy from page-locked memory, and the targets are made from
+    them on the device."""
     lengths = [int(n) for n in lengths]
     if not lengths or min(lengths) < 1:
         raise _core.Error("samebits.hf.patch: lengths: every sequence needs at least one token")
@@ -114,6 +116,12 @@ def _packed(input_ids, lengths, device):
         raise _core.Error(f"samebits.hf.patch: input_ids holds {ids.numel()} tokens, lengths sum to {sum(lengths)}")
     if ids.dtype not in (torch.int32, torch.int64):
         raise _core.Error(f"samebits.hf.patch: input_ids: dtype {ids.dtype} is not taken (int32 or int64)")
+    checked = ids.device.type == "cpu" and torch.device(device).type == "cuda"
+    if checked:
+        bad = ((ids < 0) | (ids >= vocab)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise _core.Error(f"samebits.hf.patch: input_ids: value {int(ids[i])} at index {i} is outside [0, {vocab})")
     ids = ids.to(device)
     if ids.dtype == torch.int64:  # a value outside int32 becomes INT32_MIN, which the embedding names
         ids = torch.where((ids < -2**31) | (ids >= 2**31), torch.full_like(ids, -2**31), ids)
@@ -128,7 +136,7 @@ def _packed(input_ids, lengths, device):
     last[:-1] = positions[1:] == 0
     targets = torch.roll(ids, -1)
     targets.masked_fill_(last, -100)
-    return lengths, ids, positions, targets
+    return lengths, ids, positions, targets, checked
 
 
 def _model_forward(self, input_ids, lengths):
@@ -138,10 +146,11 @@ def _model_forward(self, input_ids, lengths):
     device = inner.embed_tokens.weight.device
     # The layers get the lengths as the checked list (a tensor or a generator would be walked again
     # in every layer, a CUDA tensor with a synchronisation per sequence).
-    lengths, ids, positions, targets = _packed(input_ids, lengths, device)
     table = inner.embed_tokens.weight
+    lengths, ids, positions, targets, checked = _packed(input_ids, lengths, device, table.shape[0])
     acc = {"main_grad": table.main_grad} if self._samebits_main_grad else {}  # token order: no segments needed
-    x, residual = sbt.embedding(ids, table, **acc), None
+    embed = sbt_ops._embedding_of_checked_ids if checked else sbt.embedding
+    x, residual = embed(ids, table, **acc), None
     for layer in inner.layers:
         x, residual = layer(x, residual, positions, lengths)
     hidden, _ = sbt.add_rms_norm(x, residual, inner.norm.weight, c.eps, **_acc(self, inner.norm.weight, lengths))
@@ -149,7 +158,7 @@ def _model_forward(self, input_ids, lengths):
     acc = _acc(self, head, lengths)
     if acc and head is table:  # tied: the LM head's sum in a buffer of its own (reduce_main_grad adds it)
         acc["main_grad"] = head.main_grad_lm_head
-    if head.shape[0] >= table.shape[0]:  # the targets are ids the embedding call above checked
+    if head.shape[0] >= table.shape[0]:  # the targets are ids checked above (on the host, or by the embedding)
         return sbt_ops._lm_head_logprobs_of_checked_targets(hidden, head, targets,
                                                             keep_logits_bytes=self._samebits_keep_logits_bytes, **acc)
     return sbt.lm_head_logprobs(hidden, head, targets, keep_logits_bytes=self._samebits_keep_logits_bytes, **acc)

@@ -99,9 +99,12 @@ def test_patch_refuses_what_the_chain_does_not_take():
         model(torch.arange(4, device=DEV), [4, 0])
     with pytest.raises(samebits.Error, match="input_ids"):
         model(torch.ones(3, device=DEV), [3])
-    for bad in (10**6, 2**40):  # outside the vocab; outside int32 (named by the embedding, without a read-back here)
+    for bad in (10**6, 2**40, -1):  # outside the vocab; outside int32 (named by the embedding, without a read-back here)
         with pytest.raises(samebits.Error, match="ids"):
             model(torch.tensor([3, bad, 5], device=DEV), [3])
+        if DEV == "cuda":  # ids in host memory for a GPU model: checked there
+            with pytest.raises(samebits.Error, match=f"value {bad} at index 1"):
+                model(torch.tensor([3, bad, 5]), [3])
     with pytest.raises(samebits.Error, match="no sequences"):
         model.token_logprobs([])
 
@@ -232,3 +235,19 @@ def test_kept_logits_change_no_bit_of_a_training_step(main_grad):
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(lp, want_lp)), f"logprobs, budget {budget}"
         for n in want:
             assert torch.equal(bits(got[n]), bits(want[n])), f"{n}: budget {budget}"
+
+
+def test_ids_in_host_memory_give_the_device_ids_bits():
+    """Ids handed over in host memory are checked there (the embedding and the LM head then skip their
+    own checks and the stream synchronisations they cost): the same logprobs and gradients as ids
+    already on the device."""
+    torch.manual_seed(11)
+    ids = torch.randint(0, 4096, (60,))
+    out = []
+    for where in ("cpu", DEV):
+        model = samebits.hf.patch(model_of("qwen3"))
+        logp, _ = model(ids.to(where), [25, 35])
+        logp.sum().backward()
+        out.append([logp.detach()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*out):
+        assert torch.equal(bits(a), bits(b))

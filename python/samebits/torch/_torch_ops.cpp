@@ -621,7 +621,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // table[ids]; the table's gradient sums each row's uses in ascending token order in an fp32
 // accumulator, rounded once to the table's dtype.
 // (y, the ids as int32).
-std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const at::Tensor& table) {
+std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const at::Tensor& table, bool ids_checked) {
   const char* op = "embedding";
   const DeviceOf guard(table);
   const at::Tensor flat = ids_int32(ids, op, "ids");
@@ -633,15 +633,17 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
   a.ids = view(flat, op, "ids");
   a.table = view(table, op, "table");
   a.y = view(y.view({flat.size(0), table.size(1)}), op, "y");
+  a.ids_checked = ids_checked;
   run([&] { samebits::embedding_forward(context_of(table), a); });
   return {y, flat};
 }
 
 struct Embedding : torch::autograd::Function<Embedding> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table,
-                            const c10::optional<at::Tensor>& main_grad) {
+                            const c10::optional<at::Tensor>& main_grad, bool ids_checked) {
     keep(ctx, weight_grad_of(main_grad, c10::nullopt));
-    auto [y, flat] = embedding_forward(ids, table);
+    ctx->saved_data["ids_checked"] = ids_checked;
+    auto [y, flat] = embedding_forward(ids, table, ids_checked);
     ctx->save_for_backward({flat, table});
     return y;
   }
@@ -660,14 +662,19 @@ struct Embedding : torch::autograd::Function<Embedding> {
     a.ids = view(flat, op, "ids");
     a.dy = view(dy, op, "dy");
     a.dtable = view(dt, op, "dtable");
+    a.ids_checked = ctx->saved_data["ids_checked"].toBool();
     run([&] { samebits::embedding_backward(context_of(table), a); });
-    return {at::Tensor(), weight_grad_out(wg, dt, table), at::Tensor()};
+    return {at::Tensor(), weight_grad_out(wg, dt, table), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table, const c10::optional<at::Tensor>& main_grad) {
+// ids_checked (samebits.hf.patch's ids checked on the host): the library's
+// EmbeddingForwardArgs::ids_checked — no range check, no read-back.
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table, const c10::optional<at::Tensor>& main_grad,
+                     bool ids_checked) {
   check_weight_grad(main_grad, c10::nullopt, table, "embedding");
-  return records({&table}) ? Embedding::apply(ids, table, main_grad) : embedding_forward(ids, table).first;
+  return records({&table}) ? Embedding::apply(ids, table, main_grad, ids_checked)
+                           : embedding_forward(ids, table, ids_checked).first;
 }
 
 // ---------------------------------------------------------------- qk_norm (+ RoPE)
@@ -971,7 +978,7 @@ TORCH_LIBRARY(samebits_ext, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("token_logprobs(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
   m.def("attention(Tensor q, Tensor k, Tensor v, int[] lengths, float scale) -> Tensor");
-  m.def("embedding(Tensor ids, Tensor table, Tensor? main_grad=None) -> Tensor");
+  m.def("embedding(Tensor ids, Tensor table, Tensor? main_grad=None, bool ids_checked=False) -> Tensor");
   m.def("qk_norm(Tensor x, Tensor weight, float eps, Tensor? positions, float theta, float[] llama3, "
         "Tensor? main_grad=None, int[]? segments=None) -> Tensor");
   m.def("lm_head_logprobs(Tensor hidden, Tensor weight, Tensor targets, Tensor? main_grad=None, "

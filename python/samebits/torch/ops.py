@@ -460,6 +460,16 @@ def embedding(ids: Tensor, table: Tensor, *, main_grad: Optional[Tensor] = None)
     return _embedding(ids, table)
 
 
+def _embedding_of_checked_ids(ids: Tensor, table: Tensor, *, main_grad: Optional[Tensor] = None) -> Tensor:
+    """embedding for ids every one of which the caller has checked is in [0, vocab) (samebits.hf.patch:
+    ids that arrived in host memory, checked there): the dispatcher op skips its own range check, a
+    read-back that makes the host wait for every kernel queued before it."""
+    _needs_dispatcher(main_grad, "embedding")
+    if _ext is not None and _eager():
+        return _dispatched(_ext.embedding, ids, table, main_grad, True)
+    return embedding(ids, table, main_grad=main_grad)
+
+
 # ---------------------------------------------------------------- RoPE and QK-norm (+ RoPE)
 def _rope_dict(theta: float, llama3: List[float]) -> dict:
     d = {"theta": theta}

@@ -167,7 +167,7 @@ void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
   const int64_t T = a.ids.shape[0], V = a.table.shape[0], H = a.table.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
-  require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
+  if (!a.ids_checked) require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
   with_float_storage(a.table.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     with_float_storage(a.y.dtype, [&](auto out_tag) {
@@ -186,7 +186,7 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
   const uint8_t* mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
-  require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, mask, false, 0, stream);
+  if (!a.ids_checked) require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, mask, false, 0, stream);
   auto* keys = static_cast<uint64_t*>(scratch_alloc(size_t(2 * T) * sizeof(uint64_t), stream, op));
   uint64_t *cur = keys, *other = keys + T;
   make_keys<<<blocks_for(T, 256), 256, 0, stream>>>(a.ids.as<const int32_t>(), mask, T, V, cur);
