@@ -92,18 +92,14 @@ std::string shape_text(const at::Tensor& t) {
   return s + "]";
 }
 
-// Runs a samebits op, its Error as a ValueError naming the same op, argument and problem.
+// Runs a samebits op, its Error as a ValueError naming the same op, argument and problem, and
+// `note` after it (clamp_note: why an id may read as an int32 bound).
 template <class F>
-void run(F&& f) {
+void run(F&& f, const char* note = "") {
   try {
     f();
   } catch (const samebits::Error& e) {
-    // ids_int32's stand-in for an int64 value int32 cannot hold, named for what it is
-    const std::string what = e.what();
-    const bool narrowed = what.find("-2147483648") != std::string::npos || what.find("2147483647") != std::string::npos;
-    TORCH_CHECK_VALUE(false, what,
-                      narrowed ? " (int64 ids / targets on a GPU: a value outside int32 reads as its nearest int32 bound)"
-                               : "");
+    TORCH_CHECK_VALUE(false, e.what(), note);
   }
 }
 
@@ -143,6 +139,16 @@ bool records(std::initializer_list<const at::Tensor*> inputs) {
 struct WeightGrad {
   at::Tensor main_grad, segments;  // segments: int32 [S, 2] {row, len} on the host (optional)
 };
+// Sequence lengths (segments, attention's lengths): each ≥ 0, together within int32's rows.
+void check_lengths(at::IntArrayRef lengths, const char* op, const char* arg) {
+  int64_t rows = 0;
+  for (const int64_t len : lengths) {
+    TORCH_CHECK_VALUE(len >= 0 && rows + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
+                      ": argument '", arg, "': a length of ", std::to_string(len), " is not taken (each >= 0, ",
+                      "2^31 - 1 rows in all)");
+    rows += len;
+  }
+}
 // Refuses a main_grad or segments the backward could not take. Called before an autograd Function's
 // apply, so a refusal leaves no half-built node behind.
 void check_weight_grad(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths,
@@ -152,13 +158,7 @@ void check_weight_grad(const c10::optional<at::Tensor>& main_grad, at::OptionalI
                           main_grad->is_contiguous() && main_grad->device() == weight.device(),
                       "samebits.torch ", op, ": argument 'main_grad': must be a contiguous ", acc_of(weight),
                       " tensor of the weight's shape ", shape_text(weight), " on its device");
-  if (!lengths.has_value()) return;
-  int64_t at_row = 0;
-  for (const int64_t len : *lengths) {
-    TORCH_CHECK_VALUE(len >= 0 && at_row + len <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
-                      ": argument 'segments': a length of ", std::to_string(len), " is not taken");
-    at_row += len;
-  }
+  if (lengths.has_value()) check_lengths(*lengths, op, "segments");
 }
 // The accumulator and the segments' {row, len} table of arguments check_weight_grad took.
 WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths) {
@@ -442,7 +442,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // is checked here (a value int32 cannot hold is named); on a GPU a check would read a flag back,
 // so a value outside int32 is clamped to int32's nearest bound instead — outside every vocab and not
 // an ignore index — which the op's own range check (one read-back it makes anyway) names as out of
-// range at its index (run() adds why).
+// range at its index (clamp_note says why).
 at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
                     ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
@@ -456,6 +456,13 @@ at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
     return flat.to(at::kInt).contiguous();
   }
   return flat.clamp(lo, hi).to(at::kInt);  // two launches; a clamped value is outside every vocab
+}
+// What an op's error adds where ids_int32 clamped its ids (int64 on a GPU): why a value may read as
+// an int32 bound.
+const char* clamp_note(const at::Tensor& ids) {
+  return ids.is_cuda() && ids.scalar_type() == at::kLong
+             ? " (int64 ids / targets on a GPU: a value outside int32 reads as its nearest int32 bound)"
+             : "";
 }
 
 // ---------------------------------------------------------------- token_logprobs
@@ -483,7 +490,7 @@ LogprobOut logprob_forward(const at::Tensor& logits, const at::Tensor& targets, 
     o.lse = at::empty({o.targets.size(0)}, options);
     a.lse = view(o.lse, op, "lse");
   }
-  run([&] { samebits::logprob_forward(context_of(logits), a); });
+  run([&] { samebits::logprob_forward(context_of(logits), a); }, clamp_note(targets));
   return o;
 }
 
@@ -532,13 +539,11 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits, cons
 // Causal GQA attention over sequences packed back to back: q [T, Hq, D], k / v [T, Hkv, D], the
 // sequences' lengths. The work table {q_row, q_len, k_row, k_len} is made here, on the host (where
 // the library reads it), as the custom_op path's _seq_table makes it.
-at::Tensor seq_table(at::IntArrayRef lengths) {
+at::Tensor seq_table(at::IntArrayRef lengths) {  // lengths checked (check_lengths)
   at::Tensor table = at::empty({int64_t(lengths.size()), 4}, at::TensorOptions().dtype(at::kInt));
   int32_t* row = table.data_ptr<int32_t>();
   int64_t at_row = 0;
   for (const int64_t n : lengths) {
-    TORCH_CHECK_VALUE(at_row + n <= std::numeric_limits<int32_t>::max(), "samebits.torch attention: argument ",
-                      "'lengths': the sequences hold more than 2^31 - 1 tokens");
     row[0] = row[2] = int32_t(at_row);
     row[1] = row[3] = int32_t(n);
     at_row += n;
@@ -554,9 +559,7 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
                                double scale, bool keep_lse) {
   const char* op = "attention";
   const DeviceOf guard(q);
-  for (const int64_t n : lengths)
-    TORCH_CHECK_VALUE(n >= 0 && n <= std::numeric_limits<int32_t>::max(), "samebits.torch ", op,
-                      ": argument 'lengths': a length of ", std::to_string(n), " is not taken");
+  check_lengths(lengths, op, "lengths");
   TORCH_CHECK_VALUE(q.dim() == 3, "samebits.torch ", op, ": argument 'q': must be 3-D [tokens, heads, head_dim], got ",
                     std::to_string(q.dim()), "-D");
   AttentionOut o;
@@ -634,7 +637,7 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
   a.table = view(table, op, "table");
   a.y = view(y.view({flat.size(0), table.size(1)}), op, "y");
   a.ids_checked = ids_checked;
-  run([&] { samebits::embedding_forward(context_of(table), a); });
+  run([&] { samebits::embedding_forward(context_of(table), a); }, clamp_note(ids));
   return {y, flat};
 }
 
@@ -694,10 +697,10 @@ samebits::RopeConfig rope_config(double theta, at::ArrayRef<double> llama3, cons
   return c;
 }
 
-std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                                  const at::Tensor& positions, double theta,
-                                                  at::ArrayRef<double> llama3,
-                                                  bool keep_rstd) {
+// (y, rstd where kept, the positions as int32 where given).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                               double eps, const at::Tensor& positions, double theta,
+                                                               at::ArrayRef<double> llama3, bool keep_rstd) {
   const char* op = "qk_norm";
   const DeviceOf guard(x);
   TORCH_CHECK_VALUE(x.dim() == 3, "samebits.torch ", op, ": argument 'x': must be 3-D [tokens, heads, head_dim], got ",
@@ -718,8 +721,8 @@ std::pair<at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor& x, const at:
     a.positions = view(pos, op, "positions");
   }
   a.rope = rope_config(theta, llama3, op);
-  run([&] { samebits::qk_norm_forward(context_of(x), a); });
-  return {y, rstd};
+  run([&] { samebits::qk_norm_forward(context_of(x), a); }, positions.defined() ? clamp_note(positions) : "");
+  return {y, rstd, pos};
 }
 
 struct QkNorm : torch::autograd::Function<QkNorm> {
@@ -729,8 +732,8 @@ struct QkNorm : torch::autograd::Function<QkNorm> {
                             const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
     keep(ctx, weight_grad_of(main_grad, segments));
     const at::Tensor pos = positions ? *positions : at::Tensor();
-    auto [y, rstd] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
-    ctx->save_for_backward({x, weight, rstd, pos.defined() ? ids_int32(pos, "qk_norm", "positions") : at::Tensor()});
+    auto [y, rstd, pos32] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
+    ctx->save_for_backward({x, weight, rstd, pos32});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["theta"] = theta;
     ctx->saved_data["llama3"] = c10::IValue(llama3);
@@ -770,7 +773,7 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                    const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   check_weight_grad(main_grad, segments, weight, "qk_norm");
   if (!records({&x, &weight}))
-    return qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false).first;
+    return std::get<0>(qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false));
   return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec(), main_grad, segments);
 }
 
@@ -831,7 +834,7 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
     o.kept = at::empty({kept_rows, weight.size(0)}, h2.options().dtype(at::kFloat));
     a.logits_kept = view(o.kept, op, "logits_kept");
   }
-  run([&] { samebits::lm_head_logprob_forward(context_of(hidden), a); });
+  run([&] { samebits::lm_head_logprob_forward(context_of(hidden), a); }, clamp_note(targets));
   return o;
 }
 

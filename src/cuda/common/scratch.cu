@@ -119,7 +119,7 @@ void* scratch_alloc(size_t bytes, cudaStream_t stream, const char* op) {
     return p;
   }
   void* p = nullptr;
-  check(cudaMallocFromPoolAsync(&p, bytes ? bytes : 1, pool_of_current_device(op), stream), op, "scratch memory");
+  check(cudaMallocFromPoolAsync(&p, bytes, pool_of_current_device(op), stream), op, "scratch memory");
   return p;
 }
 
