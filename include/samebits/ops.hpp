@@ -289,6 +289,11 @@ void lm_head_logprob_forward(const Context&, const LmHeadLogprobForwardArgs&);
 // Whether the backend takes logits_kept for these tensors (the CUDA fused path): callers allocate
 // the buffer only where it does.
 bool lm_head_keeps_logits(Backend backend, const TensorView& hidden, const TensorView& weight);
+// The rows C whose logits a budget of `budget_bytes` keeps (6 bytes a logit): all of hidden's rows
+// where they fit, else the first whole segments that fit (segments: int32 [S, 2] {row, len} on the
+// host, in row order, the backward's), else 0; 0 where the backend does not take logits_kept.
+int64_t lm_head_rows_to_keep(Backend backend, const TensorView& hidden, const TensorView& weight, int64_t budget_bytes,
+                             const TensorView& segments);
 void lm_head_logprob_backward(const Context&, const LmHeadLogprobBackwardArgs&);
 
 // ---------------------------------------------------------------- sampling

@@ -339,15 +339,9 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     lh.entropy = entropy.view();
     lh.lse = lse.view();
     // Logits kept for the backward (set_lm_head_keep_bytes): the first whole sequences that fit.
-    if (keep != ForwardKeep::none && !cache && lm_head_keep_bytes_ > 0 && ctx_.backend == Backend::cuda) {
-      const int64_t fit = lm_head_keep_bytes_ / (head.shape[0] * 6);
-      int64_t rows = 0;
+    if (keep != ForwardKeep::none && !cache && lm_head_keep_bytes_ > 0) {
       const HostTensor segs = segments_of(batch);
-      for (int64_t i = 0; i < segs.shape()[0]; ++i) {
-        const int64_t end = int64_t(segs.get(2 * i)) + int64_t(segs.get(2 * i + 1));
-        if (end > fit) break;
-        rows = end;
-      }
+      const int64_t rows = lm_head_rows_to_keep(ctx_.backend, lh.hidden, head, lm_head_keep_bytes_, segs.view());
       if (rows > 0) lh.logits_kept = record(f.trace, "head.logits_kept", DType::f32, {rows, head.shape[0]}).view();
     }
     lm_head_logprob_forward(ctx_, lh);

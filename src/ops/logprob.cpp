@@ -105,6 +105,22 @@ bool lm_head_keeps_logits(Backend backend, const TensorView& hidden, const Tenso
   return false;
 }
 
+int64_t lm_head_rows_to_keep(Backend backend, const TensorView& hidden, const TensorView& weight, int64_t budget_bytes,
+                             const TensorView& segments) {
+  const int64_t T = hidden.shape[0], per_row = weight.shape[0] * 6;
+  if (budget_bytes <= 0 || T == 0 || per_row <= 0 || !lm_head_keeps_logits(backend, hidden, weight)) return 0;
+  const int64_t fit = budget_bytes / per_row;
+  if (fit >= T) return T;
+  int64_t rows = 0;
+  const auto* s = segments.present() ? segments.as<const int32_t>() : nullptr;
+  for (int64_t i = 0; s && i < segments.shape[0]; ++i) {
+    const int64_t end = int64_t(s[2 * i]) + s[2 * i + 1];
+    if (end > fit) break;
+    rows = end;
+  }
+  return rows;
+}
+
 void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs& a) {
   auto v = begin_op<OpId::lm_head_logprob_forward>("lm_head_logprob_forward", ctx, a);
   check_lm_head(v, a.hidden, a.weight);

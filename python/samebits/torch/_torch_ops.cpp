@@ -784,29 +784,12 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 struct LmHeadOut {
   at::Tensor logp, entropy, lse, targets, mask, kept;  // kept: the first rows' fp32 logits (where kept)
 };
-// The rows whose logits a recording call keeps for its backward (LmHeadLogprobForwardArgs::
-// logits_kept, three GEMMs for them instead of four): as many as `budget` bytes hold at 6 bytes a
-// logit (the fp32 logits, the backward's bf16 dlogits), ending at a sequence's end where `lengths`
-// are given, else all rows or none; none where the library would not take them
-// (samebits::lm_head_keeps_logits: the CUDA fused path).
-int64_t kept_rows_of(const samebits::TensorView& hidden, const samebits::TensorView& weight, int64_t budget,
-                     at::OptionalIntArrayRef lengths) {
-  const int64_t T = hidden.shape[0], per_row = weight.shape[0] * 6;
-  if (budget <= 0 || T == 0 || per_row <= 0 || !samebits::lm_head_keeps_logits(samebits::Backend::cuda, hidden, weight))
-    return 0;
-  const int64_t fit = budget / per_row;
-  if (fit >= T) return T;
-  int64_t rows = 0, end = 0;
-  if (lengths.has_value())
-    for (const int64_t len : *lengths) {
-      if ((end += len) > fit) break;
-      rows = end;
-    }
-  return rows;
-}
+// keep_logits_bytes: the memory a recording call may spend keeping the first rows' fp32 logits for
+// its backward (LmHeadLogprobForwardArgs::logits_kept, three GEMMs for them instead of four), ending
+// at a sequence's end where `segments` (WeightGrad's table) are given (lm_head_rows_to_keep).
 LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                           bool keep_lse, bool targets_checked, int64_t keep_logits_bytes = 0,
-                          at::OptionalIntArrayRef lengths = c10::nullopt) {
+                          const at::Tensor& segments = at::Tensor()) {
   const char* op = "lm_head_logprobs";
   const DeviceOf guard(hidden);
   LmHeadOut o;
@@ -829,7 +812,9 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
     a.lse = view(o.lse, op, "lse");
   }
   a.targets_checked = targets_checked;
-  const int64_t kept_rows = hidden.is_cuda() ? kept_rows_of(a.hidden, a.weight, keep_logits_bytes, lengths) : 0;
+  const int64_t kept_rows = samebits::lm_head_rows_to_keep(context_of(hidden).backend, a.hidden, a.weight,
+                                                          keep_logits_bytes,
+                                                          segments.defined() ? view(segments, op, "segments") : TensorView{});
   if (kept_rows > 0) {
     o.kept = at::empty({kept_rows, weight.size(0)}, h2.options().dtype(at::kFloat));
     a.logits_kept = view(o.kept, op, "logits_kept");
@@ -844,10 +829,11 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
                                                 const c10::optional<at::Tensor>& main_grad,
                                                 at::OptionalIntArrayRef segments, bool targets_checked,
                                                 int64_t keep_logits_bytes) {
-    keep(ctx, weight_grad_of(main_grad, segments));
+    const WeightGrad wg = weight_grad_of(main_grad, segments);
+    keep(ctx, wg);
     ctx->saved_data["targets_checked"] = targets_checked;
     ctx->set_materialize_grads(false);  // an output without a gradient gets none (no zero entropy gradient)
-    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked, keep_logits_bytes, segments);
+    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked, keep_logits_bytes, wg.segments);
     ctx->saved_data["has_kept"] = o.kept.defined();
     if (o.kept.defined()) ctx->saved_data["kept"] = o.kept;
     ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
@@ -896,7 +882,7 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
 // targets_checked (samebits.hf.patch's next-token targets, ids its embedding call has just checked):
 // the library's LmHeadLogprobForwardArgs::targets_checked — no range check, no read-back.
 // keep_logits_bytes: the memory a recording call may spend keeping logits for its backward
-// (kept_rows_of); the same bits either way.
+// (lm_head_forward); the same bits either way.
 std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
                                                     const at::Tensor& targets,
                                                     const c10::optional<at::Tensor>& main_grad,
