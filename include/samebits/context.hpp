@@ -20,6 +20,18 @@ Backend choose_backend(const char* choice, const char* who, const char* arg);
 //  truth_fp64: fp64 arithmetic end to end (inputs and outputs in fp64): the accuracy ground truth.
 enum class Precision : unsigned char { fixed_fp32, truth_fp64 };
 
+// How the CUDA backend checks ids that sit in device memory (embedding ids, logprob targets) before
+// its kernels index with them.
+//  wait:     a check kernel whose answer the host waits for (a stream synchronisation: the host
+//            waits for every kernel queued before it), so a bad id throws from the call itself,
+//            before anything is written.
+//  deferred: the check kernel runs in the stream and the host goes on. A bad id throws from the
+//            next samebits op called on the CUDA backend (any op) or from raise_deferred_errors(),
+//            naming the call that got it; until then that call's outputs hold NaN for it (the
+//            embedding's row, the token's logprob). samebits.torch runs so: like a torch op it
+//            never waits on the GPU, and unlike one a bad id leaves the CUDA context usable.
+enum class IdCheck : unsigned char { wait, deferred };
+
 struct Context {
   Backend backend = Backend::cpu;
   Precision precision = Precision::fixed_fp32;
@@ -31,6 +43,13 @@ struct Context {
   // writes it, so an unwritten element shows as NaN. The chain gate turns it on; it costs a fill
   // of every activation (3% of a training step, a sixth of a decode step on an H100).
   bool poison_activations = false;
+  IdCheck id_check = IdCheck::wait;
+  const char* id_note = "";  // deferred: appended to a bad id's message (samebits.torch: why a value reads as an int32 bound)
 };
+
+// Throws the Error of a deferred id check (IdCheck::deferred) that found a bad id, if one has
+// reported since the last call (checks still queued on a stream are not waited for); nothing on a
+// backend without deferred checks. Every op on the CUDA backend calls it first.
+void raise_deferred_errors(Backend backend);
 
 }  // namespace samebits

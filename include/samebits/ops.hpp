@@ -178,8 +178,8 @@ void residual_add_backward(const Context&, const ResidualAddBackwardArgs&);
 // y[t,:] = table[ids[t], :]; ids int32 in [0, V).
 // ids_checked: the caller vouches that every id is in [0, V) (it checked them on the host, as
 // samebits.hf.patch does for ids that arrive in host memory), so the CUDA backend skips its own
-// range check, which reads a flag back (a stream synchronisation: the host waits for every kernel
-// queued before). An id outside the range is then read out of bounds: vouch only for checked ids.
+// range check (Context::id_check: a stream synchronisation, or a deferred report). An id outside
+// the range then gets a NaN row, reported by nothing: vouch only for checked ids.
 struct EmbeddingForwardArgs {
   TensorView ids, table, y;
   bool ids_checked = false;

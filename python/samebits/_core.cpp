@@ -841,6 +841,10 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("backend") = "auto",
      "Gives the memory samebits keeps for reuse but does not use back to the device (synchronises it first).");
 
+  m.def("raise_deferred_errors", [] { raise_deferred_errors(Backend::cuda); },
+        "Raises the samebits.Error of an id check that ran on the GPU without being waited for (samebits.torch's "
+        "ops) and found a bad id; checks still queued on a stream are not waited for.");
+
   // A test / benchmark hook, not an API: forces one of the library's kernel-shape choices (choices
   // that change no bit: the tests prove it) for A/B timing; returns the previous value. 0 restores
   // the library's own choice. norm_any_dtype: 1 runs the RMSNorm kernels' run-time-dtype instance;

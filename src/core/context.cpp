@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "ops/registry.hpp"
 #include "samebits/error.hpp"
 
 namespace samebits {
@@ -10,6 +11,17 @@ namespace samebits {
 #if SAMEBITS_WITH_CUDA
 namespace cuda { bool device_present(); }
 #endif
+
+namespace detail {
+DeferredErrorsFn& deferred_errors_of(Backend b) {
+  static DeferredErrorsFn table[kNumBackends] = {};
+  return table[static_cast<int>(b)];
+}
+}  // namespace detail
+
+void raise_deferred_errors(Backend backend) {
+  if (auto raise = detail::deferred_errors_of(backend)) raise();
+}
 
 const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
 

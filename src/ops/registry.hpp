@@ -28,10 +28,16 @@ struct KernelSlot {
   }
 };
 
+// A backend's errors found after an earlier call returned (the CUDA backend's deferred id checks):
+// raised before its next kernel runs (raise_deferred_errors).
+using DeferredErrorsFn = void (*)();
+DeferredErrorsFn& deferred_errors_of(Backend b);
+
 template <OpId Id, class Args>
 void run_kernel(const char* op, const Context& ctx, const Args& args) {
   auto fn = KernelSlot<Id, Args>::at(ctx.backend);
   if (!fn) throw NotBuilt(op, backend_name(ctx.backend));
+  if (auto raise = deferred_errors_of(ctx.backend)) raise();
   fn(ctx, args);
 }
 

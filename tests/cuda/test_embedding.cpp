@@ -3,6 +3,7 @@
 // table) for any batch, duplicate ids, masked rows and micro-batch split; bad ids are errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -115,4 +116,49 @@ TEST_F(CudaEmbedding, VouchedIdsSkipTheCheckAndChangeNoBit) {
   }
   expect_same_bits(y[1], y[0], "y");
   expect_same_bits(dtable[1], dtable[0], "dtable");
+}
+
+// Deferred checks (IdCheck::deferred, samebits.torch's mode): the call with a bad id returns without
+// waiting, its row NaN and the good rows the table's bits; the first op after the check ran raises
+// the error naming that call, the id, its index and the context's note; the op after that runs,
+// and good ids give the waiting mode's bits. More deferred checks than the ring of answers holds
+// neither hang nor lose the bad one among them.
+TEST_F(CudaEmbedding, DeferredCheckIsRaisedByALaterOpAndChangesNoBit) {
+  Rng r(4);
+  const int64_t T = 5, V = 10, H = 16;
+  HostTensor ids(DType::i32, {T}), good(DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) ids.set(t, double(t)), good.set(t, double(T - 1 - t));
+  ids.set(3, 77);
+  const HostTensor table = r.tensor(DType::bf16, {V, H}, -1, 1);
+  const DeviceBuffer did(ids), dgood(good), dtab(table), y(DType::bf16, {T, H}), y_wait(DType::bf16, {T, H});
+  Context deferred = cuda_ctx();
+  deferred.id_check = IdCheck::deferred;
+  deferred.id_note = " (the note)";
+  embedding_forward(deferred, {did.view(), dtab.view(), y.view()});  // returns: the check is queued
+  device_synchronize(Backend::cuda);
+  const HostTensor out = y.host();
+  for (int64_t c = 0; c < H; ++c) {
+    EXPECT_TRUE(std::isnan(out.get(3 * H + c))) << c;
+    EXPECT_EQ(out.get(2 * H + c), table.get(2 * H + c)) << c;
+  }
+  try {
+    embedding_forward(deferred, {dgood.view(), dtab.view(), y.view()});
+    FAIL() << "the later op raised nothing";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("embedding_forward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("ids"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("value 77 at index 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(the note)"), std::string::npos) << msg;
+  }
+  embedding_forward(deferred, {dgood.view(), dtab.view(), y.view()});  // reported once: this one runs
+  embedding_forward(cuda_ctx(), {dgood.view(), dtab.view(), y_wait.view()});
+  expect_same_bits(y.host(), y_wait.host(), "deferred vs waiting check");
+
+  // 3000 queued checks (the ring holds 1024), the bad one among the last.
+  for (int i = 0; i < 3000; ++i)
+    embedding_forward(deferred, {i == 2990 ? did.view() : dgood.view(), dtab.view(), y.view()});
+  device_synchronize(Backend::cuda);
+  EXPECT_THROW(raise_deferred_errors(Backend::cuda), Error);
+  EXPECT_NO_THROW(raise_deferred_errors(Backend::cuda));
 }

@@ -210,3 +210,41 @@ TEST_F(CudaLogprob, OutOfRangeTargetIsAnErrorBeforeAnythingIsWritten) {
   const HostTensor untouched = logp.host();
   for (int64_t t = 0; t < 6; ++t) EXPECT_TRUE(std::isnan(untouched.get(t)));
 }
+
+// The deferred check (samebits.torch's mode): the call returns, the bad token's logprob is NaN and
+// the others are the waiting mode's bits; a later op raises the error naming the call's targets.
+TEST_F(CudaLogprob, DeferredTargetCheckGivesNaNThenTheError) {
+  Rng r(9);
+  Batch b(r, DType::bf16, 6, 1000);
+  for (int64_t t = 0; t < 6; ++t) b.mask.set(t, 1);
+  const DeviceBuffer logits(b.logits), mask(b.mask), logp_wait(DType::f32, {6});
+  const DeviceBuffer good(b.targets);
+  b.targets.set(4, 1000);  // == V
+  const DeviceBuffer bad(b.targets), logp(DType::f32, {6});
+  auto args = [&](const DeviceBuffer& targets, const DeviceBuffer& out) {
+    LogprobForwardArgs f;
+    f.logits = logits.view();
+    f.targets = targets.view();
+    f.loss_mask = mask.view();
+    f.logp = out.view();
+    f.ignore_index = IGNORE;
+    return f;
+  };
+  Context deferred = cuda_ctx();
+  deferred.id_check = IdCheck::deferred;
+  logprob_forward(deferred, args(bad, logp));
+  logprob_forward(cuda_ctx(), args(good, logp_wait));  // waits: the deferred check has run by its end
+  const HostTensor got = logp.host(), want = logp_wait.host();
+  for (int64_t t = 0; t < 6; ++t) {
+    if (t == 4) EXPECT_TRUE(std::isnan(got.get(t)));
+    else EXPECT_EQ(got.get(t), want.get(t)) << t;
+  }
+  try {
+    logprob_forward(deferred, args(good, logp));
+    FAIL() << "the later op raised nothing";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("logprob_forward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("value 1000 at index 4"), std::string::npos) << msg;
+  }
+}

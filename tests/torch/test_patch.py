@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import samebits  # noqa: E402
 import samebits.hf  # noqa: E402
+import samebits.torch as sbt  # noqa: E402
 from tiny_models import DEV, bits, llama3, qwen3  # noqa: E402
 
 SEQS = [17, 64, 5, 130, 2]
@@ -100,8 +101,9 @@ def test_patch_refuses_what_the_chain_does_not_take():
     with pytest.raises(samebits.Error, match="input_ids"):
         model(torch.ones(3, device=DEV), [3])
     for bad in (10**6, 2**40, -1):  # outside the vocab; outside int32 (named by the embedding, without a read-back here)
-        with pytest.raises(samebits.Error, match="ids"):
+        with pytest.raises(samebits.Error, match="ids"):  # ids on a GPU: by a later op, or check_ids()
             model(torch.tensor([3, bad, 5], device=DEV), [3])
+            sbt.check_ids()
         if DEV == "cuda":  # ids in host memory for a GPU model: checked there
             with pytest.raises(samebits.Error, match=f"value {bad} at index 1"):
                 model(torch.tensor([3, bad, 5]), [3])

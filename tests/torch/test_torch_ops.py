@@ -171,14 +171,18 @@ def test_token_logprobs_attention_and_embedding_are_the_custom_ops_bit_for_bit(d
 
 def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
     table = torch.randn(50, 64, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(samebits.Error, match="ids"):  # outside the vocab (the op's own range check)
+    # Ids on a GPU are checked without waiting: the error may come from check_ids() (or a later op).
+    with pytest.raises(samebits.Error, match="value 50 at index 1"):  # outside the vocab (the op's own range check)
         sbt.embedding(torch.tensor([3, 50], device=DEV), table)
+        sbt.check_ids()
     with pytest.raises(samebits.Error, match="ids"):  # outside int32 on the GPU: named out of range at its index
         sbt.embedding(torch.tensor([3, 2**40], device=DEV), table)
+        sbt.check_ids()
     with pytest.raises(samebits.Error, match="int32"):  # outside int32 on the CPU: named as such
         sbt.embedding(torch.tensor([2**40]), table.cpu().float())
     with pytest.raises(samebits.Error, match="targets"):
         sbt.token_logprobs(torch.randn(2, 10, device=DEV), torch.tensor([1, 10], device=DEV))
+        sbt.check_ids()
     q = torch.randn(8, 4, 64, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(8, 2, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(samebits.Error, match="lengths"):
@@ -360,3 +364,29 @@ def test_qk_norm_and_lm_head_logprobs_are_the_custom_ops_bit_for_bit(device, dty
         for a, b, c, what in zip(ours, theirs, vouched, ("logp", "entropy", "dhidden", "dweight")):
             assert torch.equal(bits(a), bits(b)), f"lm_head_logprobs {what} (entropy gradient: {entropy_grad})"
             assert torch.equal(bits(c), bits(a)), f"lm_head_logprobs {what}, targets vouched for"
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="ids in GPU memory: the deferred check")
+def test_a_bad_gpu_id_gives_nan_rows_then_an_error_from_a_later_op_and_the_context_stays_usable():
+    """Ids in GPU memory are range-checked without a stream synchronisation (samebits::IdCheck::deferred):
+    the bad call returns with its row NaN (never another row's values), the first samebits op after
+    the check ran raises samebits.Error naming that call, the value and its index (int64 ids: the
+    note on int32's bound), and the op after that runs with the waiting check's bits."""
+    table = torch.randn(50, 64, device=DEV, dtype=torch.bfloat16)
+    good = torch.tensor([7, 3, 9], device=DEV)
+    want = sbt.embedding(good, table)
+    for bad, match in ((torch.tensor([3, 50, 9], device=DEV, dtype=torch.int32), "value 50 at index 1"),
+                       (torch.tensor([3, 2**40, 9], device=DEV), "value 2147483647 at index 1 .*int64")):
+        y = sbt.embedding(bad, table)
+        torch.cuda.synchronize()
+        assert torch.isnan(y[1]).all() and torch.equal(bits(y[0]), bits(table[3]))
+        with pytest.raises(samebits.Error, match=f"embedding.*{match}"):
+            sbt.rms_norm(y.float(), torch.ones(64, device=DEV), 1e-6)  # any op: it raises the earlier call's error
+        assert torch.equal(bits(sbt.embedding(good, table)), bits(want))  # reported once; the context is usable
+    sbt.check_ids()  # nothing pending
+    logits = torch.randn(3, 10, device=DEV)
+    logp, _ = sbt.token_logprobs(logits, torch.tensor([1, 10, 2], device=DEV))
+    torch.cuda.synchronize()
+    assert torch.isnan(logp[1]) and not torch.isnan(logp[0]) and not torch.isnan(logp[2])
+    with pytest.raises(samebits.Error, match="targets.*value 10 at index 1"):
+        sbt.check_ids()

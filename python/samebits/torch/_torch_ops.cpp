@@ -73,8 +73,12 @@ TensorView view(const at::Tensor& t, const char* op, const char* arg) {
 }
 
 // The backend of the op's first tensor, torch's current stream on its device, the truth mode for fp64.
-samebits::Context context_of(const at::Tensor& t) {
+// Ids in GPU memory are checked without waiting for the GPU (IdCheck::deferred: a bad one is raised
+// by the next samebits op, with `id_note` after it), as a torch op never waits on the GPU.
+samebits::Context context_of(const at::Tensor& t, const char* id_note = "") {
   samebits::Context ctx;
+  ctx.id_check = samebits::IdCheck::deferred;
+  ctx.id_note = id_note;
   ctx.backend = t.is_cuda() ? samebits::Backend::cuda : samebits::Backend::cpu;
   if (t.scalar_type() == at::kDouble) ctx.precision = samebits::Precision::truth_fp64;
 #if SAMEBITS_TORCH_CUDA
@@ -96,6 +100,11 @@ std::string shape_text(const at::Tensor& t) {
 // `note` after it (clamp_note: why an id may read as an int32 bound).
 template <class F>
 void run(F&& f, const char* note = "") {
+  try {
+    samebits::raise_deferred_errors(samebits::Backend::cuda);  // an earlier call's bad id, with that call's note
+  } catch (const samebits::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
   try {
     f();
   } catch (const samebits::Error& e) {
@@ -441,8 +450,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // Token ids / targets as int32 (the library's index type). int32 passes as it is. int64 on the CPU
 // is checked here (a value int32 cannot hold is named); on a GPU a check would read a flag back,
 // so a value outside int32 is clamped to int32's nearest bound instead — outside every vocab and not
-// an ignore index — which the op's own range check (one read-back it makes anyway) names as out of
-// range at its index (clamp_note says why).
+// an ignore index — which the op's own range check names as out of range at its index (clamp_note
+// says why).
 at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
                     ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
@@ -490,7 +499,7 @@ LogprobOut logprob_forward(const at::Tensor& logits, const at::Tensor& targets, 
     o.lse = at::empty({o.targets.size(0)}, options);
     a.lse = view(o.lse, op, "lse");
   }
-  run([&] { samebits::logprob_forward(context_of(logits), a); }, clamp_note(targets));
+  run([&] { samebits::logprob_forward(context_of(logits, clamp_note(targets)), a); }, clamp_note(targets));
   return o;
 }
 
@@ -637,7 +646,7 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
   a.table = view(table, op, "table");
   a.y = view(y.view({flat.size(0), table.size(1)}), op, "y");
   a.ids_checked = ids_checked;
-  run([&] { samebits::embedding_forward(context_of(table), a); }, clamp_note(ids));
+  run([&] { samebits::embedding_forward(context_of(table, clamp_note(ids)), a); }, clamp_note(ids));
   return {y, flat};
 }
 
@@ -819,7 +828,7 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
     o.kept = at::empty({kept_rows, weight.size(0)}, h2.options().dtype(at::kFloat));
     a.logits_kept = view(o.kept, op, "logits_kept");
   }
-  run([&] { samebits::lm_head_logprob_forward(context_of(hidden), a); }, clamp_note(targets));
+  run([&] { samebits::lm_head_logprob_forward(context_of(hidden, clamp_note(targets)), a); }, clamp_note(targets));
   return o;
 }
 

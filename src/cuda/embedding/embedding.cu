@@ -78,10 +78,17 @@ __global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const int32_t* ids
                                                               bool in_aligned, O* y, bool out_aligned) {
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
-  const bool valid = id >= 0 && id < V;  // an invalid id was reported before the launch; never read it
+  // An invalid id was reported before the launch or is reported by a deferred check: never read
+  // through it, and give its row NaN so nothing computed from it passes for a value meanwhile.
+  const bool valid = id >= 0 && id < V;
   for (int64_t c = int64_t(threadIdx.x) * VEC; c < H; c += GATHER_THREADS * VEC) {
-    float v[VEC] = {};
-    if (valid) load_vec(table + int64_t(id) * H + c, in_aligned, H - c, v);
+    float v[VEC];
+    if (valid) {
+      load_vec(table + int64_t(id) * H + c, in_aligned, H - c, v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = __int_as_float(0x7fffffff);
+    }
     store_vec(y + t * H + c, out_aligned, H - c, v);
   }
 }
@@ -167,7 +174,7 @@ void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
   const int64_t T = a.ids.shape[0], V = a.table.shape[0], H = a.table.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
-  if (!a.ids_checked) require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
+  if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
   with_float_storage(a.table.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     with_float_storage(a.y.dtype, [&](auto out_tag) {
@@ -186,7 +193,7 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
   const uint8_t* mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
-  if (!a.ids_checked) require_ids_in_range(op, "ids", a.ids.as<const int32_t>(), T, V, mask, false, 0, stream);
+  if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, mask, false, 0, stream);
   auto* keys = static_cast<uint64_t*>(scratch_alloc(size_t(2 * T) * sizeof(uint64_t), stream, op));
   uint64_t *cur = keys, *other = keys + T;
   make_keys<<<blocks_for(T, 256), 256, 0, stream>>>(a.ids.as<const int32_t>(), mask, T, V, cur);

@@ -459,7 +459,7 @@ void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs&
   const cudaStream_t stream = stream_of(ctx.stream);
   const int64_t T = a.hidden.shape[0], C = kept_rows(a.hidden, a.weight, a.logits_kept);
   require_16bit("lm_head_logprob_forward", a.hidden);
-  check_targets_of("lm_head_logprob_forward", "hidden", T, a.weight.shape[0], a, stream);
+  check_targets_of(ctx, "lm_head_logprob_forward", "hidden", T, a.weight.shape[0], a, stream);
   float* logp = a.logp.as<float>();
   float* entropy = a.entropy.present() ? a.entropy.as<float>() : nullptr;
   float* lse = a.lse.present() ? a.lse.as<float>() : nullptr;
@@ -656,7 +656,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   require_16bit(op, a.hidden);
   if (a.dhidden.dtype != DType::f32 && a.dhidden.dtype != a.hidden.dtype)
     throw Unsupported(op, "dhidden", "the CUDA LM head writes dhidden in hidden's dtype or fp32");
-  check_targets_of(op, "hidden", T, V, a, stream);
+  check_targets_of(ctx, op, "hidden", T, V, a, stream);
   // The statistics: the forward's lse, or (no lse, or an entropy gradient, which needs H) a forward
   // pass into scratch first.
   const float* lse = a.lse.present() ? a.lse.as<const float>() : nullptr;

@@ -307,7 +307,7 @@ void logprob_forward(const Context& ctx, const LogprobForwardArgs& a) {
   const char* op = "logprob_forward";
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
-  check_targets_of(op, "logits", T, V, a, stream);
+  check_targets_of(ctx, op, "logits", T, V, a, stream);
   with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     size_t smem = 0;
@@ -323,7 +323,7 @@ void logprob_backward(const Context& ctx, const LogprobBackwardArgs& a) {
   const char* op = "logprob_backward";
   const int64_t T = a.logits.shape[0], V = a.logits.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
-  check_targets_of(op, "logits", T, V, a, stream);
+  check_targets_of(ctx, op, "logits", T, V, a, stream);
   with_float_storage(a.logits.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     with_float_storage(a.dlogits.dtype, [&](auto out_tag) {
