@@ -62,11 +62,11 @@ class RawOps:
                                          logits_kept=d(logits_kept), ignore_index=IGNORE, stream=self.stream())
 
     def lm_head_backward(self, hidden, weight, targets, mask, lse, dlogp, dentropy, dhidden, dweight,
-                         logits_kept=None):
+                         logits_kept=None, segments=None):
         d = self.d
         self.raw.lm_head_logprob_backward(d(hidden), d(weight), d(targets), d(mask), d(lse), d(dlogp), d(dentropy),
-                                          d(dhidden), d(dweight), logits_kept=d(logits_kept), ignore_index=IGNORE,
-                                          stream=self.stream())
+                                          d(dhidden), d(dweight), logits_kept=d(logits_kept), segments=d(segments),
+                                          ignore_index=IGNORE, stream=self.stream())
 
     # ------------------------------------------------------------ norms, elementwise, RoPE
     def rmsnorm_forward(self, x, weight, y, rstd, residual=None, residual_out=None):

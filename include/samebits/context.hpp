@@ -44,7 +44,7 @@ struct Context {
   // of every activation (3% of a training step, a sixth of a decode step on an H100).
   bool poison_activations = false;
   IdCheck id_check = IdCheck::wait;
-  const char* id_note = "";  // deferred: appended to a bad id's message (samebits.torch: why a value reads as an int32 bound)
+  const char* id_note = "";  // deferred: appended to a bad id's message (a literal: kept by pointer; samebits.torch: why a value reads as an int32 bound)
 };
 
 // Throws the Error of a deferred id check (IdCheck::deferred) that found a bad id, if one has

@@ -213,7 +213,7 @@ void bind_raw(py::module_& m) {
   using HF = LmHeadLogprobForwardArgs;
   bind_raw_op<HF>(r, "lm_head_logprob_forward", {"lm_head_logprobs", {{"hidden", &HF::hidden}, {"weight", &HF::weight}, {"targets", &HF::targets}, {"loss_mask", &HF::loss_mask}, {"logp", &HF::logp}, {"entropy", &HF::entropy}, {"lse", &HF::lse}, {"logits_kept", &HF::logits_kept}}, {{"ignore_index", set_ignore_index<HF>}}, lm_head_logprob_forward});
   using HB = LmHeadLogprobBackwardArgs;
-  bind_raw_op<HB>(r, "lm_head_logprob_backward", {"lm_head_logprobs_backward", {{"hidden", &HB::hidden}, {"weight", &HB::weight}, {"targets", &HB::targets}, {"loss_mask", &HB::loss_mask}, {"lse", &HB::lse}, {"dlogp", &HB::dlogp}, {"dentropy", &HB::dentropy}, {"dhidden", &HB::dhidden}, {"dweight", &HB::dweight}, {"logits_kept", &HB::logits_kept}}, {{"ignore_index", set_ignore_index<HB>}}, lm_head_logprob_backward});
+  bind_raw_op<HB>(r, "lm_head_logprob_backward", {"lm_head_logprobs_backward", {{"hidden", &HB::hidden}, {"weight", &HB::weight}, {"targets", &HB::targets}, {"loss_mask", &HB::loss_mask}, {"lse", &HB::lse}, {"dlogp", &HB::dlogp}, {"dentropy", &HB::dentropy}, {"dhidden", &HB::dhidden}, {"dweight", &HB::dweight}, {"logits_kept", &HB::logits_kept}, {"segments", &HB::segments}}, {{"ignore_index", set_ignore_index<HB>}}, lm_head_logprob_backward});
 }
 
 std::vector<std::vector<int32_t>> token_lists(const std::vector<std::vector<int64_t>>& seqs, const ModelConfig& config) {

@@ -94,6 +94,7 @@ def test_torch_compile_traces_the_custom_ops():
 def test_bad_input_is_a_python_exception(call, words):
     with pytest.raises(samebits.Error) as e:
         call()
+        sbt.check_ids()  # ids on a GPU: checked without waiting, raised here at the latest
     assert words in str(e.value).lower()
 
 
@@ -147,8 +148,10 @@ def test_swiglu_and_embedding_match_fp64():
     assert rel(table.grad, want) < 4e-3
     with pytest.raises(samebits.Error, match="outside|range"):
         sbt.embedding(torch.tensor([3, 50], device=DEV), table)
+        sbt.check_ids()
     with pytest.raises(samebits.Error, match="int32"):
         sbt.embedding(torch.tensor([2**33], device=DEV), table)
+        sbt.check_ids()
 
 
 def test_rope_qk_norm_and_lm_head_rows_alone_equal_the_batch_and_match_fp64():

@@ -73,10 +73,14 @@ __device__ __forceinline__ void store_vec(O* p, bool aligned, int64_t n, const f
 // ---------------------------------------------------------------- forward
 constexpr int GATHER_THREADS = 128;
 
+// Blocks 0 … T−1 copy a row each; with a deferred check's slot, block T searches the ids for a bad
+// one (index_check.cuh) — the check in the gather's own launch, not a second one.
 template <class T, class O>
-__global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const int32_t* ids, const T* table, int64_t V, int64_t H,
-                                                              bool in_aligned, O* y, bool out_aligned) {
+__global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const int32_t* ids, int64_t n, const T* table, int64_t V,
+                                                              int64_t H, bool in_aligned, O* y, bool out_aligned,
+                                                              DeferredSlot check) {
   const int64_t t = blockIdx.x;
+  if (t == n) return first_bad_id_block<GATHER_THREADS>(ids, n, V, nullptr, false, 0, nullptr, check);
   const int32_t id = ids[t];
   // An invalid id was reported before the launch or is reported by a deferred check: never read
   // through it, and give its row NaN so nothing computed from it passes for a value meanwhile.
@@ -174,15 +178,22 @@ void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
   const int64_t T = a.ids.shape[0], V = a.table.shape[0], H = a.table.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
-  if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
+  DeferredSlot deferred;  // a deferred check runs in the gather's launch; any other before it
+  if (!a.ids_checked) {
+    deferred = queue_deferred_search(ctx, op, "ids", T, V, stream);
+    if (!deferred.answer) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
+  }
   with_float_storage(a.table.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     with_float_storage(a.y.dtype, [&](auto out_tag) {
       using O = decltype(out_tag);
-      gather_rows<T_, O><<<unsigned(T), GATHER_THREADS, 0, stream>>>(
-          a.ids.as<const int32_t>(), a.table.as<const T_>(), V, H, rows_aligned_16(a.table.data, H, sizeof(T_)), a.y.as<O>(),
-          rows_aligned_16(a.y.data, H, sizeof(O)));
-      check(cudaGetLastError(), op, "kernel launch");
+      gather_rows<T_, O><<<unsigned(T) + (deferred.answer ? 1 : 0), GATHER_THREADS, 0, stream>>>(
+          a.ids.as<const int32_t>(), T, a.table.as<const T_>(), V, H, rows_aligned_16(a.table.data, H, sizeof(T_)),
+          a.y.as<O>(), rows_aligned_16(a.y.data, H, sizeof(O)), deferred);
+      if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) {
+        abandon_deferred_search(deferred);
+        check(launched, op, "kernel launch");
+      }
     });
   });
 }
