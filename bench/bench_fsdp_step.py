@@ -417,8 +417,9 @@ def table(args, cfg, world, cards, results, check_line):
     n_params = param_counts(cfg)[0]
     name = cards[0] if len(set(cards)) == 1 else " + ".join(cards)
     where = f"{world} × {name}" if world > 1 else f"1 × {name} (world size 1: no collective crosses GPUs)"
-    given = [f"--{k} {getattr(args, k)}" for k, default in
-             (("layers", 36), ("seqs", 4), ("tokens", 2048), ("optim", "sgd"), ("reps", 7), ("arms", "stock,samebits"))
+    given = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, default in
+             (("layers", 36), ("seqs", 4), ("tokens", 2048), ("optim", "sgd"), ("reps", 7), ("arms", "stock,samebits"),
+              ("keep_logits_mb", 0))
              if getattr(args, k) != default] + (["--check"] if args.check else [])
     cmd = " ".join([f"torchrun --standalone --nproc_per_node={world}" if world > 1 else "python3",
                     "bench/bench_fsdp_step.py"] + given)
