@@ -462,8 +462,8 @@ def embedding(ids: Tensor, table: Tensor, *, main_grad: Optional[Tensor] = None)
 
 def _embedding_of_checked_ids(ids: Tensor, table: Tensor, *, main_grad: Optional[Tensor] = None) -> Tensor:
     """embedding for ids every one of which the caller has checked is in [0, vocab) (samebits.hf.patch:
-    ids that arrived in host memory, checked there): the dispatcher op skips its own range check, a
-    read-back that makes the host wait for every kernel queued before it."""
+    ids that arrived in host memory, checked there): the dispatcher op skips its own range check (a
+    search on the GPU whose answer a later op reads)."""
     _needs_dispatcher(main_grad, "embedding")
     if _ext is not None and _eager():
         return _dispatched(_ext.embedding, ids, table, main_grad, True)
@@ -684,8 +684,7 @@ def _lm_head_logprobs_of_checked_targets(hidden: Tensor, weight: Tensor, targets
                                          keep_logits_bytes: int = 0) -> Tuple[Tensor, Tensor]:
     """lm_head_logprobs for targets every one of which the caller has checked is in [0, vocab) or -100
     (samebits.hf.patch: the next-token ids its embedding call has just checked against a table of at
-    most weight's rows): the dispatcher op skips its own range check, a read-back that would stall
-    the host until the GPU has run the whole forward."""
+    most weight's rows): the dispatcher op skips its own range check (one more kernel launch a call)."""
     _needs_dispatcher(main_grad, "lm_head_logprobs")
     if _ext is not None and _eager():
         return tuple(_dispatched(_ext.lm_head_logprobs, hidden, weight, targets, main_grad, segments, True,
