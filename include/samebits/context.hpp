@@ -47,9 +47,11 @@ struct Context {
   const char* id_note = "";  // deferred: appended to a bad id's message (a literal: kept by pointer; samebits.torch: why a value reads as an int32 bound)
 };
 
-// Throws the Error of a deferred id check (IdCheck::deferred) that found a bad id, if one has
-// reported since the last call (checks still queued on a stream are not waited for); nothing on a
-// backend without deferred checks. Every op on the CUDA backend calls it first.
-void raise_deferred_errors(Backend backend);
+// Throws the DeferredError of a deferred id check (IdCheck::deferred) that found a bad id, one a
+// call, the earliest queued first; nothing on a backend without deferred checks. wait = false:
+// only checks whose answer has landed are heard (every op on the CUDA backend calls it so on
+// entry; ops that other ops call inside them do not). wait = true: first waits for every queued
+// check's GPU (each device's work, on every device a check was queued on).
+void raise_deferred_errors(Backend backend, bool wait = false);
 
 }  // namespace samebits

@@ -24,6 +24,13 @@ class Unsupported : public Error {
   using Error::Error;
 };
 
+// A bad id found by a deferred check (Context::id_check = IdCheck::deferred) of an earlier call,
+// raised by a later one: op() and argument() name the earlier call's.
+class DeferredError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Raised when an op has no implementation on the requested backend yet.
 class NotBuilt : public Error {
  public:

@@ -841,9 +841,12 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("backend") = "auto",
      "Gives the memory samebits keeps for reuse but does not use back to the device (synchronises it first).");
 
-  m.def("raise_deferred_errors", [] { raise_deferred_errors(Backend::cuda); },
+  m.def("raise_deferred_errors", [](bool wait) {
+    py::gil_scoped_release unlocked;
+    raise_deferred_errors(Backend::cuda, wait);
+  }, py::arg("wait") = true,
         "Raises the samebits.Error of an id check that ran on the GPU without being waited for (samebits.torch's "
-        "ops) and found a bad id; checks still queued on a stream are not waited for.");
+        "ops) and found a bad id, one a call; wait=True first waits for every device a queued check runs on.");
 
   // A test / benchmark hook, not an API: forces one of the library's kernel-shape choices (choices
   // that change no bit: the tests prove it) for A/B timing; returns the previous value. 0 restores

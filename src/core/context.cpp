@@ -19,8 +19,8 @@ DeferredErrorsFn& deferred_errors_of(Backend b) {
 }
 }  // namespace detail
 
-void raise_deferred_errors(Backend backend) {
-  if (auto raise = detail::deferred_errors_of(backend)) raise();
+void raise_deferred_errors(Backend backend, bool wait) {
+  if (auto raise = detail::deferred_errors_of(backend)) raise(wait);
 }
 
 const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }

@@ -29,15 +29,24 @@ struct KernelSlot {
 };
 
 // A backend's errors found after an earlier call returned (the CUDA backend's deferred id checks):
-// raised before its next kernel runs (raise_deferred_errors).
-using DeferredErrorsFn = void (*)();
+// raised when the next op is entered (raise_deferred_errors), never inside an op — a composite op
+// calls public ops itself, and a half-written output must not be left by another call's error.
+using DeferredErrorsFn = void (*)(bool wait);
 DeferredErrorsFn& deferred_errors_of(Backend b);
+
+// How deep this thread is in op calls (1 inside an op's kernel, 2 inside an op it calls, …).
+inline thread_local int op_depth = 0;
 
 template <OpId Id, class Args>
 void run_kernel(const char* op, const Context& ctx, const Args& args) {
   auto fn = KernelSlot<Id, Args>::at(ctx.backend);
   if (!fn) throw NotBuilt(op, backend_name(ctx.backend));
-  if (auto raise = deferred_errors_of(ctx.backend)) raise();
+  if (op_depth == 0)
+    if (auto raise = deferred_errors_of(ctx.backend)) raise(false);
+  struct Depth {
+    Depth() { ++op_depth; }
+    ~Depth() { --op_depth; }
+  } depth;
   fn(ctx, args);
 }
 

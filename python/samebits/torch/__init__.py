@@ -11,8 +11,9 @@ library on the tensors' memory through `samebits._core.raw` — nothing is copie
 torch's current stream, and the backward is samebits' own backward kernel (weight gradients in an
 fp32 accumulator, cast once to the weight's dtype). Inputs must be contiguous; dtypes and shapes
 are checked by the library, whose errors arrive as samebits.Error (a ValueError). Ids and targets in
-GPU memory are range-checked without waiting for the GPU: a bad one makes that call's row NaN and is
-raised by a later samebits op (the first called after the check ran) or by check_ids().
+GPU memory are range-checked without waiting for the GPU (the C++ dispatcher ops, in eager mode): a bad
+one makes that call's row NaN and is raised on entering a later samebits op, once its check has run,
+or by check_ids().
 
 Ops: linear, rms_norm, add_rms_norm (fused residual add), token_logprobs, attention (packed causal GQA), swiglu, embedding, rope,
 qk_norm (+ fused RoPE), lm_head_logprobs (the fused LM head → selected logprob) — each forward and
@@ -32,14 +33,11 @@ __all__ = ["Error", "add_rms_norm", "attention", "check_ids", "embedding", "enab
 def check_ids(wait=True):
     """Raises the samebits.Error of an earlier call whose ids / targets in GPU memory were out of range.
 
-    samebits.torch's ops check such ids on the GPU without waiting (as a torch op never waits on the
-    GPU): the bad call's row comes out NaN and the error is raised by the first samebits op called
-    after the check ran. This raises it now: wait=True first waits for the current device's work
-    (torch.cuda.synchronize), so every check queued before has reported.
+    samebits.torch's C++ dispatcher ops (eager mode) check such ids on the GPU without waiting (as a
+    torch op never waits on the GPU): the bad call's row comes out NaN and the error is raised on
+    entering a later samebits op, once that check and every one queued before it have run. This
+    raises it now: wait=True first waits for the work of every device a queued check runs on, so
+    every check queued before has reported (wait=False: only those already heard). One error a call.
     """
-    import torch
-
     from .._core import raise_deferred_errors
-    if wait and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    raise_deferred_errors()
+    raise_deferred_errors(wait)

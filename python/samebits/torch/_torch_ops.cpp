@@ -98,15 +98,13 @@ std::string shape_text(const at::Tensor& t) {
 
 // Runs a samebits op, its Error as a ValueError naming the same op, argument and problem, and
 // `note` after it (clamp_note: why an id may read as an int32 bound).
+// An earlier call's bad id (a deferred check, raised on entering an op) carries that call's note.
 template <class F>
 void run(F&& f, const char* note = "") {
   try {
-    samebits::raise_deferred_errors(samebits::Backend::cuda);  // an earlier call's bad id, with that call's note
-  } catch (const samebits::Error& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  try {
     f();
+  } catch (const samebits::DeferredError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
   } catch (const samebits::Error& e) {
     TORCH_CHECK_VALUE(false, e.what(), note);
   }

@@ -2,13 +2,15 @@
 // hear its answer (Context::id_check):
 //  * wait: the block writes it to scratch; the host copies it back and synchronises the stream.
 //  * deferred: the block writes it into a slot of a ring in mapped, pinned host memory, and the host
-//    reads the slots of the checks it queued at the start of a later op (raise_deferred_id_errors).
+//    reads the slots of the checks it queued when a later op is entered (raise_deferred_id_errors).
 //    Checks are heard in the order they were queued: the host stops at the first whose ticket has
-//    not landed (a check still queued on a stream is never waited for), so an error may wait for an
-//    earlier check on another stream. A slot is reused only once its check has been heard; while
-//    the ring is full, a check waits as in `wait` mode.
+//    not landed (a check still queued on a stream is never waited for, unless asked: wait = true),
+//    so an error may wait for an earlier check on another stream. Every bad answer heard is kept
+//    and raised, one a call. A slot is reused only once its check has been heard; while the ring is
+//    full, a check waits as in `wait` mode.
 #include <atomic>
 #include <climits>
+#include <deque>
 #include <mutex>
 #include <string>
 
@@ -38,6 +40,11 @@ constexpr uint64_t RING = 1024;
 struct Queued {
   const char *op, *name, *note;  // note: Context::id_note (a literal)
   int64_t n, hi;
+  int device;  // where its kernel runs (wait = true synchronises it)
+};
+// A bad answer heard and not yet raised.
+struct Found {
+  std::string op, name, problem;
 };
 struct Deferred {
   std::mutex mutex;
@@ -45,48 +52,54 @@ struct Deferred {
   DeferredAnswer* device_ring = nullptr;  // its address for kernels (UVA: the same on every GPU)
   Queued queued[RING];
   uint64_t oldest = 1, next = 1;
-  std::atomic<bool> any{false};
+  std::deque<Found> found;
+  std::atomic<bool> any{false};  // checks queued or errors heard: the lock-free fast path of an op's entry
 };
 Deferred& deferred() {
   static Deferred d;
   return d;
 }
 
-// The earliest-queued bad answer among those heard now (found == false: none).
-struct Found {
-  bool found = false;
-  std::string op, name, problem;
-  [[noreturn]] void raise() const { throw Error(op, name, problem); }
-};
-
-// Hears the answers that have landed, in queue order. Caller holds the mutex.
-Found hear_locked(Deferred& d) {
-  Found error;
+// Hears the answers that have landed, in queue order, keeping the bad ones. Caller holds the mutex.
+void hear_locked(Deferred& d) {
   for (; d.oldest < d.next; ++d.oldest) {
     const volatile DeferredAnswer& a = d.ring[d.oldest % RING];
     if (a.ticket != d.oldest) break;
     std::atomic_thread_fence(std::memory_order_acquire);
     const Queued& q = d.queued[d.oldest % RING];
     const int64_t index = a.index, value = a.value;
-    if (index < q.n && !error.found)
-      error = {true, q.op, q.name,
-               outside(value, index, q.hi) +
-                   " (found after that call returned: ids in GPU memory are checked without waiting for the GPU, "
-                   "and a bad one is reported by a later samebits op)" + q.note};
+    if (index < q.n)
+      d.found.push_back({q.op, q.name,
+                         outside(value, index, q.hi) +
+                             " (found after that call returned: ids in GPU memory are checked without waiting for the "
+                             "GPU, and a bad one is reported by a later samebits op)" + q.note});
   }
-  d.any.store(d.oldest < d.next, std::memory_order_relaxed);
-  return error;
+  d.any.store(d.oldest < d.next || !d.found.empty(), std::memory_order_relaxed);
 }
 
-void raise_deferred_id_errors() {
+void raise_deferred_id_errors(bool wait) {
   Deferred& d = deferred();
   if (!d.any.load(std::memory_order_relaxed)) return;
-  Found error;
-  {
-    std::lock_guard<std::mutex> lock(d.mutex);
-    error = hear_locked(d);
+  std::unique_lock<std::mutex> lock(d.mutex);
+  hear_locked(d);
+  while (wait && d.oldest < d.next) {  // the oldest unheard check's device, synchronised (unlocked)
+    const int device = d.queued[d.oldest % RING].device;
+    lock.unlock();
+    int current = 0;
+    check(cudaGetDevice(&current), "raise_deferred_errors", "current device");
+    check(cudaSetDevice(device), "raise_deferred_errors", "device of a queued check");
+    const cudaError_t synced = cudaDeviceSynchronize();
+    cudaSetDevice(current);
+    check(synced, "raise_deferred_errors", "waiting for a queued check");
+    lock.lock();
+    hear_locked(d);
   }
-  if (error.found) error.raise();
+  if (d.found.empty()) return;
+  const Found f = d.found.front();
+  d.found.pop_front();
+  d.any.store(d.oldest < d.next || !d.found.empty(), std::memory_order_relaxed);
+  lock.unlock();
+  throw DeferredError(f.op, f.name, f.problem);
 }
 
 const bool registered = [] {
@@ -103,24 +116,32 @@ DeferredSlot queue_deferred_search(const Context& ctx, const char* op, const cha
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(stream, &capturing), op, "stream capture status");
   if (capturing != cudaStreamCaptureStatusNone) return {};
+  // An error left by earlier work: the caller's launch check could not tell it from its own launch's,
+  // and a launch taken for failed would leave its slot to be written late. Wait mode instead.
+  if (cudaPeekAtLastError() != cudaSuccess) return {};
+  int device = 0;
+  check(cudaGetDevice(&device), op, "current device");
   Deferred& d = deferred();
   std::lock_guard<std::mutex> lock(d.mutex);
   if (d.ring == nullptr) {
     void* ring = nullptr;
     check(cudaHostAlloc(&ring, RING * sizeof(DeferredAnswer), cudaHostAllocMapped | cudaHostAllocPortable), op,
           "pinned memory for the deferred id checks");
+    void* device_ring = nullptr;
+    if (const cudaError_t mapped = cudaHostGetDevicePointer(&device_ring, ring, 0); mapped != cudaSuccess) {
+      cudaFreeHost(ring);
+      check(mapped, op, "the deferred id checks' device address");
+    }
+    for (uint64_t i = 0; i < RING; ++i) static_cast<DeferredAnswer*>(ring)[i].ticket = 0;
     d.ring = static_cast<DeferredAnswer*>(ring);
-    for (uint64_t i = 0; i < RING; ++i) d.ring[i].ticket = 0;
-    check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.device_ring), ring, 0), op,
-          "the deferred id checks' device address");
+    d.device_ring = static_cast<DeferredAnswer*>(device_ring);
   }
   if (d.next - d.oldest >= RING) {
-    const Found error = hear_locked(d);  // a slot frees once its answer is heard
-    if (error.found) error.raise();
+    hear_locked(d);  // a slot frees once its answer is heard (a bad one is kept for the next op's entry)
     if (d.next - d.oldest >= RING) return {};
   }
   const uint64_t ticket = d.next++;
-  d.queued[ticket % RING] = Queued{op, name, ctx.id_note ? ctx.id_note : "", n, hi};
+  d.queued[ticket % RING] = Queued{op, name, ctx.id_note ? ctx.id_note : "", n, hi, device};
   d.any.store(true, std::memory_order_relaxed);
   return {&d.device_ring[ticket % RING], ticket};
 }

@@ -73,14 +73,17 @@ __device__ __forceinline__ void store_vec(O* p, bool aligned, int64_t n, const f
 // ---------------------------------------------------------------- forward
 constexpr int GATHER_THREADS = 128;
 
-// Blocks 0 … T−1 copy a row each; with a deferred check's slot, block T searches the ids for a bad
-// one (index_check.cuh) — the check in the gather's own launch, not a second one.
+// A block copies a row; with a deferred check's slot, block 0 first searches the ids for a bad one
+// (index_check.cuh; the lowest block index is scheduled first, so the search's pass over all ids
+// overlaps the copies instead of trailing them) and the rows are blocks 1 … T — the check in the
+// gather's own launch, not a second one.
 template <class T, class O>
 __global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const int32_t* ids, int64_t n, const T* table, int64_t V,
                                                               int64_t H, bool in_aligned, O* y, bool out_aligned,
                                                               DeferredSlot check) {
-  const int64_t t = blockIdx.x;
-  if (t == n) return first_bad_id_block<GATHER_THREADS>(ids, n, V, nullptr, false, 0, nullptr, check);
+  if (check.answer && blockIdx.x == 0)
+    return first_bad_id_block<GATHER_THREADS>(ids, n, V, nullptr, false, 0, nullptr, check);
+  const int64_t t = int64_t(blockIdx.x) - (check.answer ? 1 : 0);
   const int32_t id = ids[t];
   // An invalid id was reported before the launch or is reported by a deferred check: never read
   // through it, and give its row NaN so nothing computed from it passes for a value meanwhile.
@@ -178,9 +181,9 @@ void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
   const int64_t T = a.ids.shape[0], V = a.table.shape[0], H = a.table.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
-  DeferredSlot deferred;  // a deferred check runs in the gather's launch; any other before it
+  DeferredSlot deferred;  // a deferred check runs in the gather's launch (T + 1 blocks); any other before it
   if (!a.ids_checked) {
-    deferred = queue_deferred_search(ctx, op, "ids", T, V, stream);
+    if (T < INT32_MAX) deferred = queue_deferred_search(ctx, op, "ids", T, V, stream);
     if (!deferred.answer) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
   }
   with_float_storage(a.table.dtype, [&](auto tag) {

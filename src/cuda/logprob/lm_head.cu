@@ -234,10 +234,17 @@ __global__ void combine_units(const Stats* units, const float* target_logit, int
   write_token(acc, active, in_range, active && in_range ? target_logit[row] : 0.0f, row, logp, entropy, lse);
 }
 
-// active[t] = 1 for a token whose logprob counts (loss_mask 1 and target != ignore_index).
-__global__ void active_tokens(const int32_t* targets, const uint8_t* mask, int32_t ignore, int64_t M, uint8_t* active) {
+// active[t] = 1 for a token whose logprob counts (loss_mask 1 and target != ignore_index), 2 where
+// its target is outside [0, V) — a bad id a deferred check reports later (Context::id_check): its
+// dlogits row is NaN, so nothing computed from it passes for a gradient meanwhile.
+constexpr uint8_t ACTIVE = 1, ACTIVE_BAD_TARGET = 2;
+__global__ void active_tokens(const int32_t* targets, const uint8_t* mask, int32_t ignore, int64_t M, int64_t V,
+                              uint8_t* active) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t < M) active[t] = token_active(targets, mask, ignore, t) ? 1 : 0;
+  if (t < M)
+    active[t] = !token_active(targets, mask, ignore, t) ? 0
+                : targets[t] >= 0 && targets[t] < V ? ACTIVE
+                                                     : ACTIVE_BAD_TARGET;
 }
 
 // The rows the weight gradient must zero in shared memory (mask 0): inactive tokens whose hidden row
@@ -295,7 +302,7 @@ __device__ __forceinline__ DlogitsRow dlogits_row(const DlogitsParamsBase& p, in
   const int64_t target = r.active ? p.targets[row] : -1;
   r.target_col = target >= col0 && target < col0 + width ? target - col0 : -1;
   r.l = r.active ? p.lse[row] : 0.0f;
-  r.g = r.active ? p.dlogp[row] : 0.0f;
+  r.g = !r.active ? 0.0f : p.active[row] == ACTIVE_BAD_TARGET ? __int_as_float(0x7fffffff) : p.dlogp[row];
   r.ge = ENTROPY && r.active ? p.dentropy[row] : 0.0f;
   r.H = r.ge != 0.0f ? p.entropy[row] : 0.0f;
   return r;
@@ -508,7 +515,7 @@ void mark_active(const LmHeadLogprobBackwardArgs& a, uint8_t* active, cudaStream
   const int64_t T = a.hidden.shape[0];
   active_tokens<<<unsigned((T + 255) / 256), 256, 0, stream>>>(
       a.targets.as<const int32_t>(), a.loss_mask.present() ? a.loss_mask.as<const uint8_t>() : nullptr,
-      a.ignore_index, T, active);
+      a.ignore_index, T, a.weight.shape[0], active);
   check(cudaGetLastError(), "lm_head_logprob_backward", "mask launch");
 }
 

@@ -260,7 +260,10 @@ __global__ void __launch_bounds__(THREADS) logprob_backward_kernel(const T* logi
     return;
   }
   const int32_t target = targets[t];
-  const float g = dlogp[t], ge = dentropy ? dentropy[t] : 0.0f;
+  // A target outside [0, V) (a bad id a deferred check reports later, Context::id_check): a NaN row,
+  // so nothing computed from it passes for a gradient meanwhile.
+  const float g = target >= 0 && target < V ? dlogp[t] : __int_as_float(0x7fffffff);
+  const float ge = dentropy ? dentropy[t] : 0.0f;
   float l, H = 0.0f;
   if (lse_in != nullptr && ge == 0.0f) {
     l = lse_in[t];
