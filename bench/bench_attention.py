@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from timing import alternate, emit, samebits_from
+from timing import alternate, emit, host_us, kernel_ms, samebits_from
 
 
 class Rows(list):
@@ -211,6 +211,31 @@ def main():
             out.append(f"| {B} | {C} | {a * 1e3:.1f} µs, {gb / a * 1e3:.0f} GB/s | {base * 1e3:.1f} µs, "
                        f"{gb / base * 1e3:.0f} GB/s | **{a / base:.2f}×** | {others(tt, 1e3, 'µs', '.1f')} | {diff:.3g} |")
             del q, k, v, o, kt, vt, theirs
+    out += ["", "Kernel time against the Python call's host time (issue 30 goal 5: a kernel gap and a host gap "
+            "kept apart): `samebits.torch.attention` (the op users call: packed rows and lengths) and "
+            "`F.scaled_dot_product_attention` (default dispatch, GQA views), forward, Hq 32 / Hkv 8, D 128. Kernel: "
+            "the profiler's device time of every kernel one call launches (mean of 5 calls); host: the median "
+            "perf_counter time of a call while the GPU is busy ahead of it.", "",
+            "| S × B | samebits.torch kernel | torch kernel | kernel ratio (samebits / torch) | samebits.torch host | "
+            "torch host |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for S, B in ((1024, 16), (8192, 2)) if wanted("prefill") else ():
+        hq, hkv, d = heads[0]
+        q, k, v = prefill_inputs(S, B, hq, hkv, d)
+        qt, kt, vt = (t.view(B, S, -1, d).transpose(1, 2) for t in (q, k, v))
+        lengths = [S] * B
+
+        def ours_op():
+            return samebits.torch.attention(q, k, v, lengths)
+
+        def theirs_op():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+        ko, kt_ = kernel_ms(ours_op), kernel_ms(theirs_op)
+        ho, ht = host_us(ours_op), host_us(theirs_op)
+        out.append(f"| {S} × {B} | {ko:.3f} ms | {kt_:.3f} ms | **{ko / kt_:.2f}×** | {ho:.1f} µs | {ht:.1f} µs |")
+        del q, k, v, qt, kt, vt
+
     out += ["", "Decode from a paged KV cache: the same caches cut into pages of P rows and shuffled over the pool "
             "(torch.randperm, seed 0); samebits paged against samebits contiguous and SDPA (contiguous) in the "
             "same run. The outputs are bitwise those of the contiguous cache (tested in CudaAttention).", "",

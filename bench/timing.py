@@ -121,3 +121,36 @@ def emit(lines, md=None):
     if md:
         with open(md, "w") as f:
             f.write(text)
+
+
+def kernel_ms(fn, reps=5):
+    """Median-free GPU kernel time of one fn() call, ms: the profiler's device time of every kernel
+    the calls launched, summed over `reps` calls and divided by them (after one unprofiled call).
+    What the GPU spent, without the host's launch latency or its Python."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+            total_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return total_us / reps / 1e3
+
+
+def host_us(fn, reps=30):
+    """Median host time of one fn() call, µs: perf_counter around the call while a spin kernel keeps
+    the GPU busy ahead of it, so no call waits on the GPU — the Python op path's own cost."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    torch.cuda._sleep(LEAD_CYCLES * 20)  # ~20 ms of GPU work ahead of the calls
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
