@@ -409,13 +409,13 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
   // The dK/dV pass: the Hopper kernel (128-key tiles) where the device has it, else the portable
   // one (64-key tiles); the device decides, never the shapes.
   const bool hopper = sm90_path_available();
-  const int kv_keys = hopper ? DKDV_SM90_KEYS : BLOCK;
+  const int kv_keys = hopper ? DKDV_SM90_KEYS : BLOCK, q_queries = hopper ? DQ_SM90_QUERIES : BLOCK;
   std::vector<Tile> kv_tiles, q_tiles;
   std::vector<std::pair<int64_t, int64_t>> q_cover, k_cover;
   for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
     const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
     for (int32_t f = 0; f < k_len; f += kv_keys) kv_tiles.push_back({q_row, q_len, k_row, k_len, f});
-    for (int32_t f = 0; f < q_len; f += BLOCK) q_tiles.push_back({q_row, q_len, k_row, k_len, f});
+    for (int32_t f = 0; f < q_len; f += q_queries) q_tiles.push_back({q_row, q_len, k_row, k_len, f});
     q_cover.emplace_back(q_row, int64_t(q_row) + q_len);
     k_cover.emplace_back(k_row, int64_t(k_row) + k_len);
   }
@@ -454,10 +454,14 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
     check(cudaGetLastError(), op, "dK/dV kernel launch");
   }
   p.tiles = table.as<const Tile>() + kv_tiles.size();
-  static std::atomic<int> dq_smem_allowed[64] = {};
-  allow_dynamic_smem(attention_dq_kernel<T, D>, DqSmem<D>::BYTES, dq_smem_allowed, op);
-  attention_dq_kernel<T, D><<<dim3(unsigned(q_tiles.size()), unsigned(Hq)), THREADS, DqSmem<D>::BYTES, stream>>>(p);
-  check(cudaGetLastError(), op, "dQ kernel launch");
+  if (hopper) {
+    attention_dq_sm90(a, p, int(q_tiles.size()), stream, op);
+  } else {
+    static std::atomic<int> dq_smem_allowed[64] = {};
+    allow_dynamic_smem(attention_dq_kernel<T, D>, DqSmem<D>::BYTES, dq_smem_allowed, op);
+    attention_dq_kernel<T, D><<<dim3(unsigned(q_tiles.size()), unsigned(Hq)), THREADS, DqSmem<D>::BYTES, stream>>>(p);
+    check(cudaGetLastError(), op, "dQ kernel launch");
+  }
   // The scratch buffers are freed in stream order, after the kernels.
 }
 
