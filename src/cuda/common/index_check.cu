@@ -94,15 +94,15 @@ const bool registered = [] {
   return true;
 }();
 
-}  // namespace
+bool capturing(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &status), op, "stream capture status");
+  return status != cudaStreamCaptureStatusNone;
+}
 
-DeferredSlot queue_deferred_search(const Context& ctx, const char* op, const char* name, int64_t n, int64_t hi,
-                                   cudaStream_t stream) {
+// queue_deferred_search past its checks of the mode, n and capture (the caller made them).
+DeferredSlot queue(const Context& ctx, const char* op, const char* name, int64_t n, int64_t hi) {
   (void)registered;
-  if (ctx.id_check != IdCheck::deferred || n <= 0) return {};
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(stream, &capturing), op, "stream capture status");
-  if (capturing != cudaStreamCaptureStatusNone) return {};
   Deferred& d = deferred();
   std::lock_guard<std::mutex> lock(d.mutex);
   if (d.ring == nullptr) {
@@ -125,6 +125,14 @@ DeferredSlot queue_deferred_search(const Context& ctx, const char* op, const cha
   return {&d.device_ring[ticket % RING], ticket};
 }
 
+}  // namespace
+
+DeferredSlot queue_deferred_search(const Context& ctx, const char* op, const char* name, int64_t n, int64_t hi,
+                                   cudaStream_t stream) {
+  if (ctx.id_check != IdCheck::deferred || n <= 0 || capturing(stream, op)) return {};
+  return queue(ctx, op, name, n, hi);
+}
+
 void abandon_deferred_search(DeferredSlot slot) {
   if (slot.answer == nullptr) return;
   Deferred& d = deferred();
@@ -136,11 +144,9 @@ void abandon_deferred_search(DeferredSlot slot) {
 
 void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int32_t* ids, int64_t n,
                           int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream) {
-  if (n <= 0) return;
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(stream, &capturing), op, "stream capture status");
-  if (capturing != cudaStreamCaptureStatusNone) return;
-  if (const DeferredSlot slot = queue_deferred_search(ctx, op, name, n, hi, stream); slot.answer) {
+  if (n <= 0 || capturing(stream, op)) return;
+  if (const DeferredSlot slot = ctx.id_check == IdCheck::deferred ? queue(ctx, op, name, n, hi) : DeferredSlot{};
+      slot.answer) {
     first_bad_id<<<1, THREADS, 0, stream>>>(ids, n, hi, mask, has_allowed, allowed, nullptr, slot);
     if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) {
       abandon_deferred_search(slot);

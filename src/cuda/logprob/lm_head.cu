@@ -397,6 +397,25 @@ TensorView rows_or_none(const TensorView& t, int64_t begin, int64_t end) {
 // Tokens a composed (fallback) step takes: its fp32 logits stay within 256 MiB.
 int64_t composed_rows(int64_t T, int64_t V) { return std::max<int64_t>(1, std::min<int64_t>(T, (int64_t(1) << 28) / (V * 4))); }
 
+// Rows [r0, r0 + n) of the forward by the composed route: linear_forward into the fp32 logits z
+// [n, V], then logprob_forward over them (the fused path's bits). Outputs: logp / entropy / lse of
+// all rows (entropy, lse may be null).
+void logits_then_logprob(const Context& ctx, const LmHeadLogprobForwardArgs& a, int64_t r0, int64_t n,
+                         const TensorView& z, float* logp, float* entropy, float* lse) {
+  auto out = [&](float* p) { return p ? TensorView::of(p + r0, DType::f32, {n}, Device::cuda) : TensorView{}; };
+  linear_forward(ctx, {a.hidden.rows(r0, r0 + n), a.weight, {}, z});
+  LogprobForwardArgs f;
+  f.logits = z;
+  f.targets = a.targets.rows(r0, r0 + n);
+  f.loss_mask = rows_or_none(a.loss_mask, r0, r0 + n);
+  f.logp = out(logp);
+  f.entropy = out(entropy);
+  f.lse = out(lse);
+  f.ignore_index = a.ignore_index;
+  f.targets_checked = true;  // the LM head's own call checked them (or the caller vouched)
+  logprob_forward(ctx, f);
+}
+
 // Statistics and outputs of the forward (lse, entropy may be null).
 void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* logp, float* entropy, float* lse) {
   const char* op = "lm_head_logprob_forward";
@@ -421,23 +440,10 @@ void forward_into(const Context& ctx, const LmHeadLogprobForwardArgs& a, float* 
   // Composed: linear_forward to fp32 logits, then logprob_forward, a few tokens at a time.
   const int64_t rows = composed_rows(T, V);
   ScratchBuffer logits(size_t(rows) * size_t(V) * sizeof(float), stream, op);
-  auto out = [&](float* p, int64_t r0, int64_t n) {
-    return p ? TensorView::of(p + r0, DType::f32, {n}, Device::cuda) : TensorView{};
-  };
   for (int64_t r0 = 0; r0 < T; r0 += rows) {
     const int64_t n = std::min(rows, T - r0);
-    const TensorView z = TensorView::of(logits.as<float>(), DType::f32, {n, V}, Device::cuda);
-    linear_forward(ctx, {a.hidden.rows(r0, r0 + n), a.weight, {}, z});
-    LogprobForwardArgs f;
-    f.logits = z;
-    f.targets = a.targets.rows(r0, r0 + n);
-    f.loss_mask = rows_or_none(a.loss_mask, r0, r0 + n);
-    f.logp = out(logp, r0, n);
-    f.entropy = out(entropy, r0, n);
-    f.lse = out(lse, r0, n);
-    f.ignore_index = a.ignore_index;
-    f.targets_checked = true;  // the LM head's own call checked them (or the caller vouched)
-    logprob_forward(ctx, f);
+    logits_then_logprob(ctx, a, r0, n, TensorView::of(logits.as<float>(), DType::f32, {n, V}, Device::cuda), logp,
+                        entropy, lse);
   }
 }
 
@@ -446,11 +452,15 @@ void require_16bit(const char* op, const TensorView& hidden) {
     throw Unsupported(op, "hidden", "the CUDA LM head takes bf16 or fp16 hidden states and weight");
 }
 
+// Whether the fused path takes logits_kept for these (validated) tensors.
+bool takes_kept_logits(const TensorView& hidden, const TensorView& weight) {
+  return weight.shape[0] > 0 && fused_path(hidden, weight, true);
+}
+
 // The rows whose logits the fused path keeps (LmHeadLogprobForwardArgs::logits_kept): the same
 // answer in the forward and the backward, which look at the same tensors.
 int64_t kept_rows(const TensorView& hidden, const TensorView& weight, const TensorView& kept) {
-  return kept.present() && reinterpret_cast<uintptr_t>(kept.data) % 16 == 0 && weight.shape[0] > 0 &&
-                 fused_path(hidden, weight, true)
+  return kept.present() && reinterpret_cast<uintptr_t>(kept.data) % 16 == 0 && takes_kept_logits(hidden, weight)
              ? kept.shape[0]
              : 0;
 }
@@ -463,19 +473,7 @@ void lm_head_logprob_forward(const Context& ctx, const LmHeadLogprobForwardArgs&
   float* logp = a.logp.as<float>();
   float* entropy = a.entropy.present() ? a.entropy.as<float>() : nullptr;
   float* lse = a.lse.present() ? a.lse.as<float>() : nullptr;
-  if (C > 0) {  // kept rows: the GEMM's fp32 logits stored, then the standalone logprob (the fused bits)
-    linear_forward(ctx, {a.hidden.rows(0, C), a.weight, {}, a.logits_kept});
-    LogprobForwardArgs f;
-    f.logits = a.logits_kept;
-    f.targets = a.targets.rows(0, C);
-    f.loss_mask = rows_or_none(a.loss_mask, 0, C);
-    f.logp = a.logp.rows(0, C);
-    f.entropy = rows_or_none(a.entropy, 0, C);
-    f.lse = rows_or_none(a.lse, 0, C);
-    f.ignore_index = a.ignore_index;
-    f.targets_checked = true;  // checked (or vouched for) above
-    logprob_forward(ctx, f);
-  }
+  if (C > 0) logits_then_logprob(ctx, a, 0, C, a.logits_kept, logp, entropy, lse);  // kept rows: the logits stored
   if (C == T) return;
   LmHeadLogprobForwardArgs rest = a;
   rest.hidden = a.hidden.rows(C, T);
@@ -522,15 +520,21 @@ void row_masks(const LmHeadLogprobBackwardArgs& a, uint8_t* active, uint8_t* kee
   check(cudaGetLastError(), "lm_head_logprob_backward", "keep launch");
 }
 
+// The row-wise inputs of one part of the backward (rows [C, T) or [0, C)): its statistics and its
+// rows' masks (row_masks, made once for all rows: each row's bytes are its own).
+struct BackwardRows {
+  const float *lse, *entropy;  // entropy may be null
+  const uint8_t *active, *keep;
+  BackwardRows from(int64_t row) const { return {lse + row, entropy ? entropy + row : nullptr, active + row, keep + row}; }
+};
+
 template <class T>
-void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy,
-                    const std::vector<int32_t>& segs, cudaStream_t stream) {
+void fused_backward(const LmHeadLogprobBackwardArgs& a, const BackwardRows& r, const std::vector<int32_t>& segs,
+                    cudaStream_t stream) {
   const char* op = "lm_head_logprob_backward";
   const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
   const T* hidden = a.hidden.as<const T>();
   const T* weight = a.weight.as<const T>();
-  ScratchBuffer active(size_t(M), stream, op), keep(size_t(M), stream, op);
-  row_masks<T>(a, active.as<uint8_t>(), keep.as<uint8_t>(), stream);
   const int64_t chunk = vocab_chunk(M, V, sizeof(T)), chunks = (V + chunk - 1) / chunk;
   ScratchBuffer dlogits(size_t(M) * size_t(std::min(chunk, V)) * sizeof(T), stream, op);
   // dhidden's fp32 accumulator across chunks: dhidden itself when it is fp32.
@@ -544,7 +548,7 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
     p.store.out = dlogits.as<T>();
     p.store.store_by_tma = M > 128 && (width * int64_t(sizeof(T))) % 16 == 0;
     if (p.store.store_by_tma) p.store.map_out = sm90::tma_map_2d(dlogits.as<const T>(), M, width, 64);
-    static_cast<DlogitsParamsBase&>(p) = dlogits_params(a, active.as<const uint8_t>(), lse, entropy, col0);
+    static_cast<DlogitsParamsBase&>(p) = dlogits_params(a, r.active, r.lse, r.entropy, col0);
     if (p.dentropy) launch_vocab_gemm<T, DlogitsEpilogue<T, true>>(hidden, w_chunk, p, M, width, K, stream, op);
     else launch_vocab_gemm<T, DlogitsEpilogue<T, false>>(hidden, w_chunk, p, M, width, K, stream, op);
     const bool last = c + 1 == chunks;
@@ -556,8 +560,8 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
       gemm_sm90_input_grad_continue<T>(dlogits.as<const T>(), w_chunk, acc, last ? a.dhidden.data : acc,
                                        last ? a.dhidden.dtype : DType::f32, M, width, K, stream);
     }
-    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, keep.as<const uint8_t>(), segs.data(),
-                             int64_t(segs.size() / 2), a.dweight.as<float>() + col0 * K, M, width, K, stream);
+    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, r.keep, segs.data(), int64_t(segs.size() / 2),
+                             a.dweight.as<float>() + col0 * K, M, width, K, stream);
   }
 }
 
@@ -565,21 +569,19 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const 
 // the same dX and dW kernels as the fused backward, over the whole vocab at once (the fused one's
 // vocab chunks change no bit). segs: the covering segments of these rows.
 template <class T>
-void kept_backward(const LmHeadLogprobBackwardArgs& a, const float* lse, const float* entropy,
-                   const std::vector<int32_t>& segs, cudaStream_t stream) {
+void kept_backward(const LmHeadLogprobBackwardArgs& a, const BackwardRows& r, const std::vector<int32_t>& segs,
+                   cudaStream_t stream) {
   const char* op = "lm_head_logprob_backward";
   const int64_t M = a.hidden.shape[0], K = a.hidden.shape[1], V = a.weight.shape[0];
   const T* hidden = a.hidden.as<const T>();
-  ScratchBuffer active(size_t(M), stream, op), keep(size_t(M), stream, op);
-  row_masks<T>(a, active.as<uint8_t>(), keep.as<uint8_t>(), stream);
   ScratchBuffer dlogits(size_t(M) * size_t(V) * sizeof(T), stream, op);
-  const DlogitsParamsBase p = dlogits_params(a, active.as<const uint8_t>(), lse, entropy, 0);
+  const DlogitsParamsBase p = dlogits_params(a, r.active, r.lse, r.entropy, 0);
   const unsigned blocks = unsigned(std::min<int64_t>(M, 65535));
   if (p.dentropy) dlogits_from_kept<T, true><<<blocks, 256, 0, stream>>>(a.logits_kept.as<const float>(), p, M, V, dlogits.as<T>());
   else dlogits_from_kept<T, false><<<blocks, 256, 0, stream>>>(a.logits_kept.as<const float>(), p, M, V, dlogits.as<T>());
   check(cudaGetLastError(), op, "kept dlogits launch");
   gemm_sm90_input_grad<T>(dlogits.as<const T>(), a.weight.as<const T>(), a.dhidden.data, a.dhidden.dtype, M, V, K, stream);
-  gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, keep.as<const uint8_t>(), segs.data(), int64_t(segs.size() / 2),
+  gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, r.keep, segs.data(), int64_t(segs.size() / 2),
                            a.dweight.as<float>(), M, V, K, stream);
 }
 
@@ -678,8 +680,11 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
     const auto segs = split_covering(a.segments, T, C);
     with_16bit_storage(a.hidden.dtype, [&](auto tag) {
       using T_ = decltype(tag);
-      if (C > 0) kept_backward<T_>(backward_rows(a, 0, C), lse, entropy, segs.first, stream);
-      if (C < T) fused_backward<T_>(backward_rows(a, C, T), lse + C, entropy ? entropy + C : nullptr, segs.second, stream);
+      ScratchBuffer active(size_t(T), stream, op), keep(size_t(T), stream, op);
+      row_masks<T_>(a, active.as<uint8_t>(), keep.as<uint8_t>(), stream);
+      const BackwardRows rows{lse, entropy, active.as<const uint8_t>(), keep.as<const uint8_t>()};
+      if (C > 0) kept_backward<T_>(backward_rows(a, 0, C), rows, segs.first, stream);
+      if (C < T) fused_backward<T_>(backward_rows(a, C, T), rows.from(C), segs.second, stream);
     });
     return;
   }
@@ -689,7 +694,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
 }  // namespace
 
 bool lm_head_keeps_logits(const TensorView& hidden, const TensorView& weight) {
-  return hidden.ndim == 2 && weight.ndim == 2 && weight.shape[0] > 0 && fused_path(hidden, weight, true);
+  return hidden.ndim == 2 && weight.ndim == 2 && takes_kept_logits(hidden, weight);  // before validation: shapes first
 }
 
 SAMEBITS_REGISTER_KERNEL(lm_head_logprob_forward, Backend::cuda, LmHeadLogprobForwardArgs, lm_head_logprob_forward);
