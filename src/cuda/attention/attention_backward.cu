@@ -8,8 +8,9 @@
 //    GQA group in ascending order and, for each, the sequence's query blocks of 64 (aligned to the
 //    sequence's first query) in ascending order: dV += Pᵀ·dO, dK += dSᵀ·Q, each an mma chain over
 //    the block's queries. Query blocks wholly before the keys are skipped (they see none of them).
-//  * dQ: a CTA owns 64 queries of one sequence and one query head and walks the key blocks of 64
-//    from key 0 in ascending order up to its last query: dQ += dS·K.
+//  * dQ: a CTA owns 64 queries of one sequence and one query head (128 in the Hopper pass,
+//    attention_backward_sm90.cu) and walks the key blocks of 64 from key 0 in ascending order up
+//    to its last query: dQ += dS·K.
 //  * P = 2^(s·c − lse·log2 e) (c = scale·log2 e) is recomputed from the forward's lse; dS = P ∘ (dP −
 //    δ) with δ = Σ dO ∘ O per row, from a small kernel (one warp a row, a fixed butterfly).
 // Fragments come by ldmatrix (.trans for the [k, n] operands); the next query block (dK/dV) or key
@@ -406,16 +407,16 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
   check(cudaGetLastError(), op, "delta kernel launch");
 
   const auto* s = a.seqs.as<const int32_t>();
-  // The dK/dV pass: the Hopper kernel (128-key tiles) where the device has it, else the portable
-  // one (64-key tiles); the device decides, never the shapes.
+  // The dK/dV and dQ passes: the Hopper kernels (128-key / 128-query tiles) where the device has
+  // them, else the portable ones (64-row tiles); the device decides, never the shapes.
   const bool hopper = sm90_path_available();
-  const int kv_keys = hopper ? DKDV_SM90_KEYS : BLOCK;
+  const int kv_keys = hopper ? DKDV_SM90_KEYS : BLOCK, q_queries = hopper ? DQ_SM90_QUERIES : BLOCK;
   std::vector<Tile> kv_tiles, q_tiles;
   std::vector<std::pair<int64_t, int64_t>> q_cover, k_cover;
   for (int64_t b = 0; b < a.seqs.shape[0]; ++b) {
     const int32_t q_row = s[4 * b], q_len = s[4 * b + 1], k_row = s[4 * b + 2], k_len = s[4 * b + 3];
     for (int32_t f = 0; f < k_len; f += kv_keys) kv_tiles.push_back({q_row, q_len, k_row, k_len, f});
-    for (int32_t f = 0; f < q_len; f += BLOCK) q_tiles.push_back({q_row, q_len, k_row, k_len, f});
+    for (int32_t f = 0; f < q_len; f += q_queries) q_tiles.push_back({q_row, q_len, k_row, k_len, f});
     q_cover.emplace_back(q_row, int64_t(q_row) + q_len);
     k_cover.emplace_back(k_row, int64_t(k_row) + k_len);
   }
@@ -454,10 +455,14 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
     check(cudaGetLastError(), op, "dK/dV kernel launch");
   }
   p.tiles = table.as<const Tile>() + kv_tiles.size();
-  static std::atomic<int> dq_smem_allowed[64] = {};
-  allow_dynamic_smem(attention_dq_kernel<T, D>, DqSmem<D>::BYTES, dq_smem_allowed, op);
-  attention_dq_kernel<T, D><<<dim3(unsigned(q_tiles.size()), unsigned(Hq)), THREADS, DqSmem<D>::BYTES, stream>>>(p);
-  check(cudaGetLastError(), op, "dQ kernel launch");
+  if (hopper) {
+    attention_dq_sm90(a, p, int(q_tiles.size()), stream, op);
+  } else {
+    static std::atomic<int> dq_smem_allowed[64] = {};
+    allow_dynamic_smem(attention_dq_kernel<T, D>, DqSmem<D>::BYTES, dq_smem_allowed, op);
+    attention_dq_kernel<T, D><<<dim3(unsigned(q_tiles.size()), unsigned(Hq)), THREADS, DqSmem<D>::BYTES, stream>>>(p);
+    check(cudaGetLastError(), op, "dQ kernel launch");
+  }
   // The scratch buffers are freed in stream order, after the kernels.
 }
 

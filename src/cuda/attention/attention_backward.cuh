@@ -26,13 +26,17 @@ struct BwdParams {
   float scale, c2;  // c2 = scale·log2(e)
 };
 
-// Keys a tile of the Hopper dK/dV pass owns.
-constexpr int DKDV_SM90_KEYS = 128;
+// Keys a tile of the Hopper dK/dV pass owns; queries a tile of the Hopper dQ pass owns.
+constexpr int DKDV_SM90_KEYS = 128, DQ_SM90_QUERIES = 128;
 
 // The Hopper (sm_90a) dK/dV pass over `tiles` (p.tiles, device memory, DKDV_SM90_KEYS keys each):
 // TMA + wgmma, the same order of terms as the portable pass (GQA heads ascending, query blocks of
 // 64 ascending), its own bits.
 void attention_dkdv_sm90(const AttentionBackwardArgs& a, const BwdParams& p, int tiles, cudaStream_t stream,
                          const char* op);
+// The Hopper dQ pass over `tiles` (DQ_SM90_QUERIES queries each): TMA + wgmma, key blocks of 64
+// from key 0 ascending (the portable pass's order of terms), its own bits.
+void attention_dq_sm90(const AttentionBackwardArgs& a, const BwdParams& p, int tiles, cudaStream_t stream,
+                       const char* op);
 
 }  // namespace samebits::cuda::attention
