@@ -405,14 +405,17 @@ def test_a_bad_gpu_id_gives_nan_rows_then_an_error_from_a_later_op_and_the_conte
 
     hidden = torch.randn(3, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(10, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    logp, _ = sbt.lm_head_logprobs(hidden, weight, torch.tensor([1, 10, 2], device=DEV))
-    errors = []
-    try:
-        logp.sum().backward()  # its entry may hear the forward's check already
-    except (samebits.Error, RuntimeError) as e:
-        errors.append(str(e))
-    else:
-        torch.cuda.synchronize()
-        assert torch.isnan(logp[1]) and torch.isnan(hidden.grad[1]).all() and torch.isnan(weight.grad).all()
-    errors += drain()
-    assert errors and all("value 10 at index 1" in m for m in errors), errors
+    bad_targets = torch.tensor([1, 10, 2], device=DEV)
+    logp, _ = sbt.lm_head_logprobs(hidden, weight, bad_targets)
+    torch.cuda.synchronize()  # the forward's check has landed: the backward's entry raises it
+    with pytest.raises(ValueError, match="lm_head.*value 10 at index 1"):  # through torch's C++ autograd
+        logp.sum().backward()  # engine samebits.Error arrives as the ValueError it derives from
+    logp, _ = sbt.lm_head_logprobs(hidden, weight, bad_targets)
+    with pytest.raises(samebits.Error, match="value 10 at index 1"):
+        sbt.check_ids()  # the forward's error taken first: the backward below runs
+    logp.sum().backward()
+    torch.cuda.synchronize()
+    assert torch.isnan(logp[1]) and torch.isnan(hidden.grad[1]).all() and torch.isnan(weight.grad).all()
+    assert not torch.isnan(hidden.grad[0]).any() and not torch.isnan(hidden.grad[2]).any()
+    errors = drain()  # the backward's own check of the targets, if it makes one
+    assert all("value 10 at index 1" in m for m in errors), errors
