@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -285,6 +286,43 @@ TEST_F(CudaAttention, PagedCacheGivesTheSameBits) {
                              std::to_string(ctas));
       }
     }
+  }
+}
+
+// Work tables reach the GPU through a ring of page-locked memory (src/cuda/common/host_upload.cu),
+// so a call returns without waiting for the GPU: calls queued back to back — tables from a few KiB to
+// over 2 MiB (the ring grows), more bytes in flight than the ring holds (it wraps and waits), each
+// host table overwritten as soon as its call returns — give each call's own bits.
+TEST_F(CudaAttention, TablesUploadedAheadOfTheGpuKeepEachCallsBits) {
+  const Shape s{DType::bf16, 8, 2, 64, 24000};
+  Rng r(5);
+  const Inputs in = random_inputs(s, r);
+  const int32_t T = int32_t(s.len);
+  const std::vector<int32_t> lengths = {1, 3, 1, 17, 1, 64, 1, 300};
+  auto packing = [&](int32_t len) {
+    std::vector<SeqRow> rows;
+    for (int32_t at = 0; at < T; at += len) rows.push_back({at, std::min(len, T - at), at, std::min(len, T - at)});
+    return rows;
+  };
+  std::vector<Fwd> alone;
+  for (const int32_t len : lengths) alone.push_back(run_gpu(in.q, in.k, in.v, packing(len)));
+  const DeviceBuffer dq(in.q), dk(in.k), dv(in.v);
+  // ~10 ms of GEMMs ahead on the same stream, so the calls below queue behind them.
+  const DeviceBuffer x(DType::bf16, {8192, 8192}), w(DType::bf16, {8192, 8192}), y(DType::bf16, {8192, 8192});
+  for (int i = 0; i < 6; ++i) linear_forward(cuda_ctx(), {x.view(), w.view(), {}, y.view()});
+  std::vector<std::unique_ptr<DeviceBuffer>> outs, lses;
+  for (int round = 0; round < 2; ++round)
+    for (const int32_t len : lengths) {
+      outs.push_back(std::make_unique<DeviceBuffer>(s.dt, std::vector<int64_t>{T, s.hq, s.d}));
+      lses.push_back(std::make_unique<DeviceBuffer>(DType::f32, std::vector<int64_t>{T, s.hq}));
+      HostTensor seqs = seq_table(packing(len));
+      attention_forward(cuda_ctx(), forward_args(dq.view(), dk.view(), dv.view(), seqs, outs.back()->view(), lses.back()->view()));
+      for (int64_t e = 0; e < seqs.numel(); ++e) seqs.set(e, -1);  // the call has returned: its table is free
+    }
+  for (size_t c = 0; c < outs.size(); ++c) {
+    const std::string what = "call " + std::to_string(c) + ", sequences of " + std::to_string(lengths[c % lengths.size()]);
+    expect_same_bits(outs[c]->host(), alone[c % lengths.size()].out, what);
+    expect_same_bits(lses[c]->host(), alone[c % lengths.size()].lse, what + ": lse");
   }
 }
 

@@ -30,6 +30,7 @@
 #include "cuda/attention/attention_backward.cuh"
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/attention/attention_host.hpp"
+#include "cuda/common/host_upload.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/linear/gemm.cuh"
@@ -434,8 +435,7 @@ void run_backward(const Context& ctx, const AttentionBackwardArgs& a, cudaStream
   std::vector<Tile> all(kv_tiles);
   all.insert(all.end(), q_tiles.begin(), q_tiles.end());
   ScratchBuffer table(all.size() * sizeof(Tile), stream, op);
-  check(cudaMemcpyAsync(table.as<Tile>(), all.data(), all.size() * sizeof(Tile), cudaMemcpyHostToDevice, stream), op,
-        "tile table");
+  upload_to_device(table.as<Tile>(), all.data(), all.size() * sizeof(Tile), stream, op, "tile table");
   Params p{};
   p.q = a.q.as<const uint16_t>(), p.k = a.k.as<const uint16_t>(), p.v = a.v.as<const uint16_t>();
   p.dout = a.dout.as<const uint16_t>();

@@ -30,6 +30,7 @@
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/attention/attention_host.hpp"
 #include "cuda/attention/attention_sm90.hpp"
+#include "cuda/common/host_upload.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/linear/gemm.cuh"
@@ -233,9 +234,8 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   if (uploaded) {
     pages = {a.block_table_device.as<const int32_t>(), int(a.block_table.shape[1]), int(a.page_size)};
   } else if (paged) {
-    check(cudaMemcpyAsync(table_buf.as<int32_t>(), a.block_table.data, size_t(a.block_table.numel()) * sizeof(int32_t),
-                          cudaMemcpyHostToDevice, stream),
-          op, "block table");
+    upload_to_device(table_buf.as<int32_t>(), a.block_table.data, size_t(a.block_table.numel()) * sizeof(int32_t),
+                     stream, op, "block table");
     pages = {table_buf.as<const int32_t>(), int(a.block_table.shape[1]), int(a.page_size)};
   }
   if (sm90_path_available()) {  // chosen by the device alone, never by the shapes
@@ -250,8 +250,7 @@ void attention_forward(const Context& ctx, const AttentionForwardArgs& a) {
   }
   if (tiles.empty()) return;
   ScratchBuffer tile_buf(tiles.size() * sizeof(Tile), stream, op);
-  check(cudaMemcpyAsync(tile_buf.as<Tile>(), tiles.data(), tiles.size() * sizeof(Tile), cudaMemcpyHostToDevice, stream), op,
-        "tile table");
+  upload_to_device(tile_buf.as<Tile>(), tiles.data(), tiles.size() * sizeof(Tile), stream, op, "tile table");
   const FwdParams p{a.q.data, a.k.data, a.v.data, a.out.data, a.lse.present() ? a.lse.as<float>() : nullptr,
                     tile_buf.as<const Tile>(), pages, int(Hq), int(Hkv),
                     float(a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D)))};

@@ -53,6 +53,7 @@
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/attention/attention_host.hpp"
 #include "cuda/attention/attention_sm90.hpp"
+#include "cuda/common/host_upload.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/common/sm90/primitives.cuh"
@@ -682,10 +683,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
     std::copy(w.items.begin(), w.items.end(), p.inline_items);
     std::copy(w.combines.begin(), w.combines.end(), p.inline_combines);
   } else {
-    std::vector<uint8_t> host(item_bytes + combine_bytes);
-    std::copy_n(reinterpret_cast<const uint8_t*>(w.items.data()), item_bytes, host.data());
-    std::copy_n(reinterpret_cast<const uint8_t*>(w.combines.data()), combine_bytes, host.data() + item_bytes);
-    check(cudaMemcpyAsync(tables.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice, stream), op, "work table");
+    upload_to_device(tables.as<uint8_t>(), w.items.data(), item_bytes, stream, op, "work table");
+    upload_to_device(tables.as<uint8_t>() + item_bytes, w.combines.data(), combine_bytes, stream, op, "combine table");
     p.items = tables.as<const Item>();
     p.combines = reinterpret_cast<const Combine*>(tables.as<uint8_t>() + item_bytes);
   }

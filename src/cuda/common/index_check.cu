@@ -107,12 +107,6 @@ const bool registered = [] {
   return true;
 }();
 
-bool capturing(cudaStream_t stream, const char* op) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(stream, &status), op, "stream capture status");
-  return status != cudaStreamCaptureStatusNone;
-}
-
 // queue_deferred_search past its checks of the mode, n and capture (the caller made them).
 DeferredSlot queue(const Context& ctx, const char* op, const char* name, int64_t n, int64_t hi) {
   (void)registered;
@@ -150,7 +144,7 @@ DeferredSlot queue(const Context& ctx, const char* op, const char* name, int64_t
 
 DeferredSlot queue_deferred_search(const Context& ctx, const char* op, const char* name, int64_t n, int64_t hi,
                                    cudaStream_t stream) {
-  if (ctx.id_check != IdCheck::deferred || n <= 0 || capturing(stream, op)) return {};
+  if (ctx.id_check != IdCheck::deferred || n <= 0 || stream_capturing(stream, op)) return {};
   return queue(ctx, op, name, n, hi);
 }
 
@@ -165,7 +159,7 @@ void abandon_deferred_search(DeferredSlot slot) {
 
 void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int32_t* ids, int64_t n,
                           int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream) {
-  if (n <= 0 || capturing(stream, op)) return;
+  if (n <= 0 || stream_capturing(stream, op)) return;
   if (const DeferredSlot slot = ctx.id_check == IdCheck::deferred ? queue(ctx, op, name, n, hi) : DeferredSlot{};
       slot.answer) {
     first_bad_id<<<1, THREADS, 0, stream>>>(ids, n, hi, mask, has_allowed, allowed, nullptr, slot);

@@ -15,6 +15,13 @@ inline void check(cudaError_t e, const char* op, const char* what) {
 
 inline cudaStream_t stream_of(void* s) { return static_cast<cudaStream_t>(s); }
 
+// Whether `stream` is being captured into a graph (work queued now runs at the graph's replays).
+inline bool stream_capturing(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &status), op, "stream capture status");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // A positive value computed once per device and cached for the process: `cache` is the caller's
 // own (one entry per device, 0 until computed). Settings such as a kernel's shared-memory opt-in
 // belong to the device they were made on, so a process that drives several GPUs must make them
