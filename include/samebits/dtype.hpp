@@ -1,7 +1,8 @@
 // samebits/dtype.hpp — element types and their exact, round-to-nearest-even conversions.
 //
 // Storage types are bf16, fp16 and fp32 (fp64 is for the reference backend's truth mode);
-// int32 carries token ids / positions / sequence tables and uint8 carries masks.
+// int32 carries token ids / positions / sequence tables and uint8 carries masks; int64 token ids
+// (torch's index type) are taken where an op says so (the embedding's ids).
 // Every narrowing conversion rounds to nearest, ties to even, directly from the source
 // value (never through an intermediate type, so double -> bf16 is not double-rounded).
 #pragma once
@@ -10,9 +11,9 @@
 
 namespace samebits {
 
-enum class DType : uint8_t { bf16, f16, f32, f64, i32, u8 };
+enum class DType : uint8_t { bf16, f16, f32, f64, i32, u8, i64 };
 
-const char* dtype_name(DType d);                  // "bf16", "fp16", "fp32", "fp64", "int32", "uint8"
+const char* dtype_name(DType d);                  // "bf16", "fp16", "fp32", "fp64", "int32", "uint8", "int64"
 DType dtype_from_name(const std::string& name);   // throws samebits::Error on an unknown name
 int dtype_size(DType d);                          // bytes per element
 bool is_floating(DType d);

@@ -35,7 +35,7 @@ class Validator {
   void nonempty(const char* name, const TensorView& t) const;
   // With Context::check_finite_inputs, a floating input holding NaN or Inf is rejected.
   void finite(const char* name, const TensorView& t) const;
-  // int32 values in [lo, hi), skipping rows where `row_mask` (optional uint8) is 0 and values equal
+  // int32 (or int64) values in [lo, hi), skipping rows where `row_mask` (optional uint8) is 0 and values equal
   // to `allowed` (e.g. ignore_index) when `use_allowed`.
   void int_range(const char* name, const TensorView& t, int64_t lo, int64_t hi,
                  const TensorView& row_mask = {}, bool use_allowed = false,

@@ -49,9 +49,9 @@ namespace {
 // samebits.torch builds it from a torch.Tensor. The caller guarantees a contiguous layout and that
 // the memory outlives the call; the op validates dtypes and shapes. None: an omitted argument.
 DType dtype_from(const std::string& name, const char* op, const char* arg) {
-  for (DType d : {DType::bf16, DType::f16, DType::f32, DType::f64, DType::i32, DType::u8})
+  for (DType d : {DType::bf16, DType::f16, DType::f32, DType::f64, DType::i32, DType::u8, DType::i64})
     if (name == dtype_name(d)) return d;
-  throw Error(op, arg, "dtype \"" + name + "\" is not taken (bf16, fp16, fp32, int32, uint8)");
+  throw Error(op, arg, "dtype \"" + name + "\" is not taken (bf16, fp16, fp32, int32, uint8, int64)");
 }
 
 TensorView desc(const py::object& o, const char* op, const char* arg) {

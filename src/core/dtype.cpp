@@ -17,6 +17,7 @@ const char* dtype_name(DType d) {
     case DType::f64: return "fp64";
     case DType::i32: return "int32";
     case DType::u8: return "uint8";
+    case DType::i64: return "int64";
   }
   return "?";
 }
@@ -28,6 +29,7 @@ DType dtype_from_name(const std::string& n) {
   if (n == "fp64" || n == "f64" || n == "float64") return DType::f64;
   if (n == "int32" || n == "i32") return DType::i32;
   if (n == "uint8" || n == "u8") return DType::u8;
+  if (n == "int64" || n == "i64") return DType::i64;
   throw Error("dtype_from_name", "name", "unknown dtype '" + n + "'");
 }
 
@@ -35,7 +37,7 @@ int dtype_size(DType d) {
   switch (d) {
     case DType::bf16: case DType::f16: return 2;
     case DType::f32: case DType::i32: return 4;
-    case DType::f64: return 8;
+    case DType::f64: case DType::i64: return 8;
     case DType::u8: return 1;
   }
   return 0;
@@ -121,6 +123,7 @@ double load_as_double(const void* data, DType d, int64_t i) {
     case DType::f64: return static_cast<const double*>(data)[i];
     case DType::i32: return static_cast<const int32_t*>(data)[i];
     case DType::u8: return static_cast<const uint8_t*>(data)[i];
+    case DType::i64: return double(static_cast<const int64_t*>(data)[i]);
   }
   return 0;
 }
@@ -133,6 +136,7 @@ void store_from_double(void* data, DType d, int64_t i, double v) {
     case DType::f64: static_cast<double*>(data)[i] = v; return;
     case DType::i32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); return;
     case DType::u8: static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v); return;
+    case DType::i64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); return;
   }
 }
 

@@ -117,17 +117,20 @@ void Validator::finite(const char* name, const TensorView& t) const {
 void Validator::int_range(const char* name, const TensorView& t, int64_t lo, int64_t hi,
                           const TensorView& row_mask, bool use_allowed, int32_t allowed) const {
   if (t.device != Device::cpu) return;  // device-side checks live in the CUDA backend
-  const auto* v = t.as<const int32_t>();
   const auto* m = row_mask.present() ? row_mask.as<const uint8_t>() : nullptr;
   const int64_t n = t.numel();
   const int64_t per_row = t.ndim > 0 && t.shape[0] > 0 ? n / t.shape[0] : 1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (m && m[i / per_row] == 0) continue;
-    if (use_allowed && v[i] == allowed) continue;
-    if (v[i] < lo || v[i] >= hi)
-      fail(name, "value " + std::to_string(v[i]) + " at index " + std::to_string(i) +
-                     " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
-  }
+  auto scan = [&](const auto* v) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (m && m[i / per_row] == 0) continue;
+      if (use_allowed && v[i] == allowed) continue;
+      if (v[i] < lo || v[i] >= hi)
+        fail(name, "value " + std::to_string(v[i]) + " at index " + std::to_string(i) +
+                       " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+    }
+  };
+  if (t.dtype == DType::i64) scan(t.as<const int64_t>());
+  else scan(t.as<const int32_t>());
 }
 
 void Validator::flags(const char* name, const TensorView& t) const {

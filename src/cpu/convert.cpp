@@ -39,6 +39,11 @@ void load(const TensorView& t, int64_t first, int64_t n, Acc* out) {
       for (int64_t i = 0; i < n; ++i) out[i] = Acc(p[i]);
       return;
     }
+    case DType::i64: {
+      const auto* p = t.as<const int64_t>() + first;
+      for (int64_t i = 0; i < n; ++i) out[i] = Acc(p[i]);
+      return;
+    }
   }
 }
 

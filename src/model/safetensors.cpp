@@ -47,6 +47,7 @@ const char* dtype_tag(DType d) {
     case DType::f64: return "F64";
     case DType::i32: return "I32";
     case DType::u8: return "U8";
+    case DType::i64: return "I64";
   }
   return "?";
 }

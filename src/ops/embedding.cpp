@@ -9,7 +9,8 @@ using namespace detail;
 static void check_ids(const Validator& v, const TensorView& ids, int64_t vocab,
                       const TensorView& mask) {
   v.required("ids", ids, 1);
-  v.dtype("ids", ids, DType::i32);
+  if (ids.dtype != DType::i32 && ids.dtype != DType::i64)  // int64: torch's index type, read as it is
+    v.fail("ids", std::string("expected dtype int32 or int64, got ") + dtype_name(ids.dtype));
   v.nonempty("ids", ids);
   v.int_range("ids", ids, 0, vocab, mask);
 }

@@ -447,3 +447,24 @@ TEST(CpuOps, WeightGradientsChainAcrossMicroBatchesBitwise) {
   }
   EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * 4), 0);
 }
+
+// int64 ids (torch's index type) are read as they are and give the int32 ids' bits, forward and
+// backward (with masked rows and repeated ids).
+TEST(CpuOps, EmbeddingTakesInt64IdsWithTheInt32Bits) {
+  const int64_t T = 9, V = 6, H = 5;
+  Rng r(7);
+  std::vector<float> table = random_floats(r, V * H, -1, 1), dy = random_floats(r, T * H, -1, 1);
+  std::vector<int32_t> ids32{0, 5, 2, 2, 3, 5, 1, 0, 4};
+  std::vector<int64_t> ids64(ids32.begin(), ids32.end());
+  std::vector<uint8_t> mask{1, 1, 0, 1, 1, 1, 0, 1, 1};
+  std::vector<float> y32(T * H), y64(T * H), g32(V * H, 0.25f), g64(V * H, 0.25f);
+  embedding_forward(Context{}, {view(ids32, DType::i32, {T}), view(table, DType::f32, {V, H}), view(y32, DType::f32, {T, H})});
+  embedding_forward(Context{}, {view(ids64, DType::i64, {T}), view(table, DType::f32, {V, H}), view(y64, DType::f32, {T, H})});
+  EXPECT_EQ(std::memcmp(y32.data(), y64.data(), y32.size() * sizeof(float)), 0);
+  embedding_backward(Context{}, {view(ids32, DType::i32, {T}), view(dy, DType::f32, {T, H}), view(mask, DType::u8, {T}),
+                                 view(g32, DType::f32, {V, H})});
+  embedding_backward(Context{}, {view(ids64, DType::i64, {T}), view(dy, DType::f32, {T, H}), view(mask, DType::u8, {T}),
+                                 view(g64, DType::f32, {V, H})});
+  EXPECT_EQ(std::memcmp(g32.data(), g64.data(), g32.size() * sizeof(float)), 0);
+  EXPECT_NE(g32[2 * H], 0.25f);  // row 2 took its one unmasked token's gradient
+}

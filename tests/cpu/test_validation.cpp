@@ -171,6 +171,28 @@ TEST(Validation, TokenIdOutOfRange) {
   }
 }
 
+// int64 ids (torch's index type) are read as they are: a value past int32 is named as it is, never
+// wrapped or clamped; other integer types are refused by name.
+TEST(Validation, Int64TokenIdsAreNamedAsTheyAre) {
+  std::vector<float> table(10 * 4, 1.0f), y(3 * 4, 5.0f);
+  for (int64_t bad : {int64_t(10), int64_t(1) << 40, -(int64_t(1) << 33) + 3}) {
+    std::vector<int64_t> ids{1, bad, 2};
+    EmbeddingForwardArgs a;
+    a.ids = TensorView::of(ids.data(), DType::i64, {3});
+    a.table = TensorView::of(table.data(), DType::f32, {10, 4});
+    a.y = TensorView::of(y.data(), DType::f32, {3, 4});
+    expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids",
+                 "value " + std::to_string(bad) + " at index 1 is outside [0, 10)", &y);
+  }
+  std::vector<uint8_t> small{1, 2, 3};
+  EmbeddingForwardArgs a;
+  a.ids = TensorView::of(small.data(), DType::u8, {3});
+  a.table = TensorView::of(table.data(), DType::f32, {10, 4});
+  a.y = TensorView::of(y.data(), DType::f32, {3, 4});
+  expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids",
+               "expected dtype int32 or int64, got uint8", &y);
+}
+
 TEST(Validation, TargetOutOfRangeUnlessMaskedOrIgnored) {
   std::vector<float> logits(3 * 5, 0.0f), logp(3, 9.0f);
   std::vector<int32_t> targets{0, 7, -100};

@@ -93,6 +93,44 @@ TEST_F(CudaEmbedding, OutOfRangeIdIsAnErrorNamingIt) {
   }
 }
 
+// int64 ids (torch's index type, read without a narrowing copy) give the int32 ids' bits, forward and
+// backward; a bad int64 id, past int32 too, is named as it is (waiting and deferred checks).
+TEST_F(CudaEmbedding, Int64IdsGiveTheInt32Bits) {
+  Rng r(5);
+  const int64_t T = 3000, V = 5000, H = 136;
+  const HostTensor table = r.tensor(DType::bf16, {V, H}, -1, 1), ids = r.integers({T}, 0, 40),
+                   dy = r.tensor(DType::bf16, {T, H}, -1, 1);
+  HostTensor ids64(DType::i64, {T}), mask(DType::u8, {T});
+  for (int64_t t = 0; t < T; ++t) ids64.set(t, ids.get(t)), mask.set(t, t % 5 ? 1 : 0);
+  const DeviceBuffer d32(ids), d64(ids64), dtab(table), ddy(dy), dm(mask);
+  HostTensor y[2], dtable[2];
+  for (int wide = 0; wide < 2; ++wide) {
+    const DeviceBuffer out(DType::bf16, {T, H}), grad(HostTensor(DType::f32, {V, H}));
+    embedding_forward(cuda_ctx(), {wide ? d64.view() : d32.view(), dtab.view(), out.view()});
+    embedding_backward(cuda_ctx(), {wide ? d64.view() : d32.view(), ddy.view(), dm.view(), grad.view()});
+    y[wide] = out.host(), dtable[wide] = grad.host();
+  }
+  expect_same_bits(y[1], y[0], "y");
+  expect_same_bits(dtable[1], dtable[0], "dtable");
+
+  HostTensor bad(DType::i64, {4});
+  for (int64_t t = 0; t < 4; ++t) bad.set(t, double(t));
+  bad.set(2, double(int64_t(1) << 40));
+  const DeviceBuffer dbad(bad), y4(DType::bf16, {4, H});
+  Context deferred = cuda_ctx();
+  deferred.id_check = IdCheck::deferred;
+  for (const Context& ctx : {cuda_ctx(), deferred}) {
+    try {
+      embedding_forward(ctx, {dbad.view(), dtab.view(), y4.view()});
+      device_synchronize(Backend::cuda);
+      raise_deferred_errors(Backend::cuda);
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("value 1099511627776 at index 2"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // Ids the caller vouches for (ids_checked: the range check and its stream synchronisation skipped)
 // give the checked calls' bits, forward and backward.
 TEST_F(CudaEmbedding, VouchedIdsSkipTheCheckAndChangeNoBit) {

@@ -51,6 +51,7 @@ DType dtype_of(const at::Tensor& t, const char* op, const char* arg) {
                         "': dtype torch.float64 is taken on the CPU only (the fp64 truth mode)");
       return DType::f64;
     case at::kInt: return DType::i32;
+    case at::kLong: return DType::i64;  // taken where the op says so (the embedding's ids)
     case at::kByte: return DType::u8;
     default:
       TORCH_CHECK_VALUE(false, "samebits.torch ", op, ": argument '", arg, "': dtype ", t.scalar_type(),
@@ -464,6 +465,12 @@ at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
   }
   return flat.clamp(lo, hi).to(at::kInt);  // two launches; a clamped value is outside every vocab
 }
+// Ids an op reads as int32 or int64 (the embedding's), flattened, as they are: no narrowing copy.
+at::Tensor ids_flat(const at::Tensor& ids, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
+                    ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
+  return ids.reshape({-1}).contiguous();
+}
 // What an op's error adds where ids_int32 clamped its ids (int64 on a GPU): why a value may read as
 // an int32 bound.
 const char* clamp_note(const at::Tensor& ids) {
@@ -634,7 +641,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const at::Tensor& table, bool ids_checked) {
   const char* op = "embedding";
   const DeviceOf guard(table);
-  const at::Tensor flat = ids_int32(ids, op, "ids");
+  const at::Tensor flat = ids_flat(ids, op, "ids");
   TORCH_CHECK_VALUE(table.dim() == 2, "samebits.torch ", op, ": argument 'table': must be 2-D [vocab, hidden]");
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(table.size(1));
@@ -644,7 +651,7 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
   a.table = view(table, op, "table");
   a.y = view(y.view({flat.size(0), table.size(1)}), op, "y");
   a.ids_checked = ids_checked;
-  run([&] { samebits::embedding_forward(context_of(table, clamp_note(ids)), a); }, clamp_note(ids));
+  run([&] { samebits::embedding_forward(context_of(table), a); });
   return {y, flat};
 }
 

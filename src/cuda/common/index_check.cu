@@ -24,7 +24,8 @@ namespace {
 
 constexpr int THREADS = 1024;
 
-__global__ void first_bad_id(const int32_t* ids, int64_t n, int64_t hi, const uint8_t* mask, bool has_allowed,
+template <class Id>
+__global__ void first_bad_id(const Id* ids, int64_t n, int64_t hi, const uint8_t* mask, bool has_allowed,
                              int32_t allowed, int64_t* out, DeferredSlot slot) {
   first_bad_id_block<THREADS>(ids, n, hi, mask, has_allowed, allowed, out, slot);
 }
@@ -157,8 +158,10 @@ void abandon_deferred_search(DeferredSlot slot) {
   a.ticket = slot.ticket;
 }
 
-void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int32_t* ids, int64_t n,
-                          int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream) {
+namespace {
+template <class Id>
+void require_in_range(const Context& ctx, const char* op, const char* name, const Id* ids, int64_t n, int64_t hi,
+                      const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream) {
   if (n <= 0 || stream_capturing(stream, op)) return;
   if (const DeferredSlot slot = ctx.id_check == IdCheck::deferred ? queue(ctx, op, name, n, hi) : DeferredSlot{};
       slot.answer) {
@@ -179,6 +182,18 @@ void require_ids_in_range(const Context& ctx, const char* op, const char* name, 
   check(copied, op, "id check copy");
   check(cudaStreamSynchronize(stream), op, "id check");
   if (found[0] < n) throw Error(op, name, outside(found[1], found[0], hi));
+}
+
+}  // namespace
+
+void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int32_t* ids, int64_t n,
+                          int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream) {
+  require_in_range(ctx, op, name, ids, n, hi, mask, has_allowed, allowed, stream);
+}
+
+void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int64_t* ids, int64_t n,
+                          int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream) {
+  require_in_range(ctx, op, name, ids, n, hi, mask, has_allowed, allowed, stream);
 }
 
 }  // namespace samebits::cuda

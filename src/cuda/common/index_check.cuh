@@ -20,6 +20,9 @@ namespace samebits::cuda {
 // themselves never read through an id outside the range (they write NaN or leave the row out).
 void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int32_t* ids, int64_t n,
                           int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream);
+// The same for int64 ids (torch's default index type: no narrowing copy before the op).
+void require_ids_in_range(const Context& ctx, const char* op, const char* name, const int64_t* ids, int64_t n,
+                          int64_t hi, const uint8_t* mask, bool has_allowed, int32_t allowed, cudaStream_t stream);
 
 // One deferred check's answer, written by the block that searched into mapped host memory: index
 // and value, a system-scope fence, then the ticket that says the answer is there.
@@ -47,14 +50,14 @@ void abandon_deferred_search(DeferredSlot slot);
 // The search, run by one block of THREADS threads: each thread keeps the lowest bad index of its
 // stride, then a shared-memory tree takes the minimum (exact, so no order question). No atomics.
 // The answer goes to out[0..1] (index, value; index n: none) or, with a slot, into the slot.
-template <int THREADS>
-__device__ void first_bad_id_block(const int32_t* ids, int64_t n, int64_t hi, const uint8_t* mask, bool has_allowed,
+template <int THREADS, class Id>
+__device__ void first_bad_id_block(const Id* ids, int64_t n, int64_t hi, const uint8_t* mask, bool has_allowed,
                                    int32_t allowed, int64_t* out, DeferredSlot slot) {
   __shared__ int64_t best[THREADS];
   int64_t first = n;
   for (int64_t i = threadIdx.x; i < n && first == n; i += THREADS) {
     if (mask && mask[i] == 0) continue;
-    const int32_t v = ids[i];
+    const int64_t v = ids[i];
     if (has_allowed && v == allowed) continue;
     if (v < 0 || v >= hi) first = i;
   }

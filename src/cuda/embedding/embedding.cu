@@ -1,6 +1,8 @@
 // CUDA embedding: gather forward, and a gradient scatter with no atomics.
 //
-// Why this shape. The gather is a copy, one CTA per token, 16-byte accesses. The scatter is where
+// Why this shape. The gather is a copy, one CTA per token, 16-byte accesses. Ids are int32 or int64
+// (torch's index type, read as it is: no narrowing copy before the op, and a value past int32 is
+// named as it is). The scatter is where
 // embedding kernels usually use atomicAdd, whose order is whatever the hardware schedules. Here
 // dtable[v, :] += Σ dy[t, :] over the unmasked tokens with id v, in ascending t, starting from the
 // value already in dtable (so micro-batches chain bit for bit, and the bits equal the CPU backend's):
@@ -77,14 +79,14 @@ constexpr int GATHER_THREADS = 128;
 // (index_check.cuh; the lowest block index is scheduled first, so the search's pass over all ids
 // overlaps the copies instead of trailing them) and the rows are blocks 1 … T — the check in the
 // gather's own launch, not a second one.
-template <class T, class O>
-__global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const int32_t* ids, int64_t n, const T* table, int64_t V,
+template <class T, class O, class Id>
+__global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const Id* ids, int64_t n, const T* table, int64_t V,
                                                               int64_t H, bool in_aligned, O* y, bool out_aligned,
                                                               DeferredSlot check) {
   if (check.answer && blockIdx.x == 0)
     return first_bad_id_block<GATHER_THREADS>(ids, n, V, nullptr, false, 0, nullptr, check);
   const int64_t t = int64_t(blockIdx.x) - (check.answer ? 1 : 0);
-  const int32_t id = ids[t];
+  const int64_t id = ids[t];
   // An invalid id was reported before the launch or is reported by a deferred check: never read
   // through it, and give its row NaN so nothing computed from it passes for a value meanwhile.
   const bool valid = id >= 0 && id < V;
@@ -103,10 +105,11 @@ __global__ void __launch_bounds__(GATHER_THREADS) gather_rows(const int32_t* ids
 // ---------------------------------------------------------------- backward: keys and sort
 constexpr int SORT_TILE = 2048, SORT_THREADS = SORT_TILE / 2;
 
-__global__ void make_keys(const int32_t* ids, const uint8_t* mask, int64_t T, int64_t V, uint64_t* keys) {
+template <class Id>
+__global__ void make_keys(const Id* ids, const uint8_t* mask, int64_t T, int64_t V, uint64_t* keys) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= T) return;
-  const int32_t id = ids[t];
+  const int64_t id = ids[t];
   const bool active = (mask == nullptr || mask[t] != 0) && id >= 0 && id < V;
   keys[t] = (uint64_t(active ? uint32_t(id) : MASKED_ID) << 32) | uint64_t(t);
 }
@@ -176,27 +179,38 @@ __global__ void __launch_bounds__(SUM_WARPS * 32) sum_rows(const uint64_t* sorte
 
 unsigned blocks_for(int64_t n, int per_block) { return unsigned((n + per_block - 1) / per_block); }
 
+// f(id_tag) with the ids' element type: int32, or int64 read as it is (torch's index type).
+template <class F>
+void with_id_type(DType d, F&& f) {
+  if (d == DType::i64) f(int64_t{});
+  else f(int32_t{});
+}
+
 void embedding_forward(const Context& ctx, const EmbeddingForwardArgs& a) {
   const char* op = "embedding_forward";
   const int64_t T = a.ids.shape[0], V = a.table.shape[0], H = a.table.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
-  DeferredSlot deferred;  // a deferred check runs in the gather's launch (T + 1 blocks); any other before it
-  if (!a.ids_checked) {
-    if (T < INT32_MAX) deferred = queue_deferred_search(ctx, op, "ids", T, V, stream);
-    if (!deferred.answer) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, nullptr, false, 0, stream);
-  }
-  with_float_storage(a.table.dtype, [&](auto tag) {
-    using T_ = decltype(tag);
-    with_float_storage(a.y.dtype, [&](auto out_tag) {
-      using O = decltype(out_tag);
-      gather_rows<T_, O><<<unsigned(T) + (deferred.answer ? 1 : 0), GATHER_THREADS, 0, stream>>>(
-          a.ids.as<const int32_t>(), T, a.table.as<const T_>(), V, H, rows_aligned_16(a.table.data, H, sizeof(T_)),
-          a.y.as<O>(), rows_aligned_16(a.y.data, H, sizeof(O)), deferred);
-      if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) {
-        abandon_deferred_search(deferred);
-        check(launched, op, "kernel launch");
-      }
+  with_id_type(a.ids.dtype, [&](auto id_tag) {
+    using Id = decltype(id_tag);
+    const Id* ids = a.ids.as<const Id>();
+    DeferredSlot deferred;  // a deferred check runs in the gather's launch (T + 1 blocks); any other before it
+    if (!a.ids_checked) {
+      if (T < INT32_MAX) deferred = queue_deferred_search(ctx, op, "ids", T, V, stream);
+      if (!deferred.answer) require_ids_in_range(ctx, op, "ids", ids, T, V, nullptr, false, 0, stream);
+    }
+    with_float_storage(a.table.dtype, [&](auto tag) {
+      using T_ = decltype(tag);
+      with_float_storage(a.y.dtype, [&](auto out_tag) {
+        using O = decltype(out_tag);
+        gather_rows<T_, O, Id><<<unsigned(T) + (deferred.answer ? 1 : 0), GATHER_THREADS, 0, stream>>>(
+            ids, T, a.table.as<const T_>(), V, H, rows_aligned_16(a.table.data, H, sizeof(T_)), a.y.as<O>(),
+            rows_aligned_16(a.y.data, H, sizeof(O)), deferred);
+        if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) {
+          abandon_deferred_search(deferred);
+          check(launched, op, "kernel launch");
+        }
+      });
     });
   });
 }
@@ -207,10 +221,16 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
   const uint8_t* mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
-  if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", a.ids.as<const int32_t>(), T, V, mask, false, 0, stream);
+  with_id_type(a.ids.dtype, [&](auto id_tag) {
+    using Id = decltype(id_tag);
+    if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", a.ids.as<const Id>(), T, V, mask, false, 0, stream);
+  });
   auto* keys = static_cast<uint64_t*>(scratch_alloc(size_t(2 * T) * sizeof(uint64_t), stream, op));
   uint64_t *cur = keys, *other = keys + T;
-  make_keys<<<blocks_for(T, 256), 256, 0, stream>>>(a.ids.as<const int32_t>(), mask, T, V, cur);
+  with_id_type(a.ids.dtype, [&](auto id_tag) {
+    using Id = decltype(id_tag);
+    make_keys<<<blocks_for(T, 256), 256, 0, stream>>>(a.ids.as<const Id>(), mask, T, V, cur);
+  });
   sort_tiles<<<blocks_for(T, SORT_TILE), SORT_THREADS, 0, stream>>>(cur, T);
   for (int64_t width = SORT_TILE; width < T; width *= 2) {
     merge_runs<<<blocks_for(T, 256), 256, 0, stream>>>(cur, other, T, width);
