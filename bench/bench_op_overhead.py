@@ -42,6 +42,7 @@ def cases(grad):
     x, r, w, nw = t(T, H), t(T, H), t(I, H), t(H)
     g, u = t(T, I), t(T, I)
     table, ids = t(V, H), torch.randint(0, V, (T,), device=dev, dtype=torch.int32)
+    ids64 = ids.long()  # torch's default index type, what a model's input_ids are (read as they are since session 23)
     q, k, v = t(T, Hq, D), t(T, Hkv, D), t(T, Hkv, D)
     qs, ks, vs = (a.detach().transpose(0, 1).unsqueeze(0).requires_grad_(grad) for a in (q, k, v))
     logits, targets = t(T, V, dtype=torch.float32), torch.randint(0, V, (T,), device=dev)
@@ -52,6 +53,7 @@ def cases(grad):
         ("add_rms_norm", lambda: sbt.add_rms_norm(x, r, nw), lambda: F.rms_norm(x + r, (H,), nw, 1e-6)),
         ("swiglu", lambda: sbt.swiglu(g, u), lambda: F.silu(g) * u),
         ("embedding", lambda: sbt.embedding(ids, table), lambda: F.embedding(ids, table)),
+        ("embedding, int64 ids", lambda: sbt.embedding(ids64, table), lambda: F.embedding(ids64, table)),
         ("attention", lambda: sbt.attention(q, k, v, [T]),
          lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)),
         ("token_logprobs", lambda: sbt.token_logprobs(logits, targets32),

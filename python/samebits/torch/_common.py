@@ -12,7 +12,7 @@ from .._core import Error
 raw = _core.raw
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-           torch.int32: "int32", torch.uint8: "uint8"}
+           torch.int32: "int32", torch.uint8: "uint8", torch.int64: "int64"}
 
 
 def _acc(t: Tensor) -> torch.dtype:
@@ -30,7 +30,7 @@ def _desc(t: Optional[Tensor], op: str, arg: str):
         return None
     if t.dtype not in _DTYPES:
         raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken "
-                    f"(bfloat16, float16, float32; float64 on the CPU; int32 ids / targets; uint8 masks)")
+                    f"(bfloat16, float16, float32; float64 on the CPU; int32 / int64 ids, int32 targets; uint8 masks)")
     if t.dtype == torch.float64 and t.device.type == "cuda":
         raise Error(f"samebits.torch {op}: argument '{arg}': dtype torch.float64 is taken on the CPU only (the "
                     "fp64 truth mode); CUDA ops take bfloat16, float16 and float32")
@@ -85,6 +85,13 @@ def _load_dispatcher_ops():
 
 
 _ext = _load_dispatcher_ops()
+
+
+def _ids(t: Tensor, op: str, arg: str) -> Tensor:
+    """Ids an op reads as int32 or int64 (the embedding's), flattened, as they are."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken (int32 or int64)")
+    return t.reshape(-1).contiguous()
 
 
 def _int32(t: Tensor, op: str, arg: str) -> Tensor:

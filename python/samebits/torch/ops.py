@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import Error, _acc, _desc, _device, _ext, _int32, _rows, _stream, raw
+from ._common import Error, _acc, _desc, _device, _ext, _ids, _int32, _rows, _stream, raw
 
 
 def _dispatched(op, *args):
@@ -410,7 +410,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 # ---------------------------------------------------------------- embedding
 @torch.library.custom_op("samebits::embedding", mutates_args=())
 def _embedding(ids: Tensor, table: Tensor) -> Tensor:
-    flat = _int32(ids, "embedding", "ids")
+    flat = _ids(ids, "embedding", "ids")
     y = table.new_empty(flat.shape[0], table.shape[1])
     with _device(table):
         raw.embedding_forward(_desc(flat, "embedding", "ids"), _desc(table, "embedding", "table"),
@@ -425,7 +425,7 @@ def _(ids, table):
 
 @torch.library.custom_op("samebits::embedding_backward", mutates_args=())
 def _embedding_backward(dy: Tensor, ids: Tensor, table: Tensor) -> Tensor:
-    flat = _int32(ids, "embedding_backward", "ids")
+    flat = _ids(ids, "embedding_backward", "ids")
     dt = torch.zeros(table.shape, dtype=_acc(table), device=table.device)  # fp32 accumulator
     with _device(table):
         raw.embedding_backward(_desc(flat, "embedding_backward", "ids"),
