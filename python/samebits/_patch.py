@@ -124,8 +124,9 @@ def _packed(input_ids, lengths, device, vocab):
             raise _core.Error(f"samebits.hf.patch: input_ids: value {int(ids[i])} at index {i} is outside [0, {vocab})")
         ids = ids.to(torch.int32)  # in range: narrowed on the host, half the bytes to copy
     ids = ids.to(device)
-    if ids.dtype == torch.int64:  # as samebits.torch narrows int64 ids: a value outside int32 clamped to
-        ids = ids.clamp(-2**31, 2**31 - 1)  # its nearest bound, outside every vocab, which the embedding names
+    if ids.dtype == torch.int64:  # int32 for the targets made from them (as samebits.torch narrows int64 targets):
+        ids = ids.clamp(-2**31, 2**31 - 1)  # a value outside int32 clamped to its nearest bound, outside every
+        # vocab, which the embedding names
     ids = ids.to(torch.int32).contiguous()
     lens = torch.tensor(lengths, dtype=torch.int64)
     starts = torch.cumsum(lens, 0) - lens
