@@ -175,7 +175,7 @@ void residual_add_forward(const Context&, const ResidualAddArgs&);
 void residual_add_backward(const Context&, const ResidualAddBackwardArgs&);
 
 // ---------------------------------------------------------------- embedding
-// y[t,:] = table[ids[t], :]; ids int32 in [0, V).
+// y[t,:] = table[ids[t], :]; ids int32 or int64 (torch's index type, read as they are) in [0, V).
 // ids_checked: the caller vouches that every id is in [0, V) (it checked them on the host, as
 // samebits.hf.patch does for ids that arrive in host memory), so the CUDA backend skips its own
 // range check (Context::id_check: a stream synchronisation, or a deferred report). An id outside
