@@ -8,7 +8,8 @@ work), `--calls` times back to back with no synchronisation inside the loop; the
 is the loop's wall time (perf_counter, one device synchronisation at the end) over the calls. The
 two sides alternate, five rounds, the median round is reported. Two modes: inference (inputs
 without requires_grad, under no_grad) and training forward (inputs that require grad: autograd
-records the call). The torch side is what a model calls without samebits (F.linear, F.rms_norm,
+records the call), and training forward + backward (the call, a sum of its first output and that
+sum's backward: the backward node's host time too, the sum's on both sides). The torch side is what a model calls without samebits (F.linear, F.rms_norm,
 SDPA, …; a fused samebits op against the torch ops it fuses). Kernel time is not measured here:
 bench_attention / bench_gemm / bench_logprob report it apart.
 """
@@ -30,6 +31,14 @@ def host_us(fn, calls):
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def with_backward(fn):
+    """fn's call, then the backward of the sum of its first output."""
+    def step():
+        out = fn()
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    return step
 
 
 def cases(grad):
@@ -93,11 +102,12 @@ def main():
              f"of one op call, µs (median of 5 rounds of {args.calls} calls back to back, tiny tensors; {name}, "
              f"torch {torch.__version__}). The issue's goal: ≤ 1.3× the torch op's.", "",
              "| op | mode | samebits.torch | torch | ratio |", "| --- | --- | --- | --- | --- |"]
-    for grad in (False, True):
-        mode = "training forward" if grad else "inference"
+    for grad, mode in ((False, "inference"), (True, "training forward"), (True, "training forward + backward")):
         ctx = torch.enable_grad() if grad else torch.no_grad()
         with ctx:
             for op, ours, theirs in cases(grad):
+                if mode.endswith("backward"):
+                    ours, theirs = with_backward(ours), with_backward(theirs)
                 a, b = [], []
                 for _ in range(5):
                     a.append(host_us(ours, args.calls))
