@@ -158,39 +158,29 @@ TEST(Validation, PagedCacheTableErrorsNameTheirCause) {
   expect_error([&] { attention_forward(Context{}, at); }, "attention_forward", "page_size", "no block_table", &out);
 }
 
+// Ids outside [0, V) are named with their value and index: int32 ids, and int64 ids (torch's index
+// type, read as they are: a value past int32 is named as it is, never wrapped or clamped); other
+// integer types are refused by name.
 TEST(Validation, TokenIdOutOfRange) {
   std::vector<float> table(10 * 4, 1.0f), y(3 * 4, 5.0f);
+  auto expect_named = [&](void* ids, DType dtype, const std::string& problem) {
+    EmbeddingForwardArgs a;
+    a.ids = TensorView::of(ids, dtype, {3});
+    a.table = TensorView::of(table.data(), DType::f32, {10, 4});
+    a.y = TensorView::of(y.data(), DType::f32, {3, 4});
+    expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids", problem, &y);
+  };
+  auto outside = [](int64_t v) { return "value " + std::to_string(v) + " at index 1 is outside [0, 10)"; };
   for (int32_t bad : {10, -1}) {
     std::vector<int32_t> ids{1, bad, 2};
-    EmbeddingForwardArgs a;
-    a.ids = TensorView::of(ids.data(), DType::i32, {3});
-    a.table = TensorView::of(table.data(), DType::f32, {10, 4});
-    a.y = TensorView::of(y.data(), DType::f32, {3, 4});
-    expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids",
-                 "value " + std::to_string(bad) + " at index 1 is outside [0, 10)", &y);
+    expect_named(ids.data(), DType::i32, outside(bad));
   }
-}
-
-// int64 ids (torch's index type) are read as they are: a value past int32 is named as it is, never
-// wrapped or clamped; other integer types are refused by name.
-TEST(Validation, Int64TokenIdsAreNamedAsTheyAre) {
-  std::vector<float> table(10 * 4, 1.0f), y(3 * 4, 5.0f);
   for (int64_t bad : {int64_t(10), int64_t(1) << 40, -(int64_t(1) << 33) + 3}) {
     std::vector<int64_t> ids{1, bad, 2};
-    EmbeddingForwardArgs a;
-    a.ids = TensorView::of(ids.data(), DType::i64, {3});
-    a.table = TensorView::of(table.data(), DType::f32, {10, 4});
-    a.y = TensorView::of(y.data(), DType::f32, {3, 4});
-    expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids",
-                 "value " + std::to_string(bad) + " at index 1 is outside [0, 10)", &y);
+    expect_named(ids.data(), DType::i64, outside(bad));
   }
   std::vector<uint8_t> small{1, 2, 3};
-  EmbeddingForwardArgs a;
-  a.ids = TensorView::of(small.data(), DType::u8, {3});
-  a.table = TensorView::of(table.data(), DType::f32, {10, 4});
-  a.y = TensorView::of(y.data(), DType::f32, {3, 4});
-  expect_error([&] { embedding_forward(Context{}, a); }, "embedding_forward", "ids",
-               "expected dtype int32 or int64, got uint8", &y);
+  expect_named(small.data(), DType::u8, "expected dtype int32 or int64, got uint8");
 }
 
 TEST(Validation, TargetOutOfRangeUnlessMaskedOrIgnored) {
