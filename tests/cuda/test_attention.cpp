@@ -12,6 +12,9 @@
 #include <tuple>
 #include <vector>
 
+#include "core/captured_graph.hpp"
+#include "samebits/device.hpp"
+#include "samebits/error.hpp"
 #include "samebits/harness.hpp"
 #include "ops/tuning.hpp"
 #include "samebits/ops.hpp"
@@ -388,6 +391,37 @@ Grads run_gpu_backward(const HostTensor& q, const HostTensor& k, const HostTenso
 }
 
 }  // namespace
+
+// A captured copy of a host table would read the host memory again at every replay, after the call
+// has freed it: an attention call whose table goes up while its stream is captured (here the
+// backward, outside the forward's own graph recording) is an error naming that, never a graph that
+// replays stale tables.
+TEST_F(CudaAttention, AHostTableUnderACaptureIsAnError) {
+  const Shape s{DType::bf16, 4, 2, 64, 200};
+  Rng r(9);
+  const Inputs in = random_inputs(s, r);
+  const std::vector<SeqRow> rows = {{0, 120, 0, 120}, {120, 80, 120, 80}};
+  const HostTensor seqs = seq_table(rows);
+  const Fwd f = run_gpu(in.q, in.k, in.v, rows);
+  const DeviceBuffer dq_(in.q), dk_(in.k), dv_(in.v), out(f.out), lse(f.lse), g(in.g), dq(DType::bf16, {s.len, s.hq, s.d}),
+      dk(DType::bf16, {s.len, s.hkv, s.d}), dv(DType::bf16, {s.len, s.hkv, s.d});
+  AttentionBackwardArgs a;
+  a.q = dq_.view(), a.k = dk_.view(), a.v = dv_.view(), a.seqs = seqs.view(), a.out = out.view(), a.lse = lse.view();
+  a.dout = g.view(), a.dq = dq.view(), a.dk = dk.view(), a.dv = dv.view();
+  const DeviceStream stream(Backend::cuda);
+  Context ctx = cuda_ctx();
+  ctx.stream = stream.get();
+  GraphAttentionShape shape;
+  shape.seqs = 2, shape.max_k_len = 200, shape.q_heads = s.hq, shape.kv_heads = s.hkv, shape.head_dim = s.d;
+  try {
+    const CapturedGraph graph(stream.get(), [&] { attention_backward(ctx, a); }, shape);
+    FAIL() << "the backward was captured";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be captured into a CUDA graph"), std::string::npos) << e.what();
+  }
+  attention_backward(ctx, a);  // outside the capture it runs
+  stream.synchronize();
+}
 
 // dq / dk / dv of a sequence are the same bits alone, packed among other sequences at another
 // offset, with the forward's lse or a recomputed one, and run again; key rows no sequence covers

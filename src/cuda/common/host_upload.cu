@@ -99,7 +99,11 @@ void upload_to_device(void* dst, const void* src, size_t bytes, cudaStream_t str
   int device = 0;
   check(cudaGetDevice(&device), op, "current device");
   Ring* ring = ring_of(device);
-  if (ring == nullptr || stream_capturing(stream, op)) {
+  if (stream_capturing(stream, op))
+    throw Error(op, what,
+                "a table in host memory cannot be captured into a CUDA graph (the graph would copy it again at "
+                "every replay, after this call has freed it): run the call outside the capture");
+  if (ring == nullptr) {  // a device index past the rings': the driver's own staging
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), op, what);
     return;
   }

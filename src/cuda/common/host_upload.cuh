@@ -9,8 +9,10 @@ namespace samebits::cuda {
 
 // Copies `bytes` from host memory at `src` to device memory at `dst`, ordered on `stream`; `src` may
 // be reused as soon as this returns. The host waits only when it runs a whole staging ring (4 MiB a
-// device, grown for larger tables) ahead of the GPU. Inside a stream capture: a plain asynchronous
-// copy (a graph's copy node must not read a ring slot later calls rewrite).
+// device, grown for larger tables) ahead of the GPU. While `stream` is being captured into a CUDA
+// graph it throws samebits::Error: the graph's copy would read the host memory again at every
+// replay, after the caller has freed or rewritten it (samebits' own decode graphs re-plan their
+// attention tables before each replay instead: cuda/attention/attention_sm90.hpp).
 void upload_to_device(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* op, const char* what);
 
 }  // namespace samebits::cuda

@@ -220,6 +220,9 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
   const int64_t T = a.ids.shape[0], V = a.dtable.shape[0], H = a.dtable.shape[1];
   const cudaStream_t stream = stream_of(ctx.stream);
   if (T > INT32_MAX) throw Unsupported(op, "ids", "more than 2^31 - 1 tokens in one call is not supported");
+  // A sort key holds an id in 32 bits and 0xFFFFFFFF means masked: a table of more rows could not
+  // be keyed (int64 ids can reach them).
+  if (V > int64_t(MASKED_ID)) throw Unsupported(op, "dtable", "more than 2^32 - 1 rows is not supported");
   const uint8_t* mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
   with_id_type(a.ids.dtype, [&](auto id_tag) {
     using Id = decltype(id_tag);
