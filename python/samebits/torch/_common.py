@@ -97,11 +97,10 @@ def _ids(t: Tensor, op: str, arg: str) -> Tensor:
 def _int32(t: Tensor, op: str, arg: str) -> Tensor:
     """Token ids / targets as int32, refusing an int64 value int32 cannot hold (a cast would wrap it
     into a valid-looking id)."""
-    if t.dtype == torch.int64 and t.numel() and bool((t.max() >= 2**31) | (t.min() < -2**31)):
+    flat = _ids(t, op, arg)
+    if flat.dtype == torch.int64 and flat.numel() and bool((flat.max() >= 2**31) | (flat.min() < -2**31)):
         raise Error(f"samebits.torch {op}: argument '{arg}': a value does not fit in int32")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise Error(f"samebits.torch {op}: argument '{arg}': dtype {t.dtype} is not taken (int32 or int64)")
-    return t.reshape(-1).to(torch.int32).contiguous()
+    return flat.to(torch.int32)
 
 
 def _rows(x: Tensor, op: str) -> Tensor:

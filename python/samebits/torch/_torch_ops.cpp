@@ -446,30 +446,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 }
 
 // ---------------------------------------------------------------- integer ids
+// Ids an op reads as int32 or int64 (the embedding's), flattened, as they are: no narrowing copy.
+at::Tensor ids_flat(const at::Tensor& ids, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
+                    ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
+  return ids.reshape({-1}).contiguous();
+}
 // Token ids / targets as int32 (the library's index type). int32 passes as it is. int64 on the CPU
 // is checked here (a value int32 cannot hold is named); on a GPU a check would read a flag back,
 // so a value outside int32 is clamped to int32's nearest bound instead — outside every vocab and not
 // an ignore index — which the op's own range check names as out of range at its index (clamp_note
 // says why).
 at::Tensor ids_int32(const at::Tensor& ids, const char* op, const char* arg) {
-  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
-                    ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
-  const at::Tensor flat = ids.reshape({-1});
-  if (ids.scalar_type() == at::kInt) return flat.contiguous();
+  const at::Tensor flat = ids_flat(ids, op, arg);
+  if (ids.scalar_type() == at::kInt) return flat;
   constexpr int64_t lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
   if (!ids.is_cuda()) {
     if (flat.numel())
       TORCH_CHECK_VALUE(flat.min().item<int64_t>() >= lo && flat.max().item<int64_t>() <= hi, "samebits.torch ", op,
                         ": argument '", arg, "': a value does not fit in int32");
-    return flat.to(at::kInt).contiguous();
+    return flat.to(at::kInt);
   }
   return flat.clamp(lo, hi).to(at::kInt);  // two launches; a clamped value is outside every vocab
-}
-// Ids an op reads as int32 or int64 (the embedding's), flattened, as they are: no narrowing copy.
-at::Tensor ids_flat(const at::Tensor& ids, const char* op, const char* arg) {
-  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "samebits.torch ", op,
-                    ": argument '", arg, "': dtype ", ids.scalar_type(), " is not taken (int32 or int64)");
-  return ids.reshape({-1}).contiguous();
 }
 // What an op's error adds where ids_int32 clamped its ids (int64 on a GPU): why a value may read as
 // an int32 bound.

@@ -696,8 +696,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
     std::copy(w.items.begin(), w.items.end(), p.inline_items);
     std::copy(w.combines.begin(), w.combines.end(), p.inline_combines);
   } else {
-    upload_to_device(tables.as<uint8_t>(), w.items.data(), item_bytes, stream, op, "work table");
-    upload_to_device(tables.as<uint8_t>() + item_bytes, w.combines.data(), combine_bytes, stream, op, "combine table");
+    upload_to_device(tables.as<uint8_t>(), {{w.items.data(), item_bytes}, {w.combines.data(), combine_bytes}}, stream, op,
+                     "work table");
     p.items = tables.as<const Item>();
     p.combines = reinterpret_cast<const Combine*>(tables.as<uint8_t>() + item_bytes);
   }

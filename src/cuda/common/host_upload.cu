@@ -95,6 +95,13 @@ Ring* ring_of(int device) {
 }  // namespace
 
 void upload_to_device(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* op, const char* what) {
+  upload_to_device(dst, {HostPiece{src, bytes}}, stream, op, what);
+}
+
+void upload_to_device(void* dst, std::initializer_list<HostPiece> pieces, cudaStream_t stream, const char* op,
+                      const char* what) {
+  size_t bytes = 0;
+  for (const HostPiece& p : pieces) bytes += p.bytes;
   if (bytes == 0) return;
   int device = 0;
   check(cudaGetDevice(&device), op, "current device");
@@ -104,13 +111,21 @@ void upload_to_device(void* dst, const void* src, size_t bytes, cudaStream_t str
                 "a table in host memory cannot be captured into a CUDA graph (the graph would copy it again at "
                 "every replay, after this call has freed it): run the call outside the capture");
   if (ring == nullptr) {  // a device index past the rings': the driver's own staging
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), op, what);
+    auto* to = static_cast<uint8_t*>(dst);
+    for (const HostPiece& p : pieces) {
+      check(cudaMemcpyAsync(to, p.data, p.bytes, cudaMemcpyHostToDevice, stream), op, what);
+      to += p.bytes;
+    }
     return;
   }
   const size_t n = (bytes + ALIGN - 1) / ALIGN * ALIGN;
   std::lock_guard<std::mutex> lock(ring->mutex);
   const size_t at = ring->reserve(n, op);
-  std::memcpy(ring->base + at, src, bytes);
+  size_t filled = 0;
+  for (const HostPiece& p : pieces) {
+    if (p.bytes) std::memcpy(ring->base + at + filled, p.data, p.bytes);
+    filled += p.bytes;
+  }
   check(cudaMemcpyAsync(dst, ring->base + at, bytes, cudaMemcpyHostToDevice, stream), op, what);
   const cudaEvent_t done = ring->event(op);
   if (const cudaError_t e = cudaEventRecord(done, stream); e != cudaSuccess) {

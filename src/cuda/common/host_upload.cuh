@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <initializer_list>
 
 namespace samebits::cuda {
 
@@ -14,5 +15,12 @@ namespace samebits::cuda {
 // replay, after the caller has freed or rewritten it (samebits' own decode graphs re-plan their
 // attention tables before each replay instead: cuda/attention/attention_sm90.hpp).
 void upload_to_device(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* op, const char* what);
+// The same for several host pieces laid back to back at `dst` (one ring slot, one copy).
+struct HostPiece {
+  const void* data;
+  size_t bytes;
+};
+void upload_to_device(void* dst, std::initializer_list<HostPiece> pieces, cudaStream_t stream, const char* op,
+                      const char* what);
 
 }  // namespace samebits::cuda

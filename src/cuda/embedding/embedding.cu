@@ -224,15 +224,13 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
   // be keyed (int64 ids can reach them).
   if (V > int64_t(MASKED_ID)) throw Unsupported(op, "dtable", "more than 2^32 - 1 rows is not supported");
   const uint8_t* mask = a.row_mask.present() ? a.row_mask.as<const uint8_t>() : nullptr;
+  const ScratchBuffer keys(size_t(2 * T) * sizeof(uint64_t), stream, op);  // freed in stream order, after the kernels
+  uint64_t *cur = keys.as<uint64_t>(), *other = cur + T;
   with_id_type(a.ids.dtype, [&](auto id_tag) {
     using Id = decltype(id_tag);
-    if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", a.ids.as<const Id>(), T, V, mask, false, 0, stream);
-  });
-  auto* keys = static_cast<uint64_t*>(scratch_alloc(size_t(2 * T) * sizeof(uint64_t), stream, op));
-  uint64_t *cur = keys, *other = keys + T;
-  with_id_type(a.ids.dtype, [&](auto id_tag) {
-    using Id = decltype(id_tag);
-    make_keys<<<blocks_for(T, 256), 256, 0, stream>>>(a.ids.as<const Id>(), mask, T, V, cur);
+    const Id* ids = a.ids.as<const Id>();
+    if (!a.ids_checked) require_ids_in_range(ctx, op, "ids", ids, T, V, mask, false, 0, stream);
+    make_keys<<<blocks_for(T, 256), 256, 0, stream>>>(ids, mask, T, V, cur);
   });
   sort_tiles<<<blocks_for(T, SORT_TILE), SORT_THREADS, 0, stream>>>(cur, T);
   for (int64_t width = SORT_TILE; width < T; width *= 2) {
@@ -245,9 +243,7 @@ void embedding_backward(const Context& ctx, const EmbeddingBackwardArgs& a) {
     sum_rows<T_><<<grid, SUM_WARPS * 32, 0, stream>>>(cur, T, a.dy.as<const T_>(), H, rows_aligned_16(a.dy.data, H, sizeof(T_)),
                                                      a.dtable.as<float>(), rows_aligned_16(a.dtable.data, H, sizeof(float)));
   });
-  const cudaError_t launched = cudaGetLastError();
-  scratch_free(keys, stream, op);
-  check(launched, op, "kernel launch");
+  check(cudaGetLastError(), op, "kernel launch");
 }
 
 }  // namespace
