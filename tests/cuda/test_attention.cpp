@@ -423,6 +423,78 @@ TEST_F(CudaAttention, AHostTableUnderACaptureIsAnError) {
   stream.synchronize();
 }
 
+// keys_settled (a decode step's cached keys): the single-span kernel's loading warp issues its first
+// item's blocks below the item's first query position before its programmatic wait, while the
+// kernel before it may still run. That kernel here is the decode step's own — the QK-norm writing q
+// and each sequence's newest key / value row into the cache — fed two sets of inputs in turn (a stale
+// q or newest row would show), on a stream of its own with programmatic launches forced on: the bits
+// of plain calls (keys_settled off, programmatic launches off). Lengths across block and span edges;
+// a batch small enough for O-column parts (a CTA an item) and one of ten times the sequences (the
+// persistent kernel: over the SMs and over one CTA, whose later items load after the wait).
+TEST_F(CudaAttention, SettledKeysLoadBeforeTheWaitAndChangeNoBit) {
+  const DeviceStream stream(Backend::cuda);
+  Context ctx = cuda_ctx();
+  ctx.stream = stream.get();
+  const DeviceStreamScope on(stream.get());
+  const int64_t Hq = 8, Hkv = 2, D = 128, cap = 1100;
+  const std::vector<int32_t> lens = {1, 128, 129, 700, 1024, 1025, 1100};
+  Rng r(211);
+  for (const int copies : {1, 10}) {
+    const int64_t B = int64_t(lens.size()) * copies, R = B * cap;
+    const HostTensor kc0 = r.tensor(DType::bf16, {R, Hkv, D}, -2, 2), vc0 = r.tensor(DType::bf16, {R, Hkv, D}, -1, 1);
+    const HostTensor xq[2] = {r.tensor(DType::bf16, {B, Hq, D}, -2, 2), r.tensor(DType::bf16, {B, Hq, D}, -2, 2)};
+    const HostTensor xk[2] = {r.tensor(DType::bf16, {B, Hkv, D}, -2, 2), r.tensor(DType::bf16, {B, Hkv, D}, -2, 2)};
+    const HostTensor xv[2] = {r.tensor(DType::bf16, {B, Hkv, D}, -1, 1), r.tensor(DType::bf16, {B, Hkv, D}, -1, 1)};
+    const DeviceBuffer wq(r.tensor(DType::bf16, {D}, 0.5, 1.5)), wk(r.tensor(DType::bf16, {D}, 0.5, 1.5));
+    const DeviceBuffer dxq[2] = {DeviceBuffer(xq[0]), DeviceBuffer(xq[1])}, dxk[2] = {DeviceBuffer(xk[0]), DeviceBuffer(xk[1])},
+                       dxv[2] = {DeviceBuffer(xv[0]), DeviceBuffer(xv[1])};
+    HostTensor pos(DType::i32, {B}), rows(DType::i32, {B});
+    std::vector<SeqRow> seqs;
+    for (int64_t b = 0; b < B; ++b) {
+      const int32_t len = lens[size_t(b) % lens.size()];
+      pos.set(b, double(len - 1));
+      rows.set(b, double(b * cap + len - 1));
+      seqs.push_back({int32_t(b), 1, int32_t(b * cap), len});
+    }
+    const HostTensor table = seq_table(seqs);
+    const DeviceBuffer d_pos(pos), d_rows(rows);
+    auto run = [&](bool settled, int pdl) {
+      detail::programmatic_launch_override() = pdl;
+      const DeviceBuffer kc(kc0), vc(vc0), yq(DType::bf16, {B, Hq, D}), yk(DType::bf16, {B, Hkv, D});
+      const DeviceBuffer out(DType::bf16, {B, Hq, D}), lse(DType::f32, {B, Hq});
+      std::vector<HostTensor> got;
+      for (int round = 0; round < 3; ++round)
+        for (int src = 0; src < 2; ++src) {
+          QkNormPairForwardArgs pair;
+          pair.q = {dxq[src].view(), wq.view(), yq.view(), {}};
+          pair.k = {dxk[src].view(), wk.view(), yk.view(), {}};
+          pair.positions = d_pos.view();
+          pair.cache_rows = d_rows.view();
+          pair.k_cache = kc.view();
+          pair.v_cache = vc.view();
+          pair.v = dxv[src].view();
+          qk_norm_pair_forward(ctx, pair);
+          AttentionForwardArgs a = forward_args(yq.view(), kc.view(), vc.view(), table, out.view(), lse.view());
+          a.keys_settled = settled;
+          attention_forward(ctx, a);
+          got.push_back(out.host());
+          got.push_back(lse.host());
+        }
+      detail::programmatic_launch_override() = 0;
+      return got;
+    };
+    const std::vector<HostTensor> want = run(false, -1);
+    for (const int ctas : copies > 1 ? std::vector<int>{0, 1} : std::vector<int>{0}) {
+      const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
+      const std::vector<HostTensor> got = run(true, 1);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i)
+        expect_same_bits(got[i], want[i], std::to_string(B) + " sequences, CTAs " + std::to_string(ctas) + ", call " +
+                                              std::to_string(i / 2) + (i % 2 ? ": lse" : ": out"));
+    }
+  }
+}
+
 // dq / dk / dv of a sequence are the same bits alone, packed among other sequences at another
 // offset, with the forward's lse or a recomputed one, and run again; key rows no sequence covers
 // get dk = dv = 0.
