@@ -781,7 +781,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
-  p.keys_settled = a.keys_settled ? 1 : 0;
+  static const bool early_keys = env_switch("SAMEBITS_EARLY_KEYS");  // "0": never before the wait (A/B runs)
+  p.keys_settled = a.keys_settled && early_keys ? 1 : 0;
   const auto kernels = forward_kernels<T, D>(op);
   void* args[] = {&p};
   const ForwardKernel& fk = kernel_of(kernels, w);
