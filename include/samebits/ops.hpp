@@ -215,11 +215,6 @@ struct AttentionForwardArgs {
   // of uploading block_table themselves (one upload for every layer of a step; the only way inside a
   // captured CUDA graph). Ignored on the CPU. The caller keeps the two equal.
   TensorView block_table_device;
-  // Timing only: every key of a sequence below its first query's position (the cached keys of a
-  // decode step or a later prefill chunk) was written before the kernel that runs just before this
-  // call on the stream began, so the CUDA kernel may load such keys before its programmatic wait
-  // for that kernel (cuda/common/pdl.cuh). Set by the chain for its KV caches. No bit changes.
-  bool keys_settled = false;
 };
 // dq, dk, dv: same shapes as q, k, v. Key rows covered by no sequence get dk = dv = 0; key ranges
 // of different sequences must not overlap. dk/dv sum over the query heads of their group in

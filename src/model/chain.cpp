@@ -216,7 +216,6 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
     at.v = v3(v, Hkv, D);
   }
   at.seqs = step.seqs;
-  at.keys_settled = cache != nullptr;  // the cached keys were written by earlier steps / chunks
   DeviceTensor& attn = act("attn", {T, Hq * D});
   at.out = v3(attn, Hq, D);
   at.lse = acc("attn_lse", {T, Hq}).view();

@@ -24,12 +24,12 @@
 //    four CTAs, each computing a part of O's columns (same products, same order: same bits).
 //  * V rows past the sequence's keys (another sequence's, or an unwritten cache slot that may hold
 //    NaN) must not reach P·V, where 0 · NaN = NaN: the block that holds the sequence's last key has
-//    its V rows past the end zeroed by a second producer warp (after its wait for that V to land)
-//    before the consumers are told the stage is full; the loading warp runs on (it used to wait for
-//    the tail itself, its loads stalled once an item: C = 4000 decode read slower than C = 4096).
+//    its V rows past the end zeroed (after a wait for that V to land) before the consumers are told
+//    the stage is full; in the persistent decode kernel by a second producer warp, so the loading
+//    warp runs on into the next items (waiting for each tail itself, its loads stalled once an item:
+//    measured on the H100, B = 64 / 256 at C = 4000 0.98 / 0.96× the time, a decode step at B = 64,
+//    1k 10.96 → 10.75 ms).
 //    K rows past the end only reach masked scores, which a select replaces.
-//  * A stage's K and V are released apart: K once the block's S = Q·Kᵀ is done, V once its P·V is
-//    (a block later), so the next K loads start a block earlier.
 //  * Decode steps (every item one span of at most 64 rows) run a single-span variant: one consumer,
 //    no running O in shared memory (the span folds into the empty state in registers, the same
 //    arithmetic), and that room as a deeper ring, so a CTA walking a span's 8 blocks has several
@@ -109,7 +109,6 @@ struct Params {
   int Hq, Hkv, G;
   int n_items;  // the CTAs walk items blockIdx.x, + gridDim.x, … below it (one each but in SINGLE)
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
-  int keys_settled;  // AttentionForwardArgs::keys_settled (the single-span kernel's early loads)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
 
@@ -134,7 +133,7 @@ struct Smem {
   static constexpr int LIMIT = 227 * 1024, SLACK = 1024 + 64 * 8;  // alignment, barriers
   static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - SLACK) / (K_BYTES + V_BYTES);
   static constexpr int STAGES = SINGLE ? (FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS) : 2;
-  static constexpr int BARRIERS = 2 * Q_BUFFERS + 5 * STAGES;
+  static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
   static constexpr size_t BYTES = size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + BARRIERS * 8 + 1024;
   static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
 };
@@ -154,12 +153,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // Launched after the previous kernel (cuda/common/pdl.cuh): the next one (the combine, or the O
   // GEMM, which loads its first weight stages before its own wait) may start at once, on the SMs a
   // small decode leaves idle; this one waits for the previous kernel's output (Q, the cache's K / V).
-  // Settled keys (AttentionForwardArgs::keys_settled, decode steps): the loading warp issues its
-  // first item's blocks of keys below the item's first query position — written before the previous
-  // kernel began — before its own wait, so they stream while the previous kernel ends.
-  const bool early_keys = SINGLE && p.keys_settled && threadIdx.x < 32;
   pdl_launch_dependents();
-  if (!early_keys) pdl_wait();
+  pdl_wait();
   using S = Smem<D, PARTS, SINGLE>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
@@ -171,9 +166,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* q_empty = full_q + S::Q_BUFFERS;  // persistent kernel: the buffer's item has done its last S = Q·Kᵀ
   uint64_t* full_k = q_empty + S::Q_BUFFERS;
   uint64_t* full_v = full_k + STAGES;
-  uint64_t* empty_k = full_v + STAGES;  // K and V of a stage are released apart: K once its S is done
-  uint64_t* empty_v = empty_k + STAGES;
-  uint64_t* tail_v = empty_v + STAGES;  // a tail block's V landed (the zeroing warp waits on it)
+  uint64_t* empty = full_v + STAGES;
+  uint64_t* tail_v = empty + STAGES;  // a tail block's V landed (zero_tail waits on it)
   auto item_at = [&](int i) { return p.items ? p.items[i] : p.inline_items[i]; };
   // The general kernel's grid is its items (one a CTA), so its consumers are its one item's; the
   // single-span kernel's items have at most 64 rows: one consumer.
@@ -191,8 +185,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
-      mbar_init(&empty_k[s], uint32_t(consumers));
-      mbar_init(&empty_v[s], uint32_t(consumers));
+      mbar_init(&empty[s], uint32_t(consumers));
       mbar_init(&tail_v[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -201,9 +194,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int wg = threadIdx.x / 128;
 
   if (wg == 0) {  // producer: warp 0 loads; in the persistent kernel warp 1 zeroes tail blocks' V rows
-    // Registers: the producer warpgroup 56 a thread (the loading warp's settled-keys path fits no
-    // fewer without spilling), the consumers 224: 56 · 128 + 224 · 256 = 168 · 384, the launch's.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= (PERSISTENT ? 64 : 32)) return;
     const int lane = threadIdx.x % 32;
     // The V boxes (64 columns each) holding this CTA's O columns.
@@ -247,35 +238,26 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       }
     }
     int n = 0;  // blocks loaded: the ring runs on across items
-    bool early = early_keys;  // the first item's settled blocks are yet to go before the wait
     for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
       const Item it = item_at(idx);
       const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
       int vb_lo, vb_hi;
       v_boxes(it, vb_lo, vb_hi);
-      // Settled keys: the first item's blocks below its first query position (as many as the ring
-      // holds) go before the wait, then the wait and Q (which the kernel before writes); else Q first.
-      int settled_end = it.block_begin;
-      if (early) settled_end = max(settled_end, min(min(it.block_end, it.block_begin + STAGES), it.first_pos / BN));
-      for (int j = it.block_begin;; ++j, ++n) {
-        if (j == settled_end) {
-          if (early) pdl_wait(), early = false;
-          if (lane == 0) {
-            // Q: a buffer a consumer, or (the persistent kernel) the item's of two in turn, once the item
-            // two before it has done its last S.
-            for (int c = 0; c < consumers; ++c) {
-              const int qb = PERSISTENT ? k & 1 : c;
-              if (PERSISTENT && k >= 2) mbar_wait(&q_empty[qb], ((k >> 1) - 1) & 1);
-              mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
-              for (int b = 0; b < S::BOXES; ++b) {
-                uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
-                if (group == 1) tma_load_3d(dst, &p.q_heads, b * 64, it.head, it.q_row + c * 64, &full_q[qb]);
-                else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[qb]);
-              }
-            }
+      if (lane == 0) {
+        // Q: a buffer a consumer, or (the persistent kernel) the item's of two in turn, once the item
+        // two before it has done its last S.
+        for (int c = 0; c < consumers; ++c) {
+          const int qb = PERSISTENT ? k & 1 : c;
+          if (PERSISTENT && k >= 2) mbar_wait(&q_empty[qb], ((k >> 1) - 1) & 1);
+          mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
+          for (int b = 0; b < S::BOXES; ++b) {
+            uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
+            if (group == 1) tma_load_3d(dst, &p.q_heads, b * 64, it.head, it.q_row + c * 64, &full_q[qb]);
+            else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[qb]);
           }
         }
-        if (j >= it.block_end) break;
+      }
+      for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
         const int st = n % STAGES;
         const uint32_t reuse = ((n / STAGES) - 1) & 1;  // the phase of the release of the stage's last block
         uint8_t* kdst = sk + st * S::K_BYTES;
@@ -287,9 +269,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           return key0 + r0 < it.k_len ? int32_t(p.pages.row(it.seq, it.k_row, key0 + r0)) : 0;
         };
         // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
-        // the bytes the stage expects. K before V: the consumers need K first (S = Q·Kᵀ), and the
-        // stage's K is released a block before its V (once its S is done, where V waits for P·V).
-        if (n >= STAGES) mbar_wait(&empty_k[st], reuse);
+        // the bytes the stage expects. K before V: the consumers need K first (S = Q·Kᵀ), and a
+        // small decode waits on it. (K and V of a stage released apart, K once its S is done, made
+        // no difference on the H100: a decode step 6.77 / 7.10 / 10.76 ms against 6.75 / 7.10 / 10.75.)
+        if (n >= STAGES) mbar_wait(&empty[st], reuse);
         if (lane == 0) mbar_expect_tx(&full_k[st], uint32_t(S::K_BYTES));
         __syncwarp();
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
@@ -297,7 +280,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
             tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
         // A tail block's V lands on tail_v[st]: zero_tail fills full_v[st] once its rows past the end are zeroed.
         uint64_t* v_bar = is_tail(it, j) ? &tail_v[st] : &full_v[st];
-        if (n >= STAGES) mbar_wait(&empty_v[st], reuse);
         if (lane == 0) mbar_expect_tx(v_bar, uint32_t(vb_hi - vb_lo) * BN * 128);
         __syncwarp();
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
@@ -310,7 +292,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;
   if (c >= consumers) return;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, quad_col = (lane % 4) * 2;
@@ -366,10 +348,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         // This block's K is read: its stage's K may be refilled; the previous block's P·V is done
         // too: its stage's V may be.
-        if (t == 0) {
-          mbar_arrive(&empty_k[st]);
-          if (n > 0) mbar_arrive(&empty_v[(n - 1) % STAGES]);
-        }
+        // The previous block's P·V is done too: its stage can be refilled.
+        if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
 
         // Causal mask where the block reaches past the warp's first row (whole blocks below the
       // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
@@ -781,8 +761,6 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
-  static const bool early_keys = env_switch("SAMEBITS_EARLY_KEYS");  // "0": never before the wait (A/B runs)
-  p.keys_settled = a.keys_settled && early_keys ? 1 : 0;
   const auto kernels = forward_kernels<T, D>(op);
   void* args[] = {&p};
   const ForwardKernel& fk = kernel_of(kernels, w);
