@@ -47,15 +47,17 @@ Rows random_rows(Rng& r, int64_t R, int64_t V) {
 
 // R rows of V logits shaped to reach every corner of the kernels — ties everywhere (top-k's cut
 // inside a run of ties: the tie-id search), one value throughout, mostly −inf, weights underflowing
-// to 0, a max tied at two far ids, ±0, a single finite logit — under every setting, extreme
-// temperatures, a top-p goal that rounds to 0, u at 0 and next to 1.
+// to 0, a max tied at two far ids, ±0, a single finite logit, many logits one or two floats below
+// the max (cuts one key apart) — under every setting, extreme temperatures, a top-p goal that rounds
+// to 0, u at 0 and next to 1.
 Rows hard_rows(Rng& r, int64_t R, int64_t V) {
   Rows rows{HostTensor(DType::f32, {R, V}), HostTensor(DType::f64, {R, 5})};
   const float inf = std::numeric_limits<float>::infinity();
+  const int64_t salt = r.integer(0, 80);  // which (shape, setting) pairs a call's rows start from
   for (int64_t i = 0; i < R; ++i) {
     float* z = static_cast<float*>(rows.logits.data()) + i * V;
     const double scale = r.uniform(0.5, 6.0);
-    const int shape = int(i % 8);
+    const int shape = int((i + salt) % 9);  // with the setting below, every pair in 81 rows
     for (int64_t j = 0; j < V; ++j) {
       const double n = r.normal();
       switch (shape) {
@@ -65,6 +67,12 @@ Rows hard_rows(Rng& r, int64_t R, int64_t V) {
         case 4: z[j] = float(n * 40); break;                          // most weights underflow
         case 6: z[j] = r.integer(0, 1) ? -0.0f : 0.0f; break;         // ±0
         case 7: z[j] = -inf; break;                                   // one finite logit (below)
+        case 8: {                                                     // the max's neighbours
+          const float below = std::nextafter(20.0f, -inf);
+          const int64_t u = r.integer(0, 11);
+          z[j] = u == 0 ? 20.0f : u < 4 ? below : u < 6 ? std::nextafter(below, -inf) : float(n * scale);
+          break;
+        }
         default: z[j] = float(n * scale);
       }
     }
@@ -74,7 +82,7 @@ Rows hard_rows(Rng& r, int64_t R, int64_t V) {
       z[5] = z[2];
       z[7] = -inf;
     }
-    const int kind = int((i / 8) % 9);
+    const int kind = int((4 * i + salt / 9) % 9);
     double* p = static_cast<double*>(rows.params.data()) + i * 5;
     const int64_t kmax = r.integer(0, 1) ? std::min<int64_t>(V, 200) : V;
     p[0] = kind == 0 ? 0.0 : kind == 6 ? 1e-30 : kind == 7 ? 1e30 : r.uniform(0.2, 2.0);
@@ -145,11 +153,11 @@ TEST_F(CudaSampling, DrawsTheCpuKernelsTokensAndSets) {
 
 // The cluster kernel (where the device runs it) and the one-CTA kernel against the CPU kernel, bit
 // for bit, on rows built to reach every branch: vocabs below one stride, not a multiple of it, the
-// Qwen3 vocab and the largest the cluster kernel holds (229,376 ids; one more goes to the one-CTA
+// Qwen3 vocab and the largest the cluster kernel holds (226,304 ids; one more goes to the one-CTA
 // kernel); 1, 3 and 64 rows a call.
 TEST_F(CudaSampling, ClusterAndOneCtaKernelsDrawTheCpuKernelsBits) {
   Rng r(44);
-  for (int64_t V : {1, 2, 7, 1000, 1024, 1025, 4099, 20000, 151936, 229376, 229377}) {
+  for (int64_t V : {1, 2, 7, 1000, 1024, 1025, 4099, 20000, 151936, 226304, 226305}) {
     for (int64_t R : {1, 3, 64}) {
       if (V > 100000 && R == 3) continue;
       const Rows rows = hard_rows(r, R, V);

@@ -8,7 +8,7 @@
 // ascending id order, so every threshold's mass is the rule's sum). Integer counts and the max
 // (ties to the lower id) are exact in any order. Two kernels follow it, bit for bit the same:
 //
-// The cluster kernel (compute capability 9.0, vocabs up to 229,376 ids). Why: the one-CTA kernel
+// The cluster kernel (compute capability 9.0, vocabs up to 226,304 ids). Why: the one-CTA kernel
 // below gave a row to one SM, which recomputed every weight (a polynomial exp) from L2 on every pass:
 // issue-bound, 80 µs a row at B = 1 and 110 µs at B = 64 in a Qwen3-8B decode step on the H100
 // (vocab 151,936, temperature 1, no cuts; 1.2–1.6% of the step, on its critical path), top-k and
@@ -24,19 +24,24 @@
 //    every CTA reads the 8 (ld.shared::cluster) and combines them by an xor butterfly over 8 lanes:
 //    the top 3 levels of the tree, the same bits in every CTA, so every CTA takes the same branches;
 //  - counts (top-k, the tie search) run on all 512 threads in any order;
-//  - a stride block (one stride × 32 lanes) with no candidate left is skipped by later passes (it
-//    would add +0 to sums that start at +0 and only grow: the same bits), so after the first few
-//    radix passes only the blocks near the cut are read; top-k's "above" and "tied" counts come from
-//    the radix counts, the tie search tests 7 id bounds a pass, top-p's total rides its first pass;
+//  - the cuts' searches measure 7 thresholds a pass, as the radix passes do, but bracket the answer
+//    (the largest key whose measure reaches the goal: the radix result, whichever keys are
+//    measured): the first pass's thresholds sit at fixed logit distances below the max, later ones
+//    split the bracket evenly — about 8 passes, not 11, the radix's first ones splitting only the
+//    sign and the top exponent bits; and a block (one stride × 32 lanes) is read only if its largest
+//    finite key, noted on the first look at the row, reaches the pass's floor (a block below adds +0
+//    to sums that start at +0 and only grow: the same bits), so only the first pass reads the whole
+//    row. Top-k's "above" and "tied" counts follow the bracket, its tie search tests 7 id bounds a
+//    pass, top-p's total rides its first pass;
 //  - the draw: each CTA builds the tree over its lanes, every CTA builds the top levels from the 8
 //    roots and walks them alike; the chosen CTA walks its subtree, then one thread the chosen lane.
-// Greedy takes 2 cluster barriers a row and temperature sampling 3; top-k adds 11 (and the tie
-// search's ⌈log8 V⌉ where ties straddle the cut), top-p 11. No atomics: DSMEM loads
-// and cluster barriers only. No CTA leaves while another may still read its shared memory: each
-// arrives at a last cluster barrier after its last remote read and waits on it before leaving. The
-// kernel is chosen by the device and the vocab, never by the row count; a row's work depends on its
-// logits and settings alone. Its time on the H100 is bench_time_sampling's to measure (not yet
-// measured: written on a machine without a GPU).
+// Greedy takes 2 cluster barriers a row and temperature sampling 3; a top-k or top-p cut adds one a
+// pass (about 8, at most 12; the tie search ⌈log8 V⌉ more where ties straddle the cut). No atomics:
+// DSMEM loads and cluster barriers only. No CTA leaves while another may still read its shared
+// memory: each arrives at a last cluster barrier after its last remote read and waits on it before
+// leaving. The kernel is chosen by the device and the vocab, never by the row count; a row's work
+// depends on its logits and settings alone. Its time on the H100 is bench_time_sampling's to
+// measure (not yet measured: written on a machine without a GPU).
 //
 // The one-CTA kernel (other devices, larger vocabs, and the reference on the GPU: tests force it
 // with detail::sampling_single_cta_override): one CTA of 1024 threads a row, thread ℓ being lane ℓ:
@@ -359,7 +364,7 @@ constexpr int CTHREADS = 512;             // threads a CTA
 constexpr int GROUPS = CTHREADS / CL;     // thread (g, l): lane l, strides g, g + GROUPS, …
 constexpr int LANE_WARPS = CL / 32;       // a warp: 32 consecutive lanes of one group
 constexpr int CWARPS = CTHREADS / 32;
-constexpr int MAX_STRIDES = 224;          // 229,376 ids: the most a CTA's shared memory holds
+constexpr int MAX_STRIDES = 221;          // 226,304 ids: the most a CTA's shared memory holds
 constexpr int SLOTS = 4;                  // exchange slots, reused round-robin (a slot is rewritten
                                           // two cluster barriers after it was read: safe from 2 up)
 static_assert(LANES % CTAS == 0 && CL % 32 == 0 && CTHREADS % CL == 0, "the lanes split into whole warps");
@@ -373,11 +378,13 @@ struct ClusterShared {
   uint32_t slot[SLOTS][8];              // what this CTA offers the cluster in an exchange
   uint32_t part[8][CWARPS];             // warps' partial results
   uint32_t result[8];                   // an exchange's result, the same in every CTA
-  uint8_t live[LANE_WARPS][MAX_STRIDES];  // live[w][j]: stride j of lane warp w may hold a candidate
+  uint32_t top_key[LANE_WARPS][MAX_STRIDES];  // the largest finite key of stride j in lane warp w's
+                                              // 32 lanes (a block); 0: none finite
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the cluster kernel's device code (sm_90a only)
 constexpr uint32_t KEY_NEG_INF = 0x007fffffu;  // key_of(−inf); a finite logit's key is above it
+constexpr uint32_t KEY_FINITE = KEY_NEG_INF + 1;  // the least key of a finite logit
 constexpr uint32_t NEG_INF_BITS = 0xff800000u;
 
 // What the row's candidates are after each cut, on keys (a finite logit: key above KEY_NEG_INF):
@@ -512,17 +519,18 @@ __device__ __forceinline__ void cluster_sums(ClusterShared& s, int& round, float
   for (int n = 0; n < N; ++n) v[n] = u2f(s.result[n]);
 }
 
-// Lane warp `lw`'s live strides in ascending order (a warp of group 0 calls it: its 32 lanes are the
-// warp's lanes): f(j, {key, weight bits}) for this thread's lane l, whose return says whether the
-// element can still be a candidate; with DROP, a stride none of the 32 lanes keeps is dropped. A
-// dropped stride holds no candidate of any later pass and adds +0 to every lane sum (the sums start
-// at +0 and add weights ≥ +0, so skipping it leaves the bits). Four strides' loads go out before
-// their calls.
-template <bool DROP, class F>
-__device__ __forceinline__ void walk_live(ClusterShared& s, const uint2* kw, int lw, int l, int S, F&& f) {
+// Lane warp `lw`'s blocks whose largest finite key reaches `floor`, in ascending stride order (a
+// warp of group 0 calls it: its 32 lanes are the warp's lanes): f(j, {key, weight bits}) for this
+// thread's lane l. A block left out holds no key at or above the floor, so no candidate of the pass
+// (every caller's candidates have keys at or above its floor) and adds +0 to every lane sum: the sums
+// start at +0 and add weights ≥ +0, so leaving it out keeps the bits. Four strides' loads go out
+// before their calls.
+template <class F>
+__device__ __forceinline__ void walk_blocks(const ClusterShared& s, const uint2* kw, int lw, int l, int S,
+                                            uint32_t floor, F&& f) {
   const int lane = threadIdx.x & 31;
   for (int j0 = 0; j0 < S; j0 += 32) {
-    uint32_t bits = __ballot_sync(FULL, j0 + lane < S && s.live[lw][j0 + lane]);
+    uint32_t bits = __ballot_sync(FULL, j0 + lane < S && s.top_key[lw][j0 + lane] >= floor);
     while (bits) {
       int js[4];
       uint2 v[4];
@@ -536,14 +544,29 @@ __device__ __forceinline__ void walk_live(ClusterShared& s, const uint2* kw, int
         if (js[u] >= 0) v[u] = kw[js[u] * CL + l];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (js[u] >= 0) {
-          const bool kept = f(js[u], v[u]);
-          if (DROP) {
-            const unsigned keep = __ballot_sync(FULL, kept);
-            if (lane == 0) s.live[lw][js[u]] = keep != 0;
-          }
-        }
+        if (js[u] >= 0) f(js[u], v[u]);
     }
+  }
+}
+
+// The threshold searches (top-k by count, top-p by mass) look for the largest key t in [0, max key]
+// whose measure reaches the goal, the measure never growing with t: a bracket lo < hi, lo's
+// measure known to reach the goal, hi's not (or hi past the max key), 7 thresholds measured a pass.
+// The answer is the one-CTA kernel's radix result (the largest such t; its top-p cut is capped at
+// the max key), whatever thresholds are measured: the first pass's sit at fixed logit distances
+// below the max (`scale` · 1.5 … 24: where cuts fall, so that few blocks still reach the bracket
+// after it; the radix digits' first passes split only the sign and top exponent bits), later ones
+// spread evenly over the bracket. Every CTA computes the same thresholds. Needs hi − lo ≥ 2.
+__device__ __forceinline__ constexpr double first_gap(int d) {
+  return d == 0 ? 24.0 : d == 1 ? 16.0 : d == 2 ? 11.0 : d == 3 ? 8.0 : d == 4 ? 5.5 : d == 5 ? 3.5 : 1.5;
+}
+__device__ __forceinline__ void thresholds(uint32_t (&T)[TRIES], int pass, uint32_t lo, uint32_t hi, float max_logit,
+                                           double scale) {
+#pragma unroll
+  for (int d = 0; d < TRIES; ++d) {
+    const uint32_t t = pass == 0 ? key_of(float(double(max_logit) - first_gap(d) * scale))
+                                 : lo + uint32_t(uint64_t(hi - lo) * uint64_t(d + 1) / (TRIES + 1));
+    T[d] = t < lo + 1 ? lo + 1 : t > hi - 1 ? hi - 1 : t;  // in (lo, hi): each measured one moves lo or hi
   }
 }
 #endif  // __CUDA_ARCH__ >= 900
@@ -593,8 +616,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
   copy_async_wait_all();
   __syncthreads();
 
-  // Finiteness, the count of finite logits, the max (first id on ties); keys into .x; the live
-  // strides: those of a lane warp with a finite logit.
+  // Finiteness, the count of finite logits, the max (first id on ties); keys into .x; each block's
+  // largest finite key.
   int bad = 0, finite = 0, best_id = -1;
   uint32_t best_key = 0;
   for (int j = g; j < S; j += GROUPS) {
@@ -607,8 +630,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
       better(best_key, best_id, key, base + j * LANES);
     }
     e.x = key;
-    const unsigned any = __ballot_sync(FULL, x > -INFINITY);
-    if (lane == 0) s.live[lw][j] = any != 0;
+    const uint32_t top = __reduce_max_sync(FULL, x > -INFINITY && x < INFINITY ? key : 0u);
+    if (lane == 0) s.top_key[lw][j] = top;
   }
 #pragma unroll
   for (int off = 1; off < 32; off *= 2) {
@@ -665,114 +688,111 @@ __global__ void __launch_bounds__(CTHREADS, 1)
   KeyCuts cut;
   cut.tie_id = V - 1;
 
-  // Top-k: the largest key t with count(key ≥ t) ≥ k, 3 bits a pass as in the one-CTA kernel (its
-  // counts over the live strides: a dropped one holds only keys below the prefix t). ge = count(key ≥ t)
-  // and gt = count(key ≥ t + 2^shift) follow from each pass's counts, so at the end (shift 0) the
-  // one-CTA kernel's "above" and "tied" counts are gt and ge − gt, with no pass of their own.
+  // Top-k: the largest key t with count(key ≥ t) ≥ k (the bracket search above: counts over the
+  // blocks reaching lo). ge = count(key ≥ lo) and gt = count(key ≥ hi) follow the bracket, so at its
+  // end (hi = t + 1) the one-CTA kernel's "above" and "tied" counts are gt and ge − gt.
   const int k = int(p.top_k);
   if (k > 0 && k < finite) {
-    uint32_t t = 0;
+    uint32_t lo = 0, hi = max_key + 1;
     int ge = finite, gt = 0;
-    for (int high = 32; high > 0; high -= DIGIT_BITS) {
-      const int shift = high > DIGIT_BITS ? high - DIGIT_BITS : 0, tries = (1 << (high - shift)) - 1;
+    for (int pass = 0; hi - lo > 1; ++pass) {
       uint32_t T[TRIES];
-#pragma unroll
-      for (int d = 0; d < TRIES; ++d) T[d] = t | (uint32_t(d + 1) << shift);
+      thresholds(T, pass, lo, hi, max_logit, 1.0);
+      const uint32_t floor = lo > KEY_FINITE ? lo : KEY_FINITE;
       int cnt[TRIES] = {};
       for (int j = g; j < S; j += GROUPS) {
-        if (!s.live[lw][j]) continue;  // the same for the warp's 32 lanes
+        if (s.top_key[lw][j] < floor) continue;  // the same for the warp's 32 lanes
         const uint32_t key = kw[j * CL + l].x;
         const bool fin = key > KEY_NEG_INF;
 #pragma unroll
         for (int d = 0; d < TRIES; ++d) cnt[d] += fin && key >= T[d];
-        const unsigned keep = __ballot_sync(FULL, fin && key >= t);
-        if (lane == 0) s.live[lw][j] = keep != 0;
       }
       cluster_counts(s, round, cnt);
-      int digit = 0;
+      uint32_t nlo = lo, nhi = hi;
 #pragma unroll
       for (int d = 0; d < TRIES; ++d)
-        if (d < tries && cnt[d] >= k) digit = d + 1;
+        if (cnt[d] >= k && T[d] > nlo) nlo = T[d], ge = cnt[d];
 #pragma unroll
-      for (int d = 0; d < TRIES; ++d) {
-        if (d + 1 == digit) ge = cnt[d];  // count(key ≥ new t)
-        if (d == digit && d < tries) gt = cnt[d];  // count(key ≥ new t + 2^shift); digit = tries: unchanged
-      }
-      t |= uint32_t(digit) << shift;
+      for (int d = TRIES - 1; d >= 0; --d)
+        if (cnt[d] < k && T[d] < nhi) nhi = T[d], gt = cnt[d];
+      lo = nlo;
+      hi = nhi;
     }
+    const uint32_t t = lo;
     cut.tk = t;
     const int need = k - gt;
     if (ge - gt > need) {  // the smallest id bound keeping `need` of the tied ids, 7 bounds a pass
-      int lo = 0, hi = V - 1;
-      while (lo < hi) {
+      int first = 0, last = V - 1;  // the bound is in [first, last]
+      while (first < last) {
         int b[TRIES];
 #pragma unroll
-        for (int d = 0; d < TRIES; ++d) b[d] = lo + int(int64_t(hi - lo) * (d + 1) / (TRIES + 1));  // in [lo, hi)
+        for (int d = 0; d < TRIES; ++d) b[d] = first + int(int64_t(last - first) * (d + 1) / (TRIES + 1));  // < last
         int cnt[TRIES] = {};
         for (int j = g; j < S; j += GROUPS) {
-          if (!s.live[lw][j]) continue;
+          if (s.top_key[lw][j] < t) continue;  // no tied key in the block
           const uint32_t key = kw[j * CL + l].x;
           const int i = base + j * LANES;
 #pragma unroll
           for (int d = 0; d < TRIES; ++d) cnt[d] += key == t && i <= b[d];
         }
         cluster_counts(s, round, cnt);
-        int nlo = lo, nhi = hi;  // counts grow with the bound: the answer is in (last short bound, first full one]
+        int nfirst = first, nlast = last;  // counts grow with the bound: after the last short one, up to the first full
 #pragma unroll
         for (int d = TRIES - 1; d >= 0; --d)
-          if (cnt[d] >= need) nhi = b[d];
+          if (cnt[d] >= need) nlast = b[d];
 #pragma unroll
         for (int d = 0; d < TRIES; ++d)
-          if (cnt[d] < need) nlo = b[d] + 1;
-        lo = nlo;
-        hi = nhi;
+          if (cnt[d] < need) nfirst = b[d] + 1;
+        first = nfirst;
+        last = nlast;
       }
-      cut.tie_id = lo;
+      cut.tie_id = first;
     }
   }
 
   // The weights, once (the rule's weight_of of the logit still in .y), where a candidate can be: the
-  // live strides; elsewhere 0 (never a candidate, so never read for its value).
+  // blocks reaching the top-k cut; elsewhere 0 (never a candidate, so never read for its value).
+  const uint32_t candidate_floor = cut.tk > KEY_FINITE ? cut.tk : KEY_FINITE;  // a candidate's key is at or above it
   for (int j = g; j < S; j += GROUPS) {
     uint2& e = kw[j * CL + l];
-    e.y = s.live[lw][j] ? f2u(weight_of(u2f(e.y), max_logit, inv_t)) : 0u;
+    e.y = s.top_key[lw][j] >= candidate_floor ? f2u(weight_of(u2f(e.y), max_logit, inv_t)) : 0u;
   }
   __syncthreads();
 
-  // Top-p: the largest key t whose candidates' mass (the rule's sum) reaches the goal, 3 bits a pass
-  // as in the one-CTA kernel. Lane sums run in group 0 (thread l walks lane l's strides in order),
-  // 7 thresholds at once; the first pass also sums the candidates' total (the goal's base). A
-  // stride is dropped once it holds no candidate at or above min(t, max key) — the final cut is
-  // min(t_final, max key), at or above that.
+  // Top-p: the largest key t in [0, max key] whose candidates' mass (the rule's sum) reaches the goal
+  // (the bracket search above; the one-CTA kernel's min(radix t, max key)). Lane sums run in group 0
+  // (thread l walks lane l's blocks in stride order), 7 thresholds at once; the first pass also sums
+  // the candidates' total (the goal's base). A pass walks the blocks reaching max(lo, the top-k cut):
+  // every key it measures is at or above both.
   if (p.top_p < 1) {
-    uint32_t t = 0;
+    uint32_t lo = 0, hi = max_key + 1;
     float goal = 0.0f;
-    for (int high = 32, first = 1; high > 0; high -= DIGIT_BITS, first = 0) {
-      const int shift = high > DIGIT_BITS ? high - DIGIT_BITS : 0, tries = (1 << (high - shift)) - 1;
+    for (int pass = 0; hi - lo > 1; ++pass) {
       uint32_t T[TRIES];
-#pragma unroll
-      for (int d = 0; d < TRIES; ++d) T[d] = t | (uint32_t(d + 1) << shift);
-      const uint32_t floor = t < max_key ? t : max_key;
+      thresholds(T, pass, lo, hi, max_logit, p.temperature);
       float m[TRIES + 1] = {};  // m[TRIES]: the total (first pass)
       if (g == 0)
-        walk_live<true>(s, kw, lw, l, S, [&](int j, uint2 v) {
+        walk_blocks(s, kw, lw, l, S, lo > candidate_floor ? lo : candidate_floor, [&](int j, uint2 v) {
           const uint32_t key = v.x;
           const float w = u2f(v.y);
           const bool cand = cut.topk(key, base + j * LANES);
 #pragma unroll
           for (int d = 0; d < TRIES; ++d) m[d] = __fadd_rn(m[d], cand && key >= T[d] ? w : 0.0f);
-          if (first) m[TRIES] = __fadd_rn(m[TRIES], cand ? w : 0.0f);
-          return cand && key >= floor;
+          if (pass == 0) m[TRIES] = __fadd_rn(m[TRIES], cand ? w : 0.0f);
         });
       cluster_sums(s, round, m);
-      if (first) goal = top_p_goal(p.top_p, m[TRIES]);
-      int digit = 0;
+      if (pass == 0) goal = top_p_goal(p.top_p, m[TRIES]);
+      uint32_t nlo = lo, nhi = hi;
 #pragma unroll
       for (int d = 0; d < TRIES; ++d)
-        if (d < tries && m[d] >= goal) digit = d + 1;
-      t |= uint32_t(digit) << shift;
+        if (m[d] >= goal && T[d] > nlo) nlo = T[d];
+#pragma unroll
+      for (int d = TRIES - 1; d >= 0; --d)
+        if (!(m[d] >= goal) && T[d] < nhi) nhi = T[d];
+      lo = nlo;
+      hi = nhi;
     }
-    cut.tp = t < max_key ? t : max_key;
+    cut.tp = lo;
   }
   cut.min_p = p.min_p;
 
@@ -781,11 +801,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
   // chosen CTA walks its subtree, then the chosen lane.
   if (g == 0) {
     float acc = 0.0f;
-    walk_live<false>(s, kw, lw, l, S, [&](int j, uint2 v) {
+    walk_blocks(s, kw, lw, l, S, cut.tp > candidate_floor ? cut.tp : candidate_floor, [&](int j, uint2 v) {
       const float w = u2f(v.y);
-      const bool in = cut.all(v.x, base + j * LANES, w);
-      acc = __fadd_rn(acc, in ? w : 0.0f);
-      return in;
+      acc = __fadd_rn(acc, cut.all(v.x, base + j * LANES, w) ? w : 0.0f);
     });
     s.tree[CL + l] = acc;
   }
