@@ -22,6 +22,11 @@ int& programmatic_launch_override() {
   return value;
 }
 
+bool& sampling_single_cta_override() {
+  static bool value = false;
+  return value;
+}
+
 int& attention_persistent_ctas_override() {
   static int value = 0;
   return value;

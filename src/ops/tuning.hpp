@@ -23,6 +23,11 @@ int& programmatic_launch_override();
 // at most N CTAs, each walking many items (tests/cuda/test_attention.cpp: the same bits).
 int& attention_persistent_ctas_override();
 
+// false: the CUDA sampling kernel runs a row on a thread-block cluster where the device allows it
+// (compute capability 9.0, the row in its shared memory); true: always on one CTA, the kernel of
+// other devices (tests/cuda/test_sampling.cpp: the same bits).
+bool& sampling_single_cta_override();
+
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.
 template <class T>

@@ -65,21 +65,35 @@ inline bool programmatic_launch_enabled(const char* op) {
 
 // The launch configuration of a kernel allowed to start before the previous kernel in the stream
 // ends (the kernel calls pdl_wait() first): the attribute where the stream and the device allow it
-// (on the default streams — null, legacy, per-thread — a plain launch). Not copyable: the config
-// points at its own attribute.
+// (on the default streams — null, legacy, per-thread — a plain launch). `cluster` > 0: the grid is
+// launched in thread-block clusters of that many CTAs along x (a second attribute, set whether or
+// not the first is; the two combine, the cluster's CTAs starting together once they may start).
+// Not copyable: the config points at its own attributes.
 struct AfterPrevious {
   cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attribute[1]{};
-  AfterPrevious(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* op, bool allowed = true) {
+  cudaLaunchAttribute attribute[2]{};
+  AfterPrevious(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char* op, bool allowed = true,
+                unsigned cluster = 0) {
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = smem;
     config.stream = stream;
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     const bool legacy = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
-    config.numAttrs = allowed && !legacy && programmatic_launch_enabled(op) ? 1 : 0;
+    unsigned n = 0;
+    if (allowed && !legacy && programmatic_launch_enabled(op)) {
+      attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    if (cluster > 0) {
+      attribute[n].id = cudaLaunchAttributeClusterDimension;
+      attribute[n].val.clusterDim.x = cluster;
+      attribute[n].val.clusterDim.y = 1;
+      attribute[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    config.numAttrs = n;
   }
   AfterPrevious(const AfterPrevious&) = delete;
   AfterPrevious& operator=(const AfterPrevious&) = delete;
@@ -90,6 +104,14 @@ template <class... Params, class... Args>
 void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                            const char* op, Args&&... args) {
   AfterPrevious launch(grid, block, smem, stream, op);
+  check(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...), op, "kernel launch");
+}
+
+// The same in thread-block clusters of `cluster` CTAs along x (grid.x a multiple of it).
+template <class... Params, class... Args>
+void launch_cluster_after_previous(void (*kernel)(Params...), unsigned cluster, dim3 grid, dim3 block, size_t smem,
+                                   cudaStream_t stream, const char* op, Args&&... args) {
+  AfterPrevious launch(grid, block, smem, stream, op, true, cluster);
   check(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...), op, "kernel launch");
 }
 
