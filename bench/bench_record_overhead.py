@@ -9,8 +9,8 @@ Each op runs on tiny tensors `--calls` times back to back in three modes: no_gra
 recording (inputs that require grad, grad mode on) and recording + backward (torch.autograd.backward
 of the outputs with ready-made gradients). A mode's time is the median of 5 rounds (perf_counter,
 one device synchronisation a round; an op's three modes alternate round by round, as the machine's
-load moves); "adds" is recording − no_grad: the node, the saved tensors and what only a backward
-needs (rstd, lse). The library is loaded by path (torch.ops.load_library), so two builds of it can
+load moves); "adds", the median of the rounds' recording − no_grad: the node, the saved tensors and
+what only a backward needs (rstd, lse). The library is loaded by path (torch.ops.load_library), so two builds of it can
 be timed with the same torch, one process each, without samebits.torch's Python modules (whose
 custom_op torch 1.13 lacks). OMP_NUM_THREADS=1 steadies the CPU's numbers.
 """
@@ -22,14 +22,14 @@ import time
 import torch
 
 
-def host_us(fn, calls, sync):
+def host_us(fn, calls, sync, clock=time.perf_counter):
     fn()
     sync()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(calls):
         fn()
     sync()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return (clock() - t0) / calls * 1e6
 
 
 def cases(E, dev, grad):
@@ -76,30 +76,36 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--lib", default=os.path.join(here, "..", "build", "python", "samebits", "torch", "_torch_ops.so"))
     ap.add_argument("--calls", type=int, default=10000)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clock", choices=("wall", "process"), default="wall",
+                    help="process: this process's CPU time (time.process_time), steadier on a loaded machine")
     args = ap.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.ops.load_library(args.lib)
     E = torch.ops.samebits_ext
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     modes = {}
     for op, _ in cases(E, args.device, False):
         rounds = {m: [] for m in ("no_grad", "recording", "recording + backward")}
-        for _ in range(5):
+        for _ in range(args.rounds):
             for mode in rounds:
                 grad = mode != "no_grad"
                 with torch.enable_grad() if grad else torch.no_grad():
                     fn = dict(cases(E, args.device, grad))[op]
                     if mode.endswith("backward"):
                         fn = with_backward(fn)
-                    rounds[mode].append(host_us(fn, args.calls, sync))
+                    rounds[mode].append(host_us(fn, args.calls, sync, clock))
         for mode, times in rounds.items():
             modes[op, mode] = statistics.median(times)
-    print(f"torch {torch.__version__}, {args.device}, {args.calls} calls a round, median of 5 rounds; µs a call")
+        modes[op, "adds"] = statistics.median(b - a for a, b in zip(rounds["no_grad"], rounds["recording"]))
+    print(f"torch {torch.__version__}, {args.device}, {args.calls} calls a round, median of {args.rounds} rounds, "
+          f"{args.clock} clock; µs a call")
     print("| op | no_grad | recording | adds | recording + backward |")
     print("| --- | --- | --- | --- | --- |")
     for op, _ in cases(E, args.device, False):
-        a, b, c = (modes[op, m] for m in ("no_grad", "recording", "recording + backward"))
-        print(f"| {op} | {a:.2f} | {b:.2f} | {b - a:.2f} | {c:.2f} |")
+        a, b, d, c = (modes[op, m] for m in ("no_grad", "recording", "adds", "recording + backward"))
+        print(f"| {op} | {a:.2f} | {b:.2f} | {d:.2f} | {c:.2f} |")
 
 
 if __name__ == "__main__":
