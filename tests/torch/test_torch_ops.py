@@ -29,6 +29,21 @@ def test_the_dispatcher_ops_load_where_they_were_built_and_the_ops_take_them():
     assert "Linear" in sbt.linear(x, w).grad_fn.name()
 
 
+def test_compiled_autograd_takes_the_custom_op_path():
+    """The dispatcher ops' hand-made autograd nodes have no compiled_args, which compiled autograd
+    traces a backward through: with it on, a call takes the custom_op path (docs/python.md)."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    if not hasattr(dynamo.config, "compiled_autograd"):
+        pytest.skip("this torch has no compiled autograd setting")
+    x = torch.randn(4, 64, device=DEV, requires_grad=True)
+    w = torch.randn(64, device=DEV, requires_grad=True)
+    assert sbt.rms_norm(x, w).grad_fn.name().startswith("samebits::") == (_common._ext is not None)
+    with dynamo.config.patch(compiled_autograd=True):
+        assert not ops._eager()
+        assert not sbt.rms_norm(x, w).grad_fn.name().startswith("samebits::")
+    assert ops._eager()
+
+
 @pytest.mark.parametrize("device, dtype", [(DEV, torch.bfloat16), (DEV, torch.float32), ("cpu", torch.float32)])
 def test_rms_norm_is_the_custom_op_bit_for_bit_forward_and_backward(device, dtype):
     g = torch.Generator(device="cpu").manual_seed(3)
@@ -191,7 +206,7 @@ def test_the_new_dispatcher_ops_name_bad_input_as_samebits_errors():
 
 
 def test_bad_input_to_a_call_that_records_a_backward_is_an_error():
-    """The same refusals where an input wants a gradient (the op's C++ autograd Function is applied),
+    """The same refusals where an input wants a gradient (the op makes its C++ autograd node),
     main_grad's among them: an exception, and the process goes on."""
     bf = dict(device=DEV, dtype=torch.bfloat16)
     x = torch.randn(4, 64, **bf)
@@ -277,8 +292,8 @@ def test_samebits_device_memory_comes_from_torchs_caching_allocator():
 
 
 def test_outputs_of_the_dispatcher_ops_take_in_place_updates():
-    """A C++ autograd Function's outputs that are views refuse in-place ops; the ops return their
-    outputs at full shape (no views), as the custom_op path does."""
+    """The ops' outputs take in-place updates, as the custom_op path's do: they are made at full shape,
+    never views of a tensor made inside the op (which autograd may refuse to update in place)."""
     E = _common._ext
     x = torch.randn(2, 3, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(256, device=DEV, dtype=torch.bfloat16, requires_grad=True)

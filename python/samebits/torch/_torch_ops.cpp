@@ -11,9 +11,19 @@
 // tests/torch/test_torch_ops.py compares them with the custom_op path). samebits' errors become
 // ValueError (samebits.torch re-raises them as samebits.Error). Ops: rms_norm, add_rms_norm, linear,
 // swiglu, token_logprobs, attention, embedding, qk_norm (+ RoPE), lm_head_logprobs.
+//
+// A call that records a backward makes its autograd node by hand, as torch's own ops do
+// (BackwardNode, below), not through torch::autograd::Function<T>: recording was still 1.31× (rms_norm)
+// and 1.40× (embedding) the torch op's host time on an H100 against issue 29's 1.3×, and the
+// Function's generic machinery was most of what recording added. On a 2-core CPU machine (torch
+// 1.13, bench/bench_record_overhead.py, tiny tensors) what recording adds to a call went from
+// 1.9–3.5 µs to 0.4–2.0 µs by op (rms_norm 2.8 → 1.1, embedding 2.2 → 0.6; attention, with six
+// saved tensors, 3.2 → 2.0), the bits unchanged. The nodes have no compiled_args: under compiled
+// autograd samebits.torch takes the custom_op path (ops.py, _eager).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 #include <torch/version.h>
 #if SAMEBITS_TORCH_CUDA
@@ -132,12 +142,83 @@ at::Tensor rows_of(const at::Tensor& x, const char* op, const char* arg = "x") {
 // Whether a call records a backward: grad mode on and an input that wants a gradient. A call that
 // does not runs the op alone (no autograd node, nothing kept for a backward: the norms' rstd and
 // the logprob's and attention's lse are not written), which is much of an inference call's host time.
-bool records(std::initializer_list<const at::Tensor*> inputs) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const at::Tensor* t : inputs)
-    if (t->defined() && t->requires_grad()) return true;
-  return false;
+// An input with a forward-mode tangent (torch.autograd.forward_ad, grad mode or not) is refused: the
+// ops have no forward derivative, and running them would drop the tangent without a word.
+bool records(const char* op, std::initializer_list<const at::Tensor*> inputs) {
+  bool wants_grad = false;
+  for (const at::Tensor* t : inputs) {
+    if (!t->defined()) continue;
+    TORCH_CHECK_NOT_IMPLEMENTED(!t->_fw_grad(/*level=*/0).defined(), "samebits.torch ", op,
+                                ": forward-mode AD is not supported");
+    wants_grad = wants_grad || t->requires_grad();
+  }
+  return wants_grad && at::GradMode::is_enabled();
 }
+
+// ---------------------------------------------------------------- autograd nodes
+// A call that records a backward makes its op's node by hand, the way torch's own ops do
+// (torch/csrc/autograd/generated/Functions.h): edges to the inputs' gradient functions, the saved
+// tensors as SavedVariables (torch's version-counter check, saved-tensor hooks, "backward through
+// the graph a second time"), the constants as plain members. torch::autograd::Function<T> did the
+// same through generic machinery — an AutogradContext, an IValue dictionary with string keys, the
+// arguments unpacked and repacked — at a host-time cost (the file's header).
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+struct BackwardNode : torch::autograd::Node {
+  // The engine may run a node's backward and release its saved tensors from different threads
+  // (torch's generated nodes take a mutex in both; this one is ours, not Node's protected member).
+  variable_list apply(variable_list&& grads) final {
+    const std::lock_guard<std::mutex> lock(saved_mutex);
+    return backward(std::move(grads));
+  }
+  // After a backward without retain_graph: the saved tensors go (a second backward raises torch's
+  // "Trying to backward through the graph a second time").
+  void release_variables() final {
+    const std::lock_guard<std::mutex> lock(saved_mutex);
+    release();
+  }
+
+ protected:
+  // One gradient an input edge, in the order new_backward_node was given them (undefined where none).
+  virtual variable_list backward(variable_list&& grads) = 0;
+  virtual void release() = 0;
+  // A saved tensor as the backward reads it (this node is the grad_fn of those saved as outputs).
+  at::Tensor unpack(const SavedVariable& v) { return v.unpack(shared_from_this()); }
+
+ private:
+  std::mutex saved_mutex;
+};
+
+// The node of a call that records, its edges to `inputs`' gradient functions (an undefined input,
+// or one without requires_grad, gets an edge to nothing: its gradient is dropped).
+template <class N, class... Inputs>
+std::shared_ptr<N> new_backward_node(const Inputs&... inputs) {
+  std::shared_ptr<N> node(new N(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+  return node;
+}
+
+// The outputs' history: output i's gradient is the node's backward's grads[i]. Outputs the backward
+// reads are saved after this (SavedVariable(out, /*is_output=*/true): no node → output → node cycle).
+template <class... Outputs>
+void attach_outputs(const std::shared_ptr<torch::autograd::Node>& node, Outputs&... outputs) {
+  (torch::autograd::create_gradient_edge(outputs, node), ...);
+}
+
+// The forward of a call that records, below autograd: its own ATen calls (reshapes, allocations)
+// record nothing and skip autograd's kernels. (Views made here share no version counter with their
+// base: a saved view of an input is saved as the input itself, saved_input_or.)
+using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
+
+// What to save of `t`, a flat / narrowed form of the caller's `input`: `input` itself where t is a
+// view of its memory (the backward flattens it again), so that an in-place change to it before the
+// backward is torch's version-counter error; t where it is a copy.
+at::Tensor saved_input_or(const at::Tensor& t, const at::Tensor& input) {
+  return t.defined() && input.defined() && t.is_alias_of(input) ? input : t;
+}
+// Ids saved so, flat again (a view: the saved input's memory is the flat view's, contiguous).
+at::Tensor flat_ids(const at::Tensor& saved) { return saved.dim() == 1 ? saved : saved.reshape({-1}); }
 
 // A weight's gradient where the caller keeps an fp32 accumulator beside it (`main_grad`, the
 // convention of Megatron / Transformer Engine): the backward adds into it — row segments given as
@@ -157,8 +238,8 @@ void check_lengths(at::IntArrayRef lengths, const char* op, const char* arg) {
     rows += len;
   }
 }
-// Refuses a main_grad or segments the backward could not take. Called before an autograd Function's
-// apply, so a refusal leaves no half-built node behind.
+// Refuses a main_grad or segments the backward could not take. Called first, so a refusal comes
+// before any work and before the call's autograd node is made.
 void check_weight_grad(const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef lengths,
                        const at::Tensor& weight, const char* op) {
   if (main_grad && main_grad->defined())
@@ -182,19 +263,6 @@ WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::Option
       at_row += len, row += 2;
     }
   }
-  return g;
-}
-// Kept for the backward only where given (an IValue of an undefined tensor is None in some torch versions).
-void keep(torch::autograd::AutogradContext* ctx, const WeightGrad& g) {
-  ctx->saved_data["has_main_grad"] = g.main_grad.defined();
-  ctx->saved_data["has_segments"] = g.segments.defined();
-  if (g.main_grad.defined()) ctx->saved_data["main_grad"] = g.main_grad;
-  if (g.segments.defined()) ctx->saved_data["segments"] = g.segments;
-}
-WeightGrad kept(torch::autograd::AutogradContext* ctx) {
-  WeightGrad g;
-  if (ctx->saved_data["has_main_grad"].toBool()) g.main_grad = ctx->saved_data["main_grad"].toTensor();
-  if (ctx->saved_data["has_segments"].toBool()) g.segments = ctx->saved_data["segments"].toTensor();
   return g;
 }
 // The backward's weight-gradient accumulator, and what autograd gets for the weight.
@@ -265,70 +333,90 @@ std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& s, const at::T
   return {dx, weight_grad_out(wg, dw, weight)};
 }
 
-struct RmsNorm : torch::autograd::Function<RmsNorm> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps, const c10::optional<at::Tensor>& main_grad,
-                            at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments));
-    const NormOut o = norm_forward(x, nullptr, weight, eps, true, "rms_norm");
-    ctx->save_for_backward({x, weight, o.rstd});
-    ctx->saved_data["eps"] = eps;
-    return o.y;
-  }
+struct RmsNormBackward final : BackwardNode {
+  SavedVariable x_, weight_, rstd_;
+  double eps = 0;
+  WeightGrad wg;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [dx, dw] = norm_backward(saved[0], saved[1], saved[2], grads[0], at::Tensor(),
-                                  ctx->saved_data["eps"].toDouble(), kept(ctx), "rms_norm_backward");
-    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+  std::string name() const override { return "samebits::RmsNormBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: x, weight
+    auto [dx, dw] = norm_backward(unpack(x_), unpack(weight_), unpack(rstd_), grads[0], at::Tensor(), eps, wg,
+                                  "rms_norm_backward");
+    return {dx, dw};
+  }
+  void release() override {
+    x_.reset_data();
+    weight_.reset_data();
+    rstd_.reset_data();
   }
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   check_weight_grad(main_grad, segments, weight, "rms_norm");
-  if (!records({&x, &weight})) return norm_forward(x, nullptr, weight, eps, false, "rms_norm").y;
-  return RmsNorm::apply(x, weight, eps, main_grad, segments);
+  if (!records("rms_norm", {&x, &weight})) return norm_forward(x, nullptr, weight, eps, false, "rms_norm").y;
+  NormOut o;
+  {
+    const BelowAutograd below;
+    o = norm_forward(x, nullptr, weight, eps, true, "rms_norm");
+  }
+  auto node = new_backward_node<RmsNormBackward>(x, weight);
+  node->x_ = SavedVariable(x, false);
+  node->weight_ = SavedVariable(weight, false);
+  node->rstd_ = SavedVariable(o.rstd, false);
+  node->eps = eps;
+  node->wg = weight_grad_of(main_grad, segments);
+  attach_outputs(node, o.y);
+  return o.y;
 }
 
 // ---------------------------------------------------------------- add_rms_norm
 // s = x + residual (rounded once to x's dtype), y = rms_norm(s); returns (y, s). The backward takes
 // gradients on both (the one on s added inside the norm's backward as the custom_op path does:
-// dresidual_out) and gives both summands the same dx. A missing incoming gradient arrives as zeros
-// (autograd's default, as for the custom_op path's Python autograd Function: the same arguments).
-struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& residual, const at::Tensor& weight, double eps,
-                                                const c10::optional<at::Tensor>& main_grad,
-                                                at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments));
-    const NormOut o = norm_forward(x, &residual, weight, eps, true, "add_rms_norm");
-    ctx->save_for_backward({o.sum, weight, o.rstd});
-    ctx->saved_data["eps"] = eps;
-    return {o.y, o.sum};
-  }
+// dresidual_out) and gives both summands the same dx. A missing incoming gradient is given as zeros
+// (as autograd.Function materializes it on the custom_op path: the same arguments).
+struct AddRmsNormBackward final : BackwardNode {
+  SavedVariable sum_, weight_, rstd_;  // sum_: the output s (the norm's input)
+  double eps = 0;
+  WeightGrad wg;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [dx, dw] = norm_backward(saved[0], saved[1], saved[2], grads[0], grads[1],
-                                  ctx->saved_data["eps"].toDouble(), kept(ctx), "add_rms_norm_backward");
-    return {dx, dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+  std::string name() const override { return "samebits::AddRmsNormBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: x, residual, weight
+    const at::Tensor s = unpack(sum_);
+    // s without a gradient: zeros (dresidual_out given either way, as on the custom_op path)
+    const at::Tensor ds = grads[1].defined() ? grads[1] : at::zeros_like(s);
+    auto [dx, dw] = norm_backward(s, unpack(weight_), unpack(rstd_), grads[0], ds, eps, wg, "add_rms_norm_backward");
+    return {dx, dx, dw};
+  }
+  void release() override {
+    sum_.reset_data();
+    weight_.reset_data();
+    rstd_.reset_data();
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight,
-                                                double eps, const c10::optional<at::Tensor>& main_grad,
-                            at::OptionalIntArrayRef segments) {
+                                                const at::Tensor& weight, double eps,
+                                                const c10::optional<at::Tensor>& main_grad,
+                                                at::OptionalIntArrayRef segments) {
   check_weight_grad(main_grad, segments, weight, "add_rms_norm");
-  if (!records({&x, &residual, &weight})) {
+  if (!records("add_rms_norm", {&x, &residual, &weight})) {
     const NormOut o = norm_forward(x, &residual, weight, eps, false, "add_rms_norm");
     return {o.y, o.sum};
   }
-  const auto out = AddRmsNorm::apply(x, residual, weight, eps, main_grad, segments);
-  return {out[0], out[1]};
+  NormOut o;
+  {
+    const BelowAutograd below;
+    o = norm_forward(x, &residual, weight, eps, true, "add_rms_norm");
+  }
+  auto node = new_backward_node<AddRmsNormBackward>(x, residual, weight);
+  node->weight_ = SavedVariable(weight, false);
+  node->rstd_ = SavedVariable(o.rstd, false);
+  node->eps = eps;
+  node->wg = weight_grad_of(main_grad, segments);
+  attach_outputs(node, o.y, o.sum);
+  node->sum_ = SavedVariable(o.sum, true);
+  return {o.y, o.sum};
 }
 
 // ---------------------------------------------------------------- swiglu
@@ -345,20 +433,16 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   return y;
 }
 
-struct SwiGlu : torch::autograd::Function<SwiGlu> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    ctx->save_for_backward({gate, up});
-    return swiglu_forward(gate, up);
-  }
+struct SwiGluBackward final : BackwardNode {
+  SavedVariable gate_, up_;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &gate = saved[0], &up = saved[1];
-    const DeviceOf guard(gate);
+  std::string name() const override { return "samebits::SwiGluBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: gate, up
     const char* op = "swiglu_backward";
-    const at::Tensor g2 = rows_of(gate, op), u2 = rows_of(up, op);
-    const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(gate), op);
+    const at::Tensor g = unpack(gate_), u = unpack(up_);
+    const DeviceOf guard(g);
+    const at::Tensor g2 = rows_of(g, op), u2 = rows_of(u, op);
+    const at::Tensor dy = rows_of(grads[0].defined() ? grads[0].contiguous() : at::zeros_like(g), op);
     at::Tensor dg = at::empty_like(g2), du = at::empty_like(u2);
     samebits::SwiGluBackwardArgs a;
     a.dy = view(dy, op, "dy");
@@ -366,13 +450,27 @@ struct SwiGlu : torch::autograd::Function<SwiGlu> {
     a.up = view(u2, op, "up");
     a.dgate = view(dg, op, "dgate");
     a.dup = view(du, op, "dup");
-    run([&] { samebits::swiglu_backward(context_of(gate), a); });
-    return {dg.view(gate.sizes()), du.view(up.sizes())};
+    run([&] { samebits::swiglu_backward(context_of(g), a); });
+    return {dg.view(g.sizes()), du.view(u.sizes())};
+  }
+  void release() override {
+    gate_.reset_data();
+    up_.reset_data();
   }
 };
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  return records({&gate, &up}) ? SwiGlu::apply(gate, up) : swiglu_forward(gate, up);
+  if (!records("swiglu", {&gate, &up})) return swiglu_forward(gate, up);
+  at::Tensor y;
+  {
+    const BelowAutograd below;
+    y = swiglu_forward(gate, up);
+  }
+  auto node = new_backward_node<SwiGluBackward>(gate, up);
+  node->gate_ = SavedVariable(gate, false);
+  node->up_ = SavedVariable(up, false);
+  attach_outputs(node, y);
+  return y;
 }
 
 // ---------------------------------------------------------------- linear
@@ -394,27 +492,19 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
   return y;
 }
 
-struct Linear : torch::autograd::Function<Linear> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments));
-    ctx->save_for_backward({x, weight});
-    ctx->saved_data["bias"] = bool(bias && bias->defined());
-    return linear_forward(x, weight, bias);
-  }
+struct LinearBackward final : BackwardNode {
+  SavedVariable x_, weight_;
+  bool has_bias = false;
+  WeightGrad wg;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1];
-    const bool has_bias = ctx->saved_data["bias"].toBool();
+  std::string name() const override { return "samebits::LinearBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: x, weight, bias
+    const at::Tensor x = unpack(x_), weight = unpack(weight_);
     const DeviceOf guard(x);
     const at::Tensor x2 = rows_of(x, "linear_backward");
     const at::Tensor g = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({x2.size(0), weight.size(0)}, x2.options());
     const at::Tensor dy = g.reshape({-1, weight.size(0)});
-    const WeightGrad wg = kept(ctx);
     at::Tensor dx = at::empty_like(x2), dw = dweight_of(wg, weight);
     at::Tensor db = at::zeros({has_bias ? weight.size(0) : 0}, weight.options().dtype(acc_of(weight)));
     const samebits::Context c = context_of(x);
@@ -432,8 +522,11 @@ struct Linear : torch::autograd::Function<Linear> {
       samebits::linear_backward_input(c, bi);
       samebits::linear_backward_weight(c, bw);
     });
-    return {dx.view(x.sizes()), weight_grad_out(wg, dw, weight), has_bias ? db.to(weight.scalar_type()) : at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    return {dx.view(x.sizes()), weight_grad_out(wg, dw, weight), has_bias ? db.to(weight.scalar_type()) : at::Tensor()};
+  }
+  void release() override {
+    x_.reset_data();
+    weight_.reset_data();
   }
 };
 
@@ -441,8 +534,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   check_weight_grad(main_grad, segments, weight, "linear");
   const at::Tensor none;
-  if (!records({&x, &weight, bias ? &*bias : &none})) return linear_forward(x, weight, bias);
-  return Linear::apply(x, weight, bias, main_grad, segments);
+  if (!records("linear", {&x, &weight, bias ? &*bias : &none})) return linear_forward(x, weight, bias);
+  at::Tensor y;
+  {
+    const BelowAutograd below;
+    y = linear_forward(x, weight, bias);
+  }
+  auto node = new_backward_node<LinearBackward>(x, weight, bias);
+  node->x_ = SavedVariable(x, false);
+  node->weight_ = SavedVariable(weight, false);
+  node->has_bias = bias && bias->defined();
+  node->wg = weight_grad_of(main_grad, segments);
+  attach_outputs(node, y);
+  return y;
 }
 
 // ---------------------------------------------------------------- integer ids
@@ -506,19 +610,13 @@ LogprobOut logprob_forward(const at::Tensor& logits, const at::Tensor& targets, 
   return o;
 }
 
-struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
-                                                const at::Tensor& targets) {
-    const LogprobOut o = logprob_forward(logits, targets, true);
-    ctx->save_for_backward({logits, o.targets, o.lse});
-    return {o.logp, o.entropy};
-  }
+struct TokenLogprobsBackward final : BackwardNode {
+  SavedVariable logits_, targets_, lse_;  // targets_: the caller's int32 targets, or their int32 copy
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  std::string name() const override { return "samebits::TokenLogprobsBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: logits
     const char* op = "token_logprobs_backward";
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &logits = saved[0], &t = saved[1], &lse = saved[2];
+    const at::Tensor logits = unpack(logits_), t = flat_ids(unpack(targets_)), lse = unpack(lse_);
     const DeviceOf guard(logits);
     const at::Tensor l2 = rows_of(logits, op);
     auto flat = [&](const at::Tensor& g) {
@@ -534,17 +632,31 @@ struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
     a.dentropy = view(dentropy, op, "dentropy");
     a.dlogits = view(dl, op, "dlogits");
     run([&] { samebits::logprob_backward(context_of(logits), a); });
-    return {dl.view(logits.sizes()), at::Tensor()};
+    return {dl.view(logits.sizes())};
+  }
+  void release() override {
+    logits_.reset_data();
+    targets_.reset_data();
+    lse_.reset_data();
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits, const at::Tensor& targets) {
-  if (!records({&logits})) {
+  if (!records("token_logprobs", {&logits})) {
     const LogprobOut o = logprob_forward(logits, targets, false);
     return {o.logp, o.entropy};
   }
-  const auto out = TokenLogprobs::apply(logits, targets);
-  return {out[0], out[1]};
+  LogprobOut o;
+  {
+    const BelowAutograd below;
+    o = logprob_forward(logits, targets, true);
+  }
+  auto node = new_backward_node<TokenLogprobsBackward>(logits);
+  node->logits_ = SavedVariable(logits, false);
+  node->targets_ = SavedVariable(saved_input_or(o.targets, targets), false);
+  node->lse_ = SavedVariable(o.lse, false);
+  attach_outputs(node, o.logp, o.entropy);
+  return {o.logp, o.entropy};
 }
 
 // ---------------------------------------------------------------- attention
@@ -592,20 +704,15 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   return o;
 }
 
-struct Attention : torch::autograd::Function<Attention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, at::IntArrayRef lengths, double scale) {
-    const AttentionOut o = attention_forward(q, k, v, lengths, scale, true);
-    ctx->save_for_backward({q, k, v, o.seqs, o.out, o.lse});
-    ctx->saved_data["scale"] = scale;
-    return o.out;
-  }
+struct AttentionBackward final : BackwardNode {
+  SavedVariable q_, k_, v_, seqs_, out_, lse_;  // out_: the output
+  double scale = 0;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  std::string name() const override { return "samebits::AttentionBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: q, k, v
     const char* op = "attention_backward";
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &seqs = saved[3], &out = saved[4], &lse = saved[5];
+    const at::Tensor q = unpack(q_), k = unpack(k_), v = unpack(v_), seqs = unpack(seqs_), out = unpack(out_),
+                     lse = unpack(lse_);
     const DeviceOf guard(q);
     const at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(out);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
@@ -620,16 +727,38 @@ struct Attention : torch::autograd::Function<Attention> {
     a.dq = view(dq, op, "dq");
     a.dk = view(dk, op, "dk");
     a.dv = view(dv, op, "dv");
-    a.scale = ctx->saved_data["scale"].toDouble();
+    a.scale = scale;
     run([&] { samebits::attention_backward(context_of(q), a); });
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+    return {dq, dk, dv};
+  }
+  void release() override {
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    seqs_.reset_data();
+    out_.reset_data();
+    lse_.reset_data();
   }
 };
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef lengths,
                      double scale) {
-  if (!records({&q, &k, &v})) return attention_forward(q, k, v, lengths, scale, false).out;
-  return Attention::apply(q, k, v, lengths, scale);
+  if (!records("attention", {&q, &k, &v})) return attention_forward(q, k, v, lengths, scale, false).out;
+  AttentionOut o;
+  {
+    const BelowAutograd below;
+    o = attention_forward(q, k, v, lengths, scale, true);
+  }
+  auto node = new_backward_node<AttentionBackward>(q, k, v);
+  node->q_ = SavedVariable(q, false);
+  node->k_ = SavedVariable(k, false);
+  node->v_ = SavedVariable(v, false);
+  node->seqs_ = SavedVariable(o.seqs, false);
+  node->lse_ = SavedVariable(o.lse, false);
+  node->scale = scale;
+  attach_outputs(node, o.out);
+  node->out_ = SavedVariable(o.out, true);
+  return o.out;
 }
 
 // ---------------------------------------------------------------- embedding
@@ -653,33 +782,30 @@ std::pair<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& ids, const
   return {y, flat};
 }
 
-struct Embedding : torch::autograd::Function<Embedding> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& table,
-                            const c10::optional<at::Tensor>& main_grad, bool ids_checked) {
-    keep(ctx, weight_grad_of(main_grad, c10::nullopt));
-    ctx->saved_data["ids_checked"] = ids_checked;
-    auto [y, flat] = embedding_forward(ids, table, ids_checked);
-    ctx->save_for_backward({flat, table});
-    return y;
-  }
+struct EmbeddingBackward final : BackwardNode {
+  SavedVariable ids_, table_;  // ids_: the caller's ids (or their contiguous copy)
+  bool ids_checked = false;
+  WeightGrad wg;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  std::string name() const override { return "samebits::EmbeddingBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: table
     const char* op = "embedding_backward";
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &flat = saved[0], &table = saved[1];
+    const at::Tensor flat = flat_ids(unpack(ids_)), table = unpack(table_);
     const DeviceOf guard(table);
     const at::Tensor dy = grads[0].defined() ? grads[0].reshape({-1, table.size(1)}).contiguous()
                                              : at::zeros({flat.size(0), table.size(1)}, table.options());
-    const WeightGrad wg = kept(ctx);
     at::Tensor dt = dweight_of(wg, table);
     samebits::EmbeddingBackwardArgs a;
     a.ids = view(flat, op, "ids");
     a.dy = view(dy, op, "dy");
     a.dtable = view(dt, op, "dtable");
-    a.ids_checked = ctx->saved_data["ids_checked"].toBool();
+    a.ids_checked = ids_checked;
     run([&] { samebits::embedding_backward(context_of(table), a); });
-    return {at::Tensor(), weight_grad_out(wg, dt, table), at::Tensor(), at::Tensor()};
+    return {weight_grad_out(wg, dt, table)};
+  }
+  void release() override {
+    ids_.reset_data();
+    table_.reset_data();
   }
 };
 
@@ -688,8 +814,20 @@ struct Embedding : torch::autograd::Function<Embedding> {
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& table, const c10::optional<at::Tensor>& main_grad,
                      bool ids_checked) {
   check_weight_grad(main_grad, c10::nullopt, table, "embedding");
-  return records({&table}) ? Embedding::apply(ids, table, main_grad, ids_checked)
-                           : embedding_forward(ids, table, ids_checked).first;
+  if (!records("embedding", {&table})) return embedding_forward(ids, table, ids_checked).first;
+  std::pair<at::Tensor, at::Tensor> y_flat;
+  {
+    const BelowAutograd below;
+    y_flat = embedding_forward(ids, table, ids_checked);
+  }
+  auto& [y, flat] = y_flat;
+  auto node = new_backward_node<EmbeddingBackward>(table);
+  node->ids_ = SavedVariable(saved_input_or(flat, ids), false);
+  node->table_ = SavedVariable(table, false);
+  node->ids_checked = ids_checked;
+  node->wg = weight_grad_of(main_grad, c10::nullopt);
+  attach_outputs(node, y);
+  return y;
 }
 
 // ---------------------------------------------------------------- qk_norm (+ RoPE)
@@ -737,31 +875,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_forward(const at::Tensor&
   return {y, rstd, pos};
 }
 
-struct QkNorm : torch::autograd::Function<QkNorm> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps, const c10::optional<at::Tensor>& positions, double theta,
-                            std::vector<double> llama3,
-                            const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
-    keep(ctx, weight_grad_of(main_grad, segments));
-    const at::Tensor pos = positions ? *positions : at::Tensor();
-    auto [y, rstd, pos32] = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
-    ctx->save_for_backward({x, weight, rstd, pos32});
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["theta"] = theta;
-    ctx->saved_data["llama3"] = c10::IValue(llama3);
-    return y;
-  }
+struct QkNormBackward final : BackwardNode {
+  SavedVariable x_, weight_, rstd_, positions_;  // positions_: the caller's int32 positions or their copy
+  double eps = 0, theta = 0;
+  std::vector<double> llama3;
+  WeightGrad wg;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  std::string name() const override { return "samebits::QkNormBackward"; }
+  variable_list backward(variable_list&& grads) override {  // edges: x, weight
     const char* op = "qk_norm_backward";
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2], &pos = saved[3];
+    const at::Tensor x = unpack(x_), weight = unpack(weight_), rstd = unpack(rstd_), pos = unpack(positions_);
     const DeviceOf guard(x);
     const at::Tensor dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
-    const WeightGrad wg = kept(ctx);
     at::Tensor dx = at::empty_like(x), dw = dweight_of(wg, weight);
-    const std::vector<double> llama3 = ctx->saved_data["llama3"].toDoubleVector();
     samebits::QkNormBackwardArgs a;
     with_segments(a.segments, wg, op);
     a.dy = view(dy, op, "dy");
@@ -770,12 +896,21 @@ struct QkNorm : torch::autograd::Function<QkNorm> {
     a.rstd = view(rstd, op, "rstd");
     a.dx = view(dx, op, "dx");
     a.dweight = view(dw, op, "dweight");
-    a.eps = ctx->saved_data["eps"].toDouble();
-    if (pos.defined()) a.positions = view(pos, op, "positions");
-    a.rope = rope_config(ctx->saved_data["theta"].toDouble(), llama3, op);
+    a.eps = eps;
+    at::Tensor flat_pos;
+    if (pos.defined()) {
+      flat_pos = flat_ids(pos);
+      a.positions = view(flat_pos, op, "positions");
+    }
+    a.rope = rope_config(theta, llama3, op);
     run([&] { samebits::qk_norm_backward(context_of(x), a); });
-    return {dx, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {dx, weight_grad_out(wg, dw, weight)};
+  }
+  void release() override {
+    x_.reset_data();
+    weight_.reset_data();
+    rstd_.reset_data();
+    positions_.reset_data();
   }
 };
 
@@ -784,9 +919,26 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                    double theta, at::ArrayRef<double> llama3,
                    const c10::optional<at::Tensor>& main_grad, at::OptionalIntArrayRef segments) {
   check_weight_grad(main_grad, segments, weight, "qk_norm");
-  if (!records({&x, &weight}))
-    return std::get<0>(qk_norm_forward(x, weight, eps, positions ? *positions : at::Tensor(), theta, llama3, false));
-  return QkNorm::apply(x, weight, eps, positions, theta, llama3.vec(), main_grad, segments);
+  const at::Tensor pos = positions ? *positions : at::Tensor();
+  if (!records("qk_norm", {&x, &weight}))
+    return std::get<0>(qk_norm_forward(x, weight, eps, pos, theta, llama3, false));
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
+  {
+    const BelowAutograd below;
+    out = qk_norm_forward(x, weight, eps, pos, theta, llama3, true);
+  }
+  auto& [y, rstd, pos32] = out;
+  auto node = new_backward_node<QkNormBackward>(x, weight);
+  node->x_ = SavedVariable(x, false);
+  node->weight_ = SavedVariable(weight, false);
+  node->rstd_ = SavedVariable(rstd, false);
+  node->positions_ = SavedVariable(saved_input_or(pos32, pos), false);
+  node->eps = eps;
+  node->theta = theta;
+  node->llama3 = llama3.vec();
+  node->wg = weight_grad_of(main_grad, segments);
+  attach_outputs(node, y);
+  return y;
 }
 
 // ---------------------------------------------------------------- fused LM head → selected logprob
@@ -835,37 +987,25 @@ LmHeadOut lm_head_forward(const at::Tensor& hidden, const at::Tensor& weight, co
   return o;
 }
 
-struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                                                const at::Tensor& weight, const at::Tensor& targets,
-                                                const c10::optional<at::Tensor>& main_grad,
-                                                at::OptionalIntArrayRef segments, bool targets_checked,
-                                                int64_t keep_logits_bytes) {
-    const WeightGrad wg = weight_grad_of(main_grad, segments);
-    keep(ctx, wg);
-    ctx->saved_data["targets_checked"] = targets_checked;
-    ctx->set_materialize_grads(false);  // an output without a gradient gets none (no zero entropy gradient)
-    const LmHeadOut o = lm_head_forward(hidden, weight, targets, true, targets_checked, keep_logits_bytes, wg.segments);
-    ctx->saved_data["has_kept"] = o.kept.defined();
-    if (o.kept.defined()) ctx->saved_data["kept"] = o.kept;
-    ctx->save_for_backward({hidden, weight, o.targets, o.mask, o.lse});
-    return {o.logp, o.entropy};
-  }
+struct LmHeadLogprobsBackward final : BackwardNode {
+  SavedVariable hidden_, weight_, targets_, mask_, lse_;  // targets_: the caller's int32 targets or their copy
+  at::Tensor kept;  // the forward's first rows' fp32 logits (where kept), taken by the first backward
+  bool targets_checked = false;
+  WeightGrad wg;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  std::string name() const override { return "samebits::LmHeadLogprobsBackward"; }
+  // An output without a gradient gets none here (no zero entropy gradient: with one, the backward
+  // would recompute the statistics, a whole extra pass of the LM-head GEMM).
+  variable_list backward(variable_list&& grads) override {  // edges: hidden, weight
     const char* op = "lm_head_logprobs_backward";
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &hidden = saved[0], &weight = saved[1], &t = saved[2], &mask = saved[3], &lse = saved[4];
+    const at::Tensor hidden = unpack(hidden_), weight = unpack(weight_), t = flat_ids(unpack(targets_)),
+                     mask = unpack(mask_), lse = unpack(lse_);
     const DeviceOf guard(hidden);
     const at::Tensor h2 = rows_of(hidden, op, "hidden");
     auto flat = [&](const at::Tensor& g) {
       return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
     };
-    // No entropy gradient: none given (a zero one would make the backward recompute the statistics,
-    // a whole extra pass of the LM-head GEMM)
     const at::Tensor dlogp = flat(grads[0]), dentropy = grads[1].defined() ? flat(grads[1]) : at::Tensor();
-    const WeightGrad wg = kept(ctx);
     at::Tensor dh = at::empty_like(hidden), dw = dweight_of(wg, weight);
     samebits::LmHeadLogprobBackwardArgs a;
     with_segments(a.segments, wg, op);
@@ -876,18 +1016,24 @@ struct LmHeadLogprobs : torch::autograd::Function<LmHeadLogprobs> {
     a.lse = view(lse, op, "lse");
     a.dlogp = view(dlogp, op, "dlogp");
     if (dentropy.defined()) a.dentropy = view(dentropy, op, "dentropy");
-    a.targets_checked = ctx->saved_data["targets_checked"].toBool();
-    at::Tensor kept;
-    if (ctx->saved_data["has_kept"].toBool()) {  // taken once: the buffer goes with this backward
-      kept = ctx->saved_data["kept"].toTensor();   // (a retained graph's next backward recomputes: the same bits)
-      ctx->saved_data["has_kept"] = false;
-      ctx->saved_data.erase("kept");
-      a.logits_kept = view(kept, op, "logits_kept");
-    }
+    a.targets_checked = targets_checked;
+    // Taken once: the buffer goes with this backward (a retained graph's next backward recomputes the
+    // logits: the same bits).
+    const at::Tensor logits = std::move(kept);
+    kept = at::Tensor();
+    if (logits.defined()) a.logits_kept = view(logits, op, "logits_kept");
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
     a.dweight = view(dw, op, "dweight");
     run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
-    return {dh, weight_grad_out(wg, dw, weight), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh, weight_grad_out(wg, dw, weight)};
+  }
+  void release() override {
+    hidden_.reset_data();
+    weight_.reset_data();
+    targets_.reset_data();
+    mask_.reset_data();
+    lse_.reset_data();
+    kept = at::Tensor();
   }
 };
 
@@ -901,13 +1047,27 @@ std::tuple<at::Tensor, at::Tensor> lm_head_logprobs(const at::Tensor& hidden, co
                                                     at::OptionalIntArrayRef segments, bool targets_checked,
                                                     int64_t keep_logits_bytes) {
   check_weight_grad(main_grad, segments, weight, "lm_head_logprobs");
-  if (!records({&hidden, &weight})) {
+  if (!records("lm_head_logprobs", {&hidden, &weight})) {
     const LmHeadOut o = lm_head_forward(hidden, weight, targets, false, targets_checked);
     return {o.logp, o.entropy};
   }
-  const auto out =
-      LmHeadLogprobs::apply(hidden, weight, targets, main_grad, segments, targets_checked, keep_logits_bytes);
-  return {out[0], out[1]};
+  const WeightGrad wg = weight_grad_of(main_grad, segments);
+  LmHeadOut o;
+  {
+    const BelowAutograd below;
+    o = lm_head_forward(hidden, weight, targets, true, targets_checked, keep_logits_bytes, wg.segments);
+  }
+  auto node = new_backward_node<LmHeadLogprobsBackward>(hidden, weight);
+  node->hidden_ = SavedVariable(hidden, false);
+  node->weight_ = SavedVariable(weight, false);
+  node->targets_ = SavedVariable(saved_input_or(o.targets, targets), false);
+  node->mask_ = SavedVariable(o.mask, false);
+  node->lse_ = SavedVariable(o.lse, false);
+  node->kept = o.kept;
+  node->targets_checked = targets_checked;
+  node->wg = wg;
+  attach_outputs(node, o.logp, o.entropy);
+  return {o.logp, o.entropy};
 }
 
 // ---------------------------------------------------------------- device memory

@@ -1,6 +1,7 @@
 """The samebits ops as torch custom ops: each forward and backward one call of samebits._core.raw on
 the tensors' memory, on torch's current stream; autograd wired with register_autograd, fake
 kernels for torch.compile."""
+import sys
 from typing import List, Optional, Tuple
 
 import torch
@@ -21,13 +22,29 @@ def _needs_dispatcher(main_grad, op: str) -> None:
     """main_grad accumulation is the C++ dispatcher ops' (_torch_ops.cpp: WeightGrad); refuse it elsewhere."""
     if main_grad is not None and (_ext is None or not _eager()):
         raise Error(f"samebits.torch {op}: argument 'main_grad': takes samebits.torch's C++ dispatcher ops in eager "
-                    "mode (not built for this torch, or under torch.compile / torch.func)")
+                    "mode (not built for this torch, or under torch.compile / torch.func / compiled autograd)")
 
 
 def _eager() -> bool:
     """Whether a call may take the C++ dispatcher op: not while torch.compile traces (the op has no
-    fake kernel) nor under torch.func transforms (a C++ autograd Function refuses them)."""
-    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+    fake kernel), nor under torch.func transforms (it runs on the tensors' memory: no batching rule,
+    no functorch-aware autograd), nor with compiled autograd on (_compiled_autograd_on)."""
+    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and not _compiled_autograd_on())
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on — torch._dynamo.config.compiled_autograd, or inside
+    torch._dynamo.compiled_autograd.enable(): it traces a backward through each node's
+    compiled_args, which the dispatcher ops' hand-made C++ nodes do not have (docs/python.md).
+    Looked up only where torch._dynamo is imported — as it is wherever either was set — so a call
+    pays no import (getattr: torch versions without them)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    if getattr(getattr(dynamo, "config", None), "compiled_autograd", False):
+        return True
+    return bool(getattr(sys.modules.get("torch._dynamo.compiled_autograd"), "compiled_autograd_enabled", False))
 
 
 # ---------------------------------------------------------------- linear
