@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
       float us[2];
       HostTensor drawn[2][3];
       for (int one_cta = 0; one_cta < 2; ++one_cta) {
-        const detail::ScopedOverride<bool> hook(detail::sampling_single_cta_override(), one_cta != 0);
+        const detail::ScopedOverride<int> hook(detail::sampling_kernel_override(), one_cta ? 1 : 2);
         DeviceTensor tokens(Backend::cuda, DType::i32, {R}), kept(Backend::cuda, DType::u8, {R, V}),
             weights(Backend::cuda, DType::f32, {R, 2});
         Context ctx;

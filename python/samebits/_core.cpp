@@ -701,8 +701,11 @@ PYBIND11_MODULE(_core, m) {
   // requests, I/O failures, named by the library) -> samebits.Error; a file system failure the
   // library did not name -> samebits.Error too; host memory exhausted -> MemoryError saying so;
   // anything else is a bug -> RuntimeError asking for a report. Never a crash of the interpreter.
+  // Local: only this module's functions — a global translator also took exceptions of other modules
+  // sharing pybind11's internals (Debian's torch: its own errors came out as "samebits internal
+  // error" once samebits was imported).
   static py::exception<Error> error(m, "Error", PyExc_ValueError);
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {

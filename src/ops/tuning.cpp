@@ -22,8 +22,8 @@ int& programmatic_launch_override() {
   return value;
 }
 
-bool& sampling_single_cta_override() {
-  static bool value = false;
+int& sampling_kernel_override() {
+  static int value = 0;
   return value;
 }
 

@@ -23,10 +23,11 @@ int& programmatic_launch_override();
 // at most N CTAs, each walking many items (tests/cuda/test_attention.cpp: the same bits).
 int& attention_persistent_ctas_override();
 
-// false: the CUDA sampling kernel runs a row on a thread-block cluster where the device allows it
-// (compute capability 9.0, the row in its shared memory); true: always on one CTA, the kernel of
-// other devices (tests/cuda/test_sampling.cpp: the same bits).
-bool& sampling_single_cta_override();
+// The CUDA sampling kernel (tests/cuda/test_sampling.cpp, bench_time_sampling: the same bits either
+// way): 0, the schedule (a thread-block cluster a row where the device allows it and the call's
+// clusters fit the SMs at once, else one CTA a row); 1, always one CTA a row (the kernel of other
+// devices); 2, the cluster kernel wherever the device allows it, whatever the row count.
+int& sampling_kernel_override();
 
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.

@@ -98,9 +98,10 @@ struct Drawn {
   HostTensor tokens, kept, weights;  // weights: {drawn token's, kept total} a row
 };
 
-// one_cta: the CUDA backend's one-CTA kernel even where the cluster kernel would run.
-Drawn draw(Backend b, const Rows& rows, bool one_cta = false) {
-  const detail::ScopedOverride<bool> hook(detail::sampling_single_cta_override(), one_cta);
+// kernel: the CUDA backend's schedule (0), its one-CTA kernel (1) or its cluster kernel wherever the
+// device runs it, whatever the row count (2): detail::sampling_kernel_override.
+Drawn draw(Backend b, const Rows& rows, int kernel = 0) {
+  const detail::ScopedOverride<int> hook(detail::sampling_kernel_override(), kernel);
   const int64_t R = rows.logits.shape()[0], V = rows.logits.shape()[1];
   Context ctx;
   ctx.backend = b;
@@ -163,9 +164,10 @@ TEST_F(CudaSampling, ClusterAndOneCtaKernelsDrawTheCpuKernelsBits) {
       const Rows rows = hard_rows(r, R, V);
       const std::string what = "V " + std::to_string(V) + ", " + std::to_string(R) + " rows";
       const Drawn cpu = draw(Backend::cpu, rows), gpu = draw(Backend::cuda, rows);
-      const Drawn one = draw(Backend::cuda, rows, true);
-      expect_same_draws(gpu, cpu, what + " (the CUDA kernel against the CPU one)");
+      const Drawn one = draw(Backend::cuda, rows, 1), cluster = draw(Backend::cuda, rows, 2);
+      expect_same_draws(gpu, cpu, what + " (the CUDA schedule against the CPU kernel)");
       expect_same_draws(one, cpu, what + " (the one-CTA kernel against the CPU one)");
+      expect_same_draws(cluster, cpu, what + " (the cluster kernel against the CPU one)");
     }
   }
 }
@@ -176,8 +178,8 @@ TEST_F(CudaSampling, ClusterAndOneCtaKernelsAgreeRowByRow) {
   Rng r(45);
   for (int64_t V : {1000, 32000, 151936}) {
     const Rows rows = random_rows(r, 72, V);
-    expect_same_draws(draw(Backend::cuda, rows), draw(Backend::cuda, rows, true),
-                      "V " + std::to_string(V) + ": the CUDA kernel against the one-CTA kernel");
+    expect_same_draws(draw(Backend::cuda, rows, 2), draw(Backend::cuda, rows, 1),
+                      "V " + std::to_string(V) + ": the cluster kernel against the one-CTA kernel");
   }
 }
 
@@ -192,9 +194,9 @@ TEST_F(CudaSampling, ABadRowLeavesItsNeighboursAlone) {
   z[3 * V + 0] = std::numeric_limits<float>::infinity();
   static_cast<double*>(rows.params.data())[4 * 5 + 0] = -1.0;  // temperature < 0
   const Drawn cpu = draw(Backend::cpu, rows);
-  for (bool one_cta : {false, true}) {
-    const Drawn d = draw(Backend::cuda, rows, one_cta);
-    expect_same_draws(d, cpu, one_cta ? "one-CTA kernel" : "CUDA kernel");
+  for (int kernel : {1, 2}) {
+    const Drawn d = draw(Backend::cuda, rows, kernel);
+    expect_same_draws(d, cpu, kernel == 1 ? "one-CTA kernel" : "cluster kernel");
     const int32_t* t = static_cast<const int32_t*>(d.tokens.data());
     EXPECT_EQ(t[1], -1);
     EXPECT_EQ(t[3], -1);

@@ -39,12 +39,15 @@
 // pass (about 8, at most 12; the tie search ⌈log8 V⌉ more where ties straddle the cut). No atomics:
 // DSMEM loads and cluster barriers only. No CTA leaves while another may still read its shared
 // memory: each arrives at a last cluster barrier after its last remote read and waits on it before
-// leaving. The kernel is chosen by the device and the vocab, never by the row count; a row's work
-// depends on its logits and settings alone. Its time on the H100 is bench_time_sampling's to
-// measure (not yet measured: written on a machine without a GPU).
+// leaving. A row's work depends on its logits and settings alone. Measured on the H100
+// (bench_time_sampling, vocab 151,936, µs a call, cluster / one-CTA kernel): 1 row greedy 12.8 /
+// 27.9, temperature 1 47.0 / 85.6, top-k 50 54.0 / 389.8, top-p 0.9 179.5 / 707.7, all three cuts
+// 70.9 / 647.2; 8 rows alike; 64 rows (512 CTAs of 152 KB: four rounds) temperature 1 198.6 / 97.8,
+// top-p 838.1 / 747.6, top-k 247.5 / 437.9. So the cluster kernel serves calls whose clusters fit the
+// SMs at once (sample_tokens); the one-CTA kernel the rest.
 //
 // The one-CTA kernel (other devices, larger vocabs, and the reference on the GPU: tests force it
-// with detail::sampling_single_cta_override): one CTA of 1024 threads a row, thread ℓ being lane ℓ:
+// with detail::sampling_kernel_override): one CTA of 1024 threads a row, thread ℓ being lane ℓ:
 // its loads are coalesced, the xor butterfly of a warp is the tree over its 32 lanes and warp 0's
 // butterfly over the 32 warp sums finishes it. Weights are recomputed from the logits each pass;
 // the row stays in L2 between passes. Greedy and plain temperature sampling read the row three
@@ -136,6 +139,23 @@ __device__ __forceinline__ void for_lane(const float* __restrict__ z, int V, int
     for (int u = 0; u < ROW_BATCH; ++u) f(x[u], i + u * LANES);
   }
   for (; i < V; i += LANES) f(z[i], i);
+}
+
+// The draw's walk down a heap-ordered tree of sums (node n's children 2n and 2n + 1, `leaves` leaves
+// from index `leaves` on): left where t is below the left sum or the right one is empty, else right
+// with the left sum taken off t. Returns the leaf reached (0 … leaves − 1); t keeps what is left.
+__device__ __forceinline__ int walk_tree(const float* tree, int leaves, float& t) {
+  int node = 1;
+  while (node < leaves) {
+    const float left = tree[2 * node], right = tree[2 * node + 1];
+    if (t < left || !(right > 0.0f)) {
+      node = 2 * node;
+    } else {
+      t = __fsub_rn(t, left);
+      node = 2 * node + 1;
+    }
+  }
+  return node - leaves;
 }
 
 // The larger key, ties to the lower id (id −1: none).
@@ -314,18 +334,8 @@ __global__ void __launch_bounds__(LANES, 1)
   }
   if (l == 0) {
     float t = draw_target(p.u, s.tree[1]);
-    int node = 1;
-    while (node < LANES) {
-      const float left = s.tree[2 * node], right = s.tree[2 * node + 1];
-      if (t < left || !(right > 0.0f)) {
-        node = 2 * node;
-      } else {
-        t = __fsub_rn(t, left);
-        node = 2 * node + 1;
-      }
-    }
+    s.draw_lane = walk_tree(s.tree, LANES, t);
     s.draw_t = t;
-    s.draw_lane = node - LANES;
   }
   __syncthreads();
   // The walk along the chosen lane is one thread's: its logits come from shared memory, loaded by
@@ -821,18 +831,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     if (lane == 0) {
       for (int n = CTAS - 1; n >= 1; --n) s.top[n] = __fadd_rn(s.top[2 * n], s.top[2 * n + 1]);
       float t = draw_target(p.u, s.top[1]);
-      int node = 1;
-      while (node < CTAS) {
-        const float left = s.top[2 * node], right = s.top[2 * node + 1];
-        if (t < left || !(right > 0.0f)) {
-          node = 2 * node;
-        } else {
-          t = __fsub_rn(t, left);
-          node = 2 * node + 1;
-        }
-      }
+      s.result[1] = uint32_t(walk_tree(s.top, CTAS, t));
       s.result[0] = f2u(t);
-      s.result[1] = uint32_t(node - CTAS);
     }
   }
   ++round;
@@ -845,19 +845,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
   });
   if (tid == 0 && s.result[1] == c) {
     float t = u2f(s.result[0]);
-    int node = 1;
-    while (node < CL) {
-      const float left = s.tree[2 * node], right = s.tree[2 * node + 1];
-      if (t < left || !(right > 0.0f)) {
-        node = 2 * node;
-      } else {
-        t = __fsub_rn(t, left);
-        node = 2 * node + 1;
-      }
-    }
+    const int dl = walk_tree(s.tree, CL, t), first_id = int(c) * CL + dl;
     // Along the chosen lane: its kept weights in order until the sum passes t (eight strides'
     // loads ahead of the adds; the adds and tests in the one-CTA kernel's order).
-    const int dl = node - CL, first_id = int(c) * CL + dl;
     int token = -1;
     float token_w = 0.0f, acc = 0.0f;
     bool done = false;
@@ -902,7 +892,7 @@ struct RelaxedCapture {
 // run: compute capability 9.0 (its code is sm_90a only), clusters of CTAS CTAs of that shared
 // memory schedulable, SAMEBITS_SAMPLING_CLUSTER not "0" and the test hook unset.
 int cluster_strides(const char* op) {
-  if (detail::sampling_single_cta_override()) return 0;
+  if (detail::sampling_kernel_override() == 1) return 0;
   static const bool env_on = env_switch("SAMEBITS_SAMPLING_CLUSTER");  // "0": the one-CTA kernel (A/B runs)
   if (!env_on) return 0;
   static std::atomic<int> strides[64] = {};  // 1 + the most strides; 1: no cluster kernel
@@ -950,10 +940,15 @@ void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
   int32_t* tokens = a.tokens.as<int32_t>();
   uint8_t* kept = a.kept.present() ? a.kept.as<uint8_t>() : nullptr;
   float* weights = a.weights.present() ? a.weights.as<float>() : nullptr;
-  // The kernel is chosen by the device and the vocab alone, never by the row count (the two give
-  // the same bits: tests/cuda/test_sampling.cpp).
+  // Which kernel draws a row changes no bit (the two give the same bits, row by row:
+  // tests/cuda/test_sampling.cpp), so, like the attention's O-column parts and the GEMM's tile widths,
+  // the choice is a schedule: the cluster kernel where its clusters fit the SMs in one round (at most
+  // SMs / 8 rows), else the one-CTA kernel, which overlaps many rows better. Measured on the H100
+  // (bench_time_sampling, vocab 151,936, temperature 1): 1 / 8 rows 47.0 / 48.5 µs against 85.6 /
+  // 89.0 µs; 64 rows (4 rounds of clusters) 198.6 against 97.8 µs.
   const int64_t S = (V + LANES - 1) / LANES;
-  if (S <= cluster_strides("sample_tokens") && R <= INT32_MAX / CTAS) {
+  const bool fits = R * CTAS <= current_sm_count("sample_tokens") || detail::sampling_kernel_override() == 2;
+  if (S <= cluster_strides("sample_tokens") && fits && R <= INT32_MAX / CTAS) {
     launch_cluster_after_previous(sample_rows_cluster, CTAS, dim3(unsigned(R * CTAS)), dim3(CTHREADS),
                                   size_t(S) * CL * sizeof(uint2), stream, "sample_tokens", logits, params, int(V),
                                   int(S), tokens, kept, weights);
