@@ -9,6 +9,7 @@
 // bench_time_sampling).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

@@ -4,6 +4,7 @@
 // depend on the rows beside it; bad rows are reported in their token; the draws follow the softmax;
 // a captured graph draws the eager call's tokens.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 

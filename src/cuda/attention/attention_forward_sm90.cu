@@ -3,7 +3,8 @@
 //
 // Why this shape.
 //  * A CTA is three warpgroups: a producer (one warp issues the TMA loads of Q once and of K / V
-//    key blocks into a ring: 2 stages, or 3–6 in the single-span kernel below) and two consumers of
+//    key blocks into a ring: 2 stages, or 3–6 in the single-span kernel below; in the persistent
+//    decode kernel a second warp zeroes tail blocks' V rows, below) and two consumers of
 //    64 query rows each. S = Q·Kᵀ is one
 //    wgmma m64n128k16 chain over head_dim in ascending 16-wide steps (A and B from shared memory);
 //    O += P·V is one wgmma m64nDk16 chain over the block's 128 keys with P in registers. A wgmma
@@ -346,8 +347,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         if (pingpong && (c == 0 || n + 1 < blocks)) named_barrier_arrive(2 - c, 256);  // the other's turn
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        // This block's K is read: its stage's K may be refilled; the previous block's P·V is done
-        // too: its stage's V may be.
         // The previous block's P·V is done too: its stage can be refilled.
         if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
 

@@ -888,24 +888,31 @@ struct RelaxedCapture {
   RelaxedCapture& operator=(const RelaxedCapture&) = delete;
 };
 
-// The most strides a row may have for the cluster kernel on the current device, 0 where it may not
-// run: compute capability 9.0 (its code is sm_90a only), clusters of CTAS CTAs of that shared
-// memory schedulable, SAMEBITS_SAMPLING_CLUSTER not "0" and the test hook unset.
-int cluster_strides(const char* op) {
-  if (detail::sampling_kernel_override() == 1) return 0;
+// What the cluster kernel may take on the current device: the most strides a row may have (0 where
+// it may not run: compute capability 9.0 and its sm_90a code in the binary, clusters of CTAS CTAs of
+// that shared memory schedulable, SAMEBITS_SAMPLING_CLUSTER not "0" and the test hook not 1), and
+// how many of its clusters the device holds at once (the occupancy query: an 8-CTA cluster sits in
+// one GPC, so not simply SMs / 8 where GPCs differ in size).
+struct ClusterRoom {
+  int strides = 0, clusters = 0;
+};
+ClusterRoom cluster_room(const char* op) {
+  if (detail::sampling_kernel_override() == 1) return {};
   static const bool env_on = env_switch("SAMEBITS_SAMPLING_CLUSTER");  // "0": the one-CTA kernel (A/B runs)
-  if (!env_on) return 0;
-  static std::atomic<int> strides[64] = {};  // 1 + the most strides; 1: no cluster kernel
-  return once_per_device(strides, op, [&] {
+  if (!env_on) return {};
+  static std::atomic<int> strides[64] = {}, active[64] = {};  // 1 + the value; 1: no cluster kernel
+  int dev = 0;
+  check(cudaGetDevice(&dev), op, "device");
+  const int most = once_per_device(strides, op, [&] {
     const RelaxedCapture relaxed;
-    int dev = 0, major = 0, minor = 0, optin = 0;
-    check(cudaGetDevice(&dev), op, "device");
+    int major = 0, minor = 0, optin = 0;
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), op, "compute capability");
     check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), op, "compute capability");
     if (major != 9 || minor != 0) return 1;
     check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), op, "shared memory");
     cudaFuncAttributes fa{};
     check(cudaFuncGetAttributes(&fa, sample_rows_cluster), op, "kernel attributes");
+    if (fa.binaryVersion < 90) return 1;  // its code from the sm_80 PTX: a trap, not the kernel
     const int most = std::min<int>(MAX_STRIDES, (optin - int(fa.sharedSizeBytes)) / int(CL * sizeof(uint2)));
     if (most < 1) return 1;
     const size_t smem = size_t(most) * CL * sizeof(uint2);
@@ -927,8 +934,10 @@ int cluster_strides(const char* op) {
       (void)cudaGetLastError();  // not an error of the caller's: the one-CTA kernel serves
       return 1;
     }
+    if (dev >= 0 && dev < 64) active[dev].store(clusters, std::memory_order_release);
     return clusters >= 1 ? 1 + most : 1;
   }) - 1;
+  return {most, most > 0 && dev >= 0 && dev < 64 ? active[dev].load(std::memory_order_acquire) : 0};
 }
 
 void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
@@ -942,13 +951,15 @@ void sample_tokens(const Context& ctx, const SampleTokensArgs& a) {
   float* weights = a.weights.present() ? a.weights.as<float>() : nullptr;
   // Which kernel draws a row changes no bit (the two give the same bits, row by row:
   // tests/cuda/test_sampling.cpp), so, like the attention's O-column parts and the GEMM's tile widths,
-  // the choice is a schedule: the cluster kernel where its clusters fit the SMs in one round (at most
-  // SMs / 8 rows), else the one-CTA kernel, which overlaps many rows better. Measured on the H100
+  // the choice is a schedule: the cluster kernel where its clusters fit the GPU in one round (the
+  // occupancy query's count, about SMs / 8), else the one-CTA kernel, which overlaps many rows
+  // better. Measured on the H100
   // (bench_time_sampling, vocab 151,936, temperature 1): 1 / 8 rows 47.0 / 48.5 µs against 85.6 /
   // 89.0 µs; 64 rows (4 rounds of clusters) 198.6 against 97.8 µs.
   const int64_t S = (V + LANES - 1) / LANES;
-  const bool fits = R * CTAS <= current_sm_count("sample_tokens") || detail::sampling_kernel_override() == 2;
-  if (S <= cluster_strides("sample_tokens") && fits && R <= INT32_MAX / CTAS) {
+  const ClusterRoom room = cluster_room("sample_tokens");
+  const bool fits = R <= room.clusters || detail::sampling_kernel_override() == 2;
+  if (S <= room.strides && fits && R <= INT32_MAX / CTAS) {
     launch_cluster_after_previous(sample_rows_cluster, CTAS, dim3(unsigned(R * CTAS)), dim3(CTHREADS),
                                   size_t(S) * CL * sizeof(uint2), stream, "sample_tokens", logits, params, int(V),
                                   int(S), tokens, kept, weights);
