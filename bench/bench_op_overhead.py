@@ -15,22 +15,12 @@ bench_attention / bench_gemm / bench_logprob report it apart.
 """
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import samebits.torch as sbt
-
-
-def host_us(fn, calls):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+from timing import loop_us
 
 
 def with_backward(fn):
@@ -76,7 +66,7 @@ def profile(op, calls):
     for grad in (False, True):
         with torch.enable_grad() if grad else torch.no_grad():
             ours = {name: fn for name, fn, _ in cases(grad)}[op]
-            host_us(ours, 10)
+            loop_us(ours, 10)
             p = cProfile.Profile()
             p.enable()
             for _ in range(calls):
@@ -110,8 +100,8 @@ def main():
                     ours, theirs = with_backward(ours), with_backward(theirs)
                 a, b = [], []
                 for _ in range(5):
-                    a.append(host_us(ours, args.calls))
-                    b.append(host_us(theirs, args.calls))
+                    a.append(loop_us(ours, args.calls))
+                    b.append(loop_us(theirs, args.calls))
                 sa, sb = statistics.median(a), statistics.median(b)
                 lines.append(f"| {op} | {mode} | {sa:.1f} | {sb:.1f} | {sa / sb:.2f}× |")
                 print(lines[-1], flush=True)

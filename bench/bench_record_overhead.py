@@ -21,15 +21,7 @@ import time
 
 import torch
 
-
-def host_us(fn, calls, sync, clock=time.perf_counter):
-    fn()
-    sync()
-    t0 = clock()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (clock() - t0) / calls * 1e6
+from timing import loop_us  # bench/ is on sys.path when this file runs
 
 
 def cases(E, dev, grad):
@@ -95,7 +87,7 @@ def main():
                     fn = dict(cases(E, args.device, grad))[op]
                     if mode.endswith("backward"):
                         fn = with_backward(fn)
-                    rounds[mode].append(host_us(fn, args.calls, sync, clock))
+                    rounds[mode].append(loop_us(fn, args.calls, sync, clock))
         for mode, times in rounds.items():
             modes[op, mode] = statistics.median(times)
         modes[op, "adds"] = statistics.median(b - a for a, b in zip(rounds["no_grad"], rounds["recording"]))

@@ -12,6 +12,7 @@ Three ways to time, each the one its benchmarks' committed tables were made with
  * wall_median: whole steps with the host's work included (bench_chain): perf_counter around the
    call and a device synchronisation;
  * event_median: whole steps on rotating batches (bench_torch): CUDA events around the call.
+And loop_us: a Python op path's host time, a loop of calls (bench_op_overhead, bench_record_overhead).
 """
 import os
 import re
@@ -139,6 +140,20 @@ def kernel_ms(fn, reps=5):
         if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
             total_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     return total_us / reps / 1e3
+
+
+def loop_us(fn, calls, sync=None, clock=time.perf_counter):
+    """Host time of one fn() call, µs: `calls` calls back to back with no synchronisation inside the
+    loop, the loop's time (clock: perf_counter, or process_time for this process's CPU time) over
+    the calls; `sync` (default: the CUDA device's) after a warm-up call and after the loop."""
+    sync = sync or torch.cuda.synchronize
+    fn()
+    sync()
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (clock() - t0) / calls * 1e6
 
 
 def host_us(fn, reps=30):

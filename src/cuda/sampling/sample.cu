@@ -94,15 +94,22 @@ struct Shared {
 __device__ __forceinline__ float exact_add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ int exact_add(int a, int b) { return a + b; }
 
+// Every lane of the warp gets the pairwise-tree sums over the warp's 32 lanes of its N values (the
+// xor butterfly: lane i and lane i ^ off add the same two numbers, so every lane holds the same bits).
+template <class T, int N>
+__device__ __forceinline__ void warp_sums(T (&v)[N]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) v[n] = exact_add(v[n], __shfl_xor_sync(FULL, v[n], off));
+}
+
 // Every thread gets the pairwise-tree sums over the block of its N values (thread order = lane
 // order): the xor butterfly of each warp, then warp 0's over the warp sums (`scratch`: shared).
 template <class T, int N>
 __device__ __forceinline__ void block_sums(T (&v)[N], T (&scratch)[TRIES][WARPS]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) v[n] = exact_add(v[n], __shfl_xor_sync(FULL, v[n], off));
+  warp_sums(v);
   if (lane == 0)
 #pragma unroll
     for (int n = 0; n < N; ++n) scratch[n][warp] = v[n];
@@ -484,10 +491,7 @@ __device__ __forceinline__ void add_floats(uint32_t (&v)[N], const uint32_t (&o)
 template <int N>
 __device__ __forceinline__ void cluster_counts(ClusterShared& s, int& round, int (&v)[N]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) v[n] += __shfl_xor_sync(FULL, v[n], off);
+  warp_sums(v);
   if (lane == 0)
 #pragma unroll
     for (int n = 0; n < N; ++n) s.part[n][warp] = uint32_t(v[n]);
@@ -510,10 +514,7 @@ __device__ __forceinline__ void cluster_sums(ClusterShared& s, int& round, float
   static_assert(LANE_WARPS == 4, "the CTA's subtree below is written for four lane warps");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp < LANE_WARPS) {
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) v[n] = __fadd_rn(v[n], __shfl_xor_sync(FULL, v[n], off));
+    warp_sums(v);
     if (lane == 0)
 #pragma unroll
       for (int n = 0; n < N; ++n) s.part[n][warp] = f2u(v[n]);
@@ -918,19 +919,10 @@ ClusterRoom cluster_room(const char* op) {
     const size_t smem = size_t(most) * CL * sizeof(uint2);
     check(cudaFuncSetAttribute(sample_rows_cluster, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), op,
           "shared memory");
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CTAS;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(CTAS);
-    cfg.blockDim = dim3(CTHREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    // One cluster's launch, as sample_tokens makes it (the cluster attribute alone: no stream).
+    const AfterPrevious one(dim3(CTAS), dim3(CTHREADS), smem, nullptr, op, false, CTAS);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, sample_rows_cluster, &cfg) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, sample_rows_cluster, &one.config) != cudaSuccess) {
       (void)cudaGetLastError();  // not an error of the caller's: the one-CTA kernel serves
       return 1;
     }
