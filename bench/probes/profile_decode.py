@@ -22,6 +22,8 @@ def main():
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--cases", default="1x1024,64x1024")
     ap.add_argument("--eager", action="store_true", help="every step eager (default: decode steps replay CUDA graphs)")
+    ap.add_argument("--dump", type=int, default=0,
+                    help="also list the first DUMP kernels of one step in order: start, duration, gap (µs)")
     args = ap.parse_args()
     samebits = bg.samebits_from(args.build)
     import samebits.hf  # noqa: F401
@@ -42,8 +44,11 @@ def main():
             drew, last = engine.generated - last, engine.generated
             if drew == B:
                 break
+        for _ in range(3):  # the bucket's graph captured (and replayed) before the profiler starts
+            engine.step()
         fam, top, api, wall = bench_chain.kernel_profile(engine.step, warm=True)
-        mode = "eager" if args.eager else f"graphs ({engine.graph_steps} steps replayed)"
+        mode = "eager" if args.eager else (f"graphs ({engine.graph_steps} steps replayed"
+                                           f"{'; off: ' + engine.graphs_off_reason if engine.graphs_off_reason else ''})")
         print(f"## B={B} C={C}, {mode}: wall {wall:.2f} ms, kernels {sum(v[0] for v in fam.values()):.2f} ms")
         for f, (ms, n) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
             print(f"  family {f}: {ms:.2f} ms ({n} launches)")
@@ -51,11 +56,11 @@ def main():
             print(f"  kernel {ms:.2f} ms x{n}: {k[:140]}")
         for ms, n, k in api:
             print(f"  host {ms:.2f} ms x{n}: {k}")
-        timeline(engine, 3)
+        timeline(engine, 3, args.dump)
         del engine
 
 
-def timeline(engine, steps):
+def timeline(engine, steps, dump=0):
     """Where the GPU waits, from the profiler's timeline of `steps` consecutive steps run back to back
     (no synchronisation between them: with overlap_steps a step is launched while the one before it
     runs): the kernels' busy time (their union) against their span, and the gaps between kernels —
@@ -84,6 +89,14 @@ def timeline(engine, steps):
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     span = end - kernels[0][0]
+    if dump:
+        named = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                       if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+        t0, prev_end = named[0][0], named[0][0]
+        print("  start µs | duration µs | gap to the previous kernel's end µs | kernel")
+        for a, b, name in named[:dump]:
+            print(f"  {a - t0:9.1f} | {b - a:8.1f} | {a - prev_end:+7.1f} | {name[:90]}")
+            prev_end = max(prev_end, b)
     long_gaps = sorted((g for g in gaps if g > 20.0), reverse=True)
     print(f"  timeline of {steps} steps back to back: wall {wall:.2f} ms ({wall / steps:.2f} a step); kernels span "
           f"{span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms ({busy / steps / 1e3:.2f} a step); gaps {sum(gaps) / 1e3:.2f} ms "

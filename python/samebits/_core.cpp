@@ -599,6 +599,7 @@ class PyEngine {
   int64_t generated() const { return engine_.generated(); }
   int64_t graph_steps() const { return engine_.graph_steps(); }
   int64_t captured_graphs() const { return engine_.captured_graphs(); }
+  std::string graphs_off_reason() const { return engine_.graphs_off_reason(); }
   int64_t overlapped_steps() const { return engine_.overlapped_steps(); }
 
  private:
@@ -684,6 +685,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("graph_steps", &PyEngine::graph_steps,
                              "Steps run as a CUDA graph replay (decode steps, with cuda_graphs on a Hopper GPU).")
       .def_property_readonly("captured_graphs", &PyEngine::captured_graphs, "Batch-size buckets captured so far.")
+      .def_property_readonly("graphs_off_reason", &PyEngine::graphs_off_reason,
+                             "Why decode steps stopped replaying CUDA graphs (empty while they replay).")
       .def_property_readonly("overlapped_steps", &PyEngine::overlapped_steps,
                              "Steps launched while the step before them was still in flight (overlap_steps).");
   m.def("sampling_candidates", [](const std::vector<double>& logits, const SamplingParams& p) {

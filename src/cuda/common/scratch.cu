@@ -141,6 +141,8 @@ void scratch_free(void* p, cudaStream_t stream, const char* op) {
   check(cudaFreeAsync(p, stream), op, "scratch memory");
 }
 
+void scratch_pool_ready(const char* op) { pool_of_current_device(op); }
+
 void scratch_trim(const char* op) {
   check(cudaDeviceSynchronize(), op, "synchronise before the trim");
   check(cudaMemPoolTrimTo(pool_of_current_device(op), 0), op, "scratch pool");

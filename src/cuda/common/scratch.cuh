@@ -20,6 +20,11 @@ uint64_t scratch_bytes_held(const char* op);
 // Hands the pool's unused memory back to the device (after the device is idle): for a process that
 // shares the GPU with another allocator (PyTorch's), between phases.
 void scratch_trim(const char* op);
+// Creates the current device's pool if it does not exist yet. A graph capture calls it first: under
+// a capture scratch_alloc takes the pool, which cannot be created then (cudaMemPoolCreate is refused
+// while the thread captures), and where an external allocator served every earlier call, nothing
+// else has made it (session 25: an Engine inside PyTorch fell back to eager decode steps for that).
+void scratch_pool_ready(const char* op);
 uint64_t scratch_peak_bytes(bool reset, const char* op);
 // Memory from an installed external allocator (samebits/device.hpp, set_device_allocator) in use
 // now, and its peak since the last reset: scratch_alloc takes it from there outside stream captures.

@@ -6,6 +6,7 @@
 #include "core/captured_graph.hpp"
 #include "cuda/attention/attention_sm90.hpp"
 #include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
 #include "samebits/device.hpp"
 
 namespace samebits {
@@ -31,6 +32,7 @@ CapturedGraph::CapturedGraph(void* stream, const std::function<void()>& body, co
   if (!stream) throw Error(op, "stream", "the legacy default stream cannot be captured: give a stream of its own");
   impl_->stream = static_cast<cudaStream_t>(stream);
   impl_->attention = cuda::attention::make_graph_recording(a.seqs, a.max_k_len, a.q_heads, a.kv_heads, a.head_dim, a.dtype);
+  cuda::scratch_pool_ready(op);  // the capture's temporaries come from it
   cuda::check(cudaStreamBeginCapture(impl_->stream, cudaStreamCaptureModeThreadLocal), op, "begin the capture");
   try {
     const cuda::attention::RecordingScope recording(impl_->attention.get());
