@@ -19,10 +19,14 @@
 // 1.13, bench/bench_record_overhead.py, tiny tensors) what recording adds to a call went from
 // 1.9–3.5 µs to 0.4–2.0 µs by op (rms_norm 2.8 → 1.1, embedding 2.2 → 0.6; attention, with six
 // saved tensors, 3.2 → 2.0), the bits unchanged. The nodes have no compiled_args: under compiled
-// autograd samebits.torch takes the custom_op path (ops.py, _eager).
+// autograd samebits.torch takes the custom_op path (ops.py, _eager). A node makes only the
+// gradients its graph task wants (task_should_compute_output: a frozen weight, torch.autograd.grad
+// of other inputs), never adding a weight's into its main_grad otherwise; under create_graph=True its
+// gradients lead to an error node that raises, naming the op, where they are differentiated.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -168,9 +172,20 @@ using torch::autograd::variable_list;
 struct BackwardNode : torch::autograd::Node {
   // The engine may run a node's backward and release its saved tensors from different threads
   // (torch's generated nodes take a mutex in both; this one is ours, not Node's protected member).
+  // Under create_graph=True (grad mode on in a backward) the gradients are made without recording
+  // and given an error node: the library's backward kernels have no derivative of their own, and a
+  // gradient without history would make a double backward drop this op's second-order terms
+  // without a word. As torch's DelayedError, the error is raised only where a gradient is
+  // differentiated.
   variable_list apply(variable_list&& grads) final {
-    const std::lock_guard<std::mutex> lock(saved_mutex);
-    return backward(std::move(grads));
+    if (!at::GradMode::is_enabled()) return locked_backward(std::move(grads));
+    torch::autograd::edge_list edges = torch::autograd::collect_next_edges(grads);
+    variable_list out;
+    {
+      const at::NoGradGuard no_grad;
+      out = locked_backward(std::move(grads));
+    }
+    return not_differentiable(std::move(out), std::move(edges));
   }
   // After a backward without retain_graph: the saved tensors go (a second backward raises torch's
   // "Trying to backward through the graph a second time").
@@ -185,8 +200,37 @@ struct BackwardNode : torch::autograd::Node {
   virtual void release() = 0;
   // A saved tensor as the backward reads it (this node is the grad_fn of those saved as outputs).
   at::Tensor unpack(const SavedVariable& v) { return v.unpack(shared_from_this()); }
+  // Whether this backward is to make input i's gradient: its input wants one (a frozen weight does
+  // not) and this backward's graph task leads there (torch.autograd.grad of other inputs does not).
+  // A gradient not wanted is not computed where it is a computation of its own, and is never
+  // added into a main_grad.
+  bool wants(size_t i) const { return i < num_outputs() && task_should_compute_output(i); }
+  // The op's name in messages (rms_norm, linear, ...).
+  virtual const char* op() const = 0;
 
  private:
+  variable_list locked_backward(variable_list&& grads) {
+    const std::lock_guard<std::mutex> lock(saved_mutex);
+    return backward(std::move(grads));
+  }
+  // The gradients `out` as outputs of an error node whose edges lead to what they depend on (the
+  // incoming gradients' history, `edges`, and this op's inputs), so that a backward of any of them
+  // reaches it — torch.autograd.grad(..., allow_unused=True) too — and raises, naming the op.
+  variable_list not_differentiable(variable_list out, torch::autograd::edge_list edges) {
+    for (const torch::autograd::Edge& e : next_edges()) edges.push_back(e);
+    auto error = std::make_shared<torch::autograd::Error>(
+        std::string("samebits.torch ") + op() +
+            ": double backward is not supported (a gradient made with create_graph=True was differentiated: "
+            "samebits' backward has no derivative of its own)",
+        std::move(edges));
+    for (at::Tensor& g : out) {
+      if (!g.defined()) continue;
+      g = g.tensor_data();  // no view or autograd state of the backward's own: the error node's output
+      torch::autograd::create_gradient_edge(g, error);
+    }
+    return out;
+  }
+
   std::mutex saved_mutex;
 };
 
@@ -265,12 +309,16 @@ WeightGrad weight_grad_of(const c10::optional<at::Tensor>& main_grad, at::Option
   }
   return g;
 }
-// The backward's weight-gradient accumulator, and what autograd gets for the weight.
-at::Tensor dweight_of(const WeightGrad& g, const at::Tensor& weight) {
-  return g.main_grad.defined() ? g.main_grad : at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
+// The backward's weight-gradient accumulator, and what autograd gets for the weight. A weight
+// gradient not `wanted` (BackwardNode::wants) that a fused kernel writes all the same (the norms',
+// the LM head's: dx and dweight in one pass) goes to a scratch buffer, never into main_grad, and
+// autograd gets none.
+at::Tensor dweight_of(const WeightGrad& g, const at::Tensor& weight, bool wanted = true) {
+  return g.main_grad.defined() && wanted ? g.main_grad
+                                         : at::zeros(weight.sizes(), weight.options().dtype(acc_of(weight)));
 }
-at::Tensor weight_grad_out(const WeightGrad& g, const at::Tensor& dw, const at::Tensor& weight) {
-  return g.main_grad.defined() ? at::Tensor() : dw.to(weight.scalar_type());
+at::Tensor weight_grad_out(const WeightGrad& g, const at::Tensor& dw, const at::Tensor& weight, bool wanted = true) {
+  return g.main_grad.defined() || !wanted ? at::Tensor() : dw.to(weight.scalar_type());
 }
 void with_segments(samebits::TensorView& field, const WeightGrad& g, const char* op) {
   if (g.segments.defined()) field = view(g.segments, op, "segments");
@@ -312,13 +360,13 @@ NormOut norm_forward(const at::Tensor& x, const at::Tensor* residual, const at::
 // s is an output too (add_rms_norm: its gradient added inside the norm's backward, dresidual_out).
 std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& s, const at::Tensor& weight, const at::Tensor& rstd,
                                                 const at::Tensor& dy_in, const at::Tensor& ds_in, double eps,
-                                                const WeightGrad& wg, const char* op) {
+                                                const WeightGrad& wg, bool want_dw, const char* op) {
   const DeviceOf guard(s);
   const at::Tensor s2 = rows_of(s, op);
   const at::Tensor dy = rows_of(dy_in.defined() ? dy_in.contiguous() : at::zeros_like(s), op, "dy");
   at::Tensor ds;
   if (ds_in.defined()) ds = rows_of(ds_in.contiguous(), op, "dresidual_out");
-  at::Tensor dx = at::empty_like(s), dw = dweight_of(wg, weight);
+  at::Tensor dx = at::empty_like(s), dw = dweight_of(wg, weight, want_dw);
   samebits::RmsNormBackwardArgs a;
   with_segments(a.segments, wg, op);
   a.dy = view(dy, op, "dy");
@@ -330,7 +378,7 @@ std::pair<at::Tensor, at::Tensor> norm_backward(const at::Tensor& s, const at::T
   a.dweight = view(dw, op, "dweight");
   a.eps = eps;
   run([&] { samebits::rmsnorm_backward(context_of(s), a); });
-  return {dx, weight_grad_out(wg, dw, weight)};
+  return {dx, weight_grad_out(wg, dw, weight, want_dw)};
 }
 
 struct RmsNormBackward final : BackwardNode {
@@ -339,9 +387,10 @@ struct RmsNormBackward final : BackwardNode {
   WeightGrad wg;
 
   std::string name() const override { return "samebits::RmsNormBackward"; }
+  const char* op() const override { return "rms_norm"; }
   variable_list backward(variable_list&& grads) override {  // edges: x, weight
     auto [dx, dw] = norm_backward(unpack(x_), unpack(weight_), unpack(rstd_), grads[0], at::Tensor(), eps, wg,
-                                  "rms_norm_backward");
+                                  wants(1), "rms_norm_backward");
     return {dx, dw};
   }
   void release() override {
@@ -381,11 +430,13 @@ struct AddRmsNormBackward final : BackwardNode {
   WeightGrad wg;
 
   std::string name() const override { return "samebits::AddRmsNormBackward"; }
+  const char* op() const override { return "add_rms_norm"; }
   variable_list backward(variable_list&& grads) override {  // edges: x, residual, weight
     const at::Tensor s = unpack(sum_);
     // s without a gradient: zeros (dresidual_out given either way, as on the custom_op path)
     const at::Tensor ds = grads[1].defined() ? grads[1] : at::zeros_like(s);
-    auto [dx, dw] = norm_backward(s, unpack(weight_), unpack(rstd_), grads[0], ds, eps, wg, "add_rms_norm_backward");
+    auto [dx, dw] = norm_backward(s, unpack(weight_), unpack(rstd_), grads[0], ds, eps, wg, wants(2),
+                                  "add_rms_norm_backward");
     return {dx, dx, dw};
   }
   void release() override {
@@ -437,6 +488,7 @@ struct SwiGluBackward final : BackwardNode {
   SavedVariable gate_, up_;
 
   std::string name() const override { return "samebits::SwiGluBackward"; }
+  const char* op() const override { return "swiglu"; }
   variable_list backward(variable_list&& grads) override {  // edges: gate, up
     const char* op = "swiglu_backward";
     const at::Tensor g = unpack(gate_), u = unpack(up_);
@@ -498,31 +550,45 @@ struct LinearBackward final : BackwardNode {
   WeightGrad wg;
 
   std::string name() const override { return "samebits::LinearBackward"; }
+  const char* op() const override { return "linear"; }
+  // dx, and dweight with dbias, are separate computations: each made only where wanted (dweight
+  // into a scratch buffer where only dbias is).
   variable_list backward(variable_list&& grads) override {  // edges: x, weight, bias
+    const bool want_dx = wants(0), want_dw = wants(1), want_db = has_bias && wants(2);
     const at::Tensor x = unpack(x_), weight = unpack(weight_);
     const DeviceOf guard(x);
     const at::Tensor x2 = rows_of(x, "linear_backward");
     const at::Tensor g = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({x2.size(0), weight.size(0)}, x2.options());
     const at::Tensor dy = g.reshape({-1, weight.size(0)});
-    at::Tensor dx = at::empty_like(x2), dw = dweight_of(wg, weight);
-    at::Tensor db = at::zeros({has_bias ? weight.size(0) : 0}, weight.options().dtype(acc_of(weight)));
     const samebits::Context c = context_of(x);
-    samebits::LinearBackwardInputArgs bi;
-    bi.dy = view(dy, "linear_backward", "dy");
-    bi.weight = view(weight, "linear_backward", "weight");
-    bi.dx = view(dx, "linear_backward", "dx");
-    samebits::LinearBackwardWeightArgs bw;
-    bw.dy = bi.dy;
-    bw.x = view(x2, "linear_backward", "x");
-    bw.dweight = view(dw, "linear_backward", "dweight");
-    with_segments(bw.segments, wg, "linear_backward");
-    if (has_bias) bw.dbias = view(db, "linear_backward", "dbias");
-    run([&] {
-      samebits::linear_backward_input(c, bi);
-      samebits::linear_backward_weight(c, bw);
-    });
-    return {dx.view(x.sizes()), weight_grad_out(wg, dw, weight), has_bias ? db.to(weight.scalar_type()) : at::Tensor()};
+    at::Tensor dx, dw, db;
+    if (want_dx) {
+      dx = at::empty_like(x2);
+      samebits::LinearBackwardInputArgs bi;
+      bi.dy = view(dy, "linear_backward", "dy");
+      bi.weight = view(weight, "linear_backward", "weight");
+      bi.dx = view(dx, "linear_backward", "dx");
+      run([&] { samebits::linear_backward_input(c, bi); });
+      dx = dx.view(x.sizes());
+    }
+    if (want_dw || want_db) {
+      const at::Tensor acc = dweight_of(wg, weight, want_dw);
+      samebits::LinearBackwardWeightArgs bw;
+      bw.dy = view(dy, "linear_backward", "dy");
+      bw.x = view(x2, "linear_backward", "x");
+      bw.dweight = view(acc, "linear_backward", "dweight");
+      with_segments(bw.segments, wg, "linear_backward");
+      at::Tensor db_acc;
+      if (want_db) {
+        db_acc = at::zeros({weight.size(0)}, weight.options().dtype(acc_of(weight)));
+        bw.dbias = view(db_acc, "linear_backward", "dbias");
+      }
+      run([&] { samebits::linear_backward_weight(c, bw); });
+      dw = weight_grad_out(wg, acc, weight, want_dw);
+      if (want_db) db = db_acc.to(weight.scalar_type());
+    }
+    return {dx, dw, db};
   }
   void release() override {
     x_.reset_data();
@@ -614,6 +680,7 @@ struct TokenLogprobsBackward final : BackwardNode {
   SavedVariable logits_, targets_, lse_;  // targets_: the caller's int32 targets, or their int32 copy
 
   std::string name() const override { return "samebits::TokenLogprobsBackward"; }
+  const char* op() const override { return "token_logprobs"; }
   variable_list backward(variable_list&& grads) override {  // edges: logits
     const char* op = "token_logprobs_backward";
     const at::Tensor logits = unpack(logits_), t = flat_ids(unpack(targets_)), lse = unpack(lse_);
@@ -709,6 +776,7 @@ struct AttentionBackward final : BackwardNode {
   double scale = 0;
 
   std::string name() const override { return "samebits::AttentionBackward"; }
+  const char* op() const override { return "attention"; }
   variable_list backward(variable_list&& grads) override {  // edges: q, k, v
     const char* op = "attention_backward";
     const at::Tensor q = unpack(q_), k = unpack(k_), v = unpack(v_), seqs = unpack(seqs_), out = unpack(out_),
@@ -788,7 +856,9 @@ struct EmbeddingBackward final : BackwardNode {
   WeightGrad wg;
 
   std::string name() const override { return "samebits::EmbeddingBackward"; }
+  const char* op() const override { return "embedding"; }
   variable_list backward(variable_list&& grads) override {  // edges: table
+    if (!wants(0)) return {at::Tensor()};  // never into main_grad (the engine seldom runs it so)
     const char* op = "embedding_backward";
     const at::Tensor flat = flat_ids(unpack(ids_)), table = unpack(table_);
     const DeviceOf guard(table);
@@ -882,12 +952,13 @@ struct QkNormBackward final : BackwardNode {
   WeightGrad wg;
 
   std::string name() const override { return "samebits::QkNormBackward"; }
+  const char* op() const override { return "qk_norm"; }
   variable_list backward(variable_list&& grads) override {  // edges: x, weight
     const char* op = "qk_norm_backward";
     const at::Tensor x = unpack(x_), weight = unpack(weight_), rstd = unpack(rstd_), pos = unpack(positions_);
     const DeviceOf guard(x);
     const at::Tensor dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
-    at::Tensor dx = at::empty_like(x), dw = dweight_of(wg, weight);
+    at::Tensor dx = at::empty_like(x), dw = dweight_of(wg, weight, wants(1));
     samebits::QkNormBackwardArgs a;
     with_segments(a.segments, wg, op);
     a.dy = view(dy, op, "dy");
@@ -904,7 +975,7 @@ struct QkNormBackward final : BackwardNode {
     }
     a.rope = rope_config(theta, llama3, op);
     run([&] { samebits::qk_norm_backward(context_of(x), a); });
-    return {dx, weight_grad_out(wg, dw, weight)};
+    return {dx, weight_grad_out(wg, dw, weight, wants(1))};
   }
   void release() override {
     x_.reset_data();
@@ -994,6 +1065,7 @@ struct LmHeadLogprobsBackward final : BackwardNode {
   WeightGrad wg;
 
   std::string name() const override { return "samebits::LmHeadLogprobsBackward"; }
+  const char* op() const override { return "lm_head_logprobs"; }
   // An output without a gradient gets none here (no zero entropy gradient: with one, the backward
   // would recompute the statistics, a whole extra pass of the LM-head GEMM).
   variable_list backward(variable_list&& grads) override {  // edges: hidden, weight
@@ -1006,7 +1078,7 @@ struct LmHeadLogprobsBackward final : BackwardNode {
       return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
     };
     const at::Tensor dlogp = flat(grads[0]), dentropy = grads[1].defined() ? flat(grads[1]) : at::Tensor();
-    at::Tensor dh = at::empty_like(hidden), dw = dweight_of(wg, weight);
+    at::Tensor dh = at::empty_like(hidden), dw = dweight_of(wg, weight, wants(1));
     samebits::LmHeadLogprobBackwardArgs a;
     with_segments(a.segments, wg, op);
     a.hidden = view(h2, op, "hidden");
@@ -1025,7 +1097,7 @@ struct LmHeadLogprobsBackward final : BackwardNode {
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
     a.dweight = view(dw, op, "dweight");
     run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
-    return {dh, weight_grad_out(wg, dw, weight)};
+    return {dh, weight_grad_out(wg, dw, weight, wants(1))};
   }
   void release() override {
     hidden_.reset_data();

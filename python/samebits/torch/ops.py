@@ -50,6 +50,18 @@ def _compiled_autograd_on() -> bool:
     return bool(getattr(getattr(dynamo, "config", None), "compiled_autograd", False))
 
 
+def _once_differentiable(backward_op, op: str) -> None:
+    """A backward op's own autograd formula: an error naming the op. Under create_graph=True the
+    backward ops record a node (their inputs want gradients), which without a formula raises torch's
+    "no autograd formula was registered" where a gradient is differentiated; samebits' backward
+    kernels have no derivative, so it raises this instead — the message of the dispatcher ops' error
+    node (_torch_ops.cpp, BackwardNode)."""
+    def refuse(ctx, *grads):
+        raise RuntimeError(f"samebits.torch {op}: double backward is not supported (a gradient made with "
+                           "create_graph=True was differentiated: samebits' backward has no derivative of its own)")
+    backward_op.register_autograd(refuse)
+
+
 # ---------------------------------------------------------------- linear
 @torch.library.custom_op("samebits::linear", mutates_args=())
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -67,24 +79,36 @@ def _(x, weight, bias):
 
 
 @torch.library.custom_op("samebits::linear_backward", mutates_args=())
-def _linear_backward(dy: Tensor, x: Tensor, weight: Tensor, need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def _linear_backward(dy: Tensor, x: Tensor, weight: Tensor, need_input: bool, need_weight: bool,
+                     need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias), each computed only where needed — dx and the weight's two are separate
+    calls; dweight goes to a scratch accumulator where only dbias is — and an empty tensor where not."""
     dy2, x2 = _rows(dy.contiguous(), "linear_backward"), _rows(x, "linear_backward")
-    dx = x2.new_empty(x2.shape)
-    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
+    need_acc = need_weight or need_bias
+    dx = x2.new_empty(x2.shape if need_input else 0)
+    dw = torch.zeros(weight.shape if need_acc else 0, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
     db = torch.zeros(weight.shape[0] if need_bias else 0, dtype=_acc(weight), device=weight.device)
     with _device(x):
         s = _stream(x)
-        raw.linear_backward_input(_desc(dy2, "linear_backward", "dy"), _desc(weight, "linear_backward", "weight"),
-                                  _desc(dx, "linear_backward", "dx"), s)
-        raw.linear_backward_weight(_desc(dy2, "linear_backward", "dy"), _desc(x2, "linear_backward", "x"),
-                                   _desc(dw, "linear_backward", "dweight"),
-                                   _desc(db, "linear_backward", "dbias") if need_bias else None, s)
-    return dx.reshape(x.shape), dw.to(weight.dtype), db.to(weight.dtype)
+        if need_input:
+            raw.linear_backward_input(_desc(dy2, "linear_backward", "dy"), _desc(weight, "linear_backward", "weight"),
+                                      _desc(dx, "linear_backward", "dx"), s)
+        if need_acc:
+            raw.linear_backward_weight(_desc(dy2, "linear_backward", "dy"), _desc(x2, "linear_backward", "x"),
+                                       _desc(dw, "linear_backward", "dweight"),
+                                       _desc(db, "linear_backward", "dbias") if need_bias else None, s)
+    dx = dx.reshape(x.shape) if need_input else dx
+    dw = dw.to(weight.dtype) if need_weight else weight.new_empty(0)
+    return dx, dw, db.to(weight.dtype)
 
 
 @_linear_backward.register_fake
-def _(dy, x, weight, need_bias):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if need_bias else 0)
+def _(dy, x, weight, need_input, need_weight, need_bias):
+    return (x.new_empty(x.shape if need_input else 0), weight.new_empty(weight.shape if need_weight else 0),
+            weight.new_empty(weight.shape[0] if need_bias else 0))
+
+
+_once_differentiable(_linear_backward, "linear")
 
 
 def _linear_setup(ctx, inputs, output):
@@ -95,8 +119,12 @@ def _linear_setup(ctx, inputs, output):
 
 def _linear_grad(ctx, dy):
     x, weight = ctx.saved_tensors
-    dx, dw, db = _linear_backward(dy, x, weight, ctx.need_bias)
-    return dx, dw, (db if ctx.need_bias else None)
+    # The inputs that want a gradient (a frozen weight does not). needs_input_grad is set at the forward:
+    # unlike the dispatcher op's node, this backward does not see which inputs torch.autograd.grad asked for.
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and ctx.need_bias
+    dx, dw, db = _linear_backward(dy, x, weight, need_x, need_w, need_b)
+    return (dx if need_x else None), (dw if need_w else None), (db if need_b else None)
 
 
 _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
@@ -147,6 +175,9 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps:
 @_rms_norm_backward.register_fake
 def _(dy, x, weight, rstd, eps):
     return torch.empty_like(x), torch.empty_like(weight)
+
+
+_once_differentiable(_rms_norm_backward, "rms_norm")
 
 
 def _rms_setup(ctx, inputs, output):
@@ -210,6 +241,9 @@ def _add_rms_norm_backward(dy: Tensor, ds: Optional[Tensor], s: Tensor, weight: 
 @_add_rms_norm_backward.register_fake
 def _(dy, ds, s, weight, rstd, eps):
     return torch.empty_like(s), torch.empty_like(weight)
+
+
+_once_differentiable(_add_rms_norm_backward, "add_rms_norm")
 
 
 def _add_rms_setup(ctx, inputs, output):
@@ -282,6 +316,9 @@ def _(logits, targets, lse, dlogp, dentropy):
     return torch.empty_like(logits)
 
 
+_once_differentiable(_token_logprobs_backward, "token_logprobs")
+
+
 def _tlp_setup(ctx, inputs, output):
     logits, targets = inputs
     ctx.save_for_backward(logits, targets, output[2])
@@ -352,6 +389,9 @@ def _(dout, q, k, v, seqs, out, lse, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_once_differentiable(_attention_backward, "attention")
+
+
 def _attention_setup(ctx, inputs, output):
     q, k, v, seqs, scale = inputs
     ctx.save_for_backward(q, k, v, seqs, output[0], output[1])
@@ -408,6 +448,9 @@ def _(dy, gate, up):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
+_once_differentiable(_swiglu_backward, "swiglu")
+
+
 def _swiglu_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
@@ -457,6 +500,9 @@ def _embedding_backward(dy: Tensor, ids: Tensor, table: Tensor) -> Tensor:
 @_embedding_backward.register_fake
 def _(dy, ids, table):
     return torch.empty_like(table)
+
+
+_once_differentiable(_embedding_backward, "embedding")
 
 
 def _embedding_setup(ctx, inputs, output):
@@ -585,6 +631,9 @@ def _(dy, x, weight, rstd, eps, positions, theta, llama3):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
+_once_differentiable(_qk_norm_backward, "qk_norm")
+
+
 def _qk_setup(ctx, inputs, output):
     x, weight, eps, positions, theta, llama3 = inputs
     ctx.save_for_backward(x, weight, output[1], positions)
@@ -661,6 +710,9 @@ def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, 
 @_lm_head_logprobs_backward.register_fake
 def _(hidden, weight, targets, lse, dlogp, dentropy):
     return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+_once_differentiable(_lm_head_logprobs_backward, "lm_head_logprobs")
 
 
 def _lm_setup(ctx, inputs, output):
