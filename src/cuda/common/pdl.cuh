@@ -35,30 +35,11 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// The start of a small kernel in a decode step's chain (a norm, the QK-norm, an elementwise op):
-// with `successor_first`, it lets the next kernel be scheduled before it waits for the previous
-// one, so that a GEMM after it can be launched — its CTAs taking SMs as the GEMM before ends, its
-// settled weight stages loading — while this kernel still waits; otherwise (SAMEBITS_SUCCESSOR_FIRST=0,
-// for A/B runs) only once its own wait has returned. The successor still waits for this kernel's
-// completion before it reads anything this kernel writes: the order changes when CTAs start, never
-// what they read.
-__device__ __forceinline__ void pdl_begin(bool successor_first) {
-  if (successor_first) pdl_launch_dependents();
-  pdl_wait();
-  if (!successor_first) pdl_launch_dependents();
-}
-
 // A switch for A/B runs: false where the environment sets `name` to "0" (callers keep it in a
 // static: read once) — the kernels' SAMEBITS_* switches (grep env_switch).
 inline bool env_switch(const char* name) {
   const char* v = std::getenv(name);
   return !(v && std::strcmp(v, "0") == 0);
-}
-
-// pdl_begin's order, read once (SAMEBITS_SUCCESSOR_FIRST=0: the successor after the wait).
-inline bool successor_first() {
-  static const bool on = env_switch("SAMEBITS_SUCCESSOR_FIRST");
-  return on;
 }
 
 // Whether launch_after_previous sets the attribute: a compute capability 9.0 device (the waits are

@@ -107,8 +107,9 @@ struct AddBwd {  // da = db = dy, each in its own dtype (either may be absent)
 // vectors a thread were no faster (SiLU·mul 200.0 / 229.1 µs against 200.3; add 69.6 / 70.1
 // against 69.3), so one.
 template <class Op>
-__global__ void __launch_bounds__(THREADS) elementwise(Op op, int64_t numel, bool successor_first) {
-  pdl_begin(successor_first);  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+__global__ void __launch_bounds__(THREADS) elementwise(Op op, int64_t numel) {
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   const int64_t v = int64_t(blockIdx.x) * THREADS + threadIdx.x;
   if (v >= (numel + 7) / 8) return;
   const int n = int(std::min<int64_t>(8, numel - v * 8));
@@ -123,7 +124,7 @@ void launch(const Op& op, int64_t numel, const Context& ctx, const char* name) {
   const int64_t grid = ((numel + 7) / 8 + THREADS - 1) / THREADS;
   if (grid > 0x7fffffff) throw Unsupported(name, "x", "a tensor of more than 2^31 · 2048 elements");
   launch_after_previous(elementwise<Op>, dim3(unsigned(grid)), dim3(THREADS), 0, stream_of(ctx.stream), name, op,
-                        numel, successor_first());
+                        numel);
   check(cudaGetLastError(), name, "kernel launch");
 }
 

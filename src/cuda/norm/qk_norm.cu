@@ -68,7 +68,6 @@ struct QkParams {
   int64_t T, heads, D;
   int lanes, tokens_per_step;
   float eps;
-  bool successor_first;  // pdl_begin's order (forward)
 };
 
 // The sum over a slot of `lanes` lanes (a power of two), the same bits in each of them.
@@ -193,7 +192,8 @@ __device__ __forceinline__ void qk_norm_forward_ctas(const QkParams& p, const Qk
 template <class Fmt>
 __global__ void __launch_bounds__(QK_THREADS) qk_norm_forward_kernel(const __grid_constant__ QkParams p,
                                                                      const __grid_constant__ QkInvFreq inv) {
-  pdl_begin(p.successor_first);  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   qk_norm_forward_ctas<Fmt>(p, inv, blockIdx.x, gridDim.x);
 }
 
@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(QK_THREADS) qk_norm_pair_forward_kernel(const 
                                                                           const __grid_constant__ QkParams k,
                                                                           const __grid_constant__ QkInvFreq inv,
                                                                           int q_grid) {
-  pdl_begin(q.successor_first);
+  pdl_wait();
+  pdl_launch_dependents();
   if (int(blockIdx.x) < q_grid) qk_norm_forward_ctas<Fmt>(q, inv, blockIdx.x, q_grid);
   else qk_norm_forward_ctas<Fmt, kCache>(k, inv, int64_t(blockIdx.x) - q_grid, int64_t(gridDim.x) - q_grid);
 }
@@ -351,7 +352,6 @@ QkParams forward_params(const TensorView& x, const TensorView& weight, const Ten
   p.y = out8(y, D);
   p.rstd_out = rstd.present() ? rstd.as<float>() : nullptr;
   p.eps = float(eps);
-  p.successor_first = successor_first();
   // A step of no more tokens than there are (rounded up to the fewest that fill the slots): a
   // decode step's one token walks 2 rows a slot, not the 32 of a full step. Which thread takes a
   // row never changes its bits (a row's sum runs over its own slot's lanes, fixed by D).

@@ -93,7 +93,6 @@ struct FwdParams {
   float* rstd;
   int64_t T, H;
   float eps;
-  bool successor_first;  // pdl_begin's order
 };
 
 // A row's raw bits (x and, fused, the residual), fetched a step ahead of their use.
@@ -116,7 +115,8 @@ __device__ __forceinline__ void fetch_row(const FwdParams& p, const Layout& L, i
 // never overlap, so in-place calls are safe).
 template <class Fmt, int VPT>
 __global__ void __launch_bounds__(MAX_THREADS, forward_min_ctas<Fmt, VPT>()) rmsnorm_forward_kernel(const __grid_constant__ FwdParams p) {
-  pdl_begin(p.successor_first);  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_wait();  // launched after the previous kernel (cuda/common/pdl.cuh): its output is ready from here
+  pdl_launch_dependents();
   __shared__ __align__(16) float red[2][1][32];
   const Layout L{p.H, int(blockDim.x)};
   const int64_t stride = gridDim.x;
@@ -321,7 +321,7 @@ void rmsnorm_forward(const Context& ctx, const RmsNormForwardArgs& a) {
   int threads = 0, vpt = 0;
   row_layout(H, threads, vpt, op);
   const FwdParams p{in8(a.x, H), in8(a.residual, H), in8(a.weight, H), out8(a.y, H), out8(a.residual_out, H),
-                    a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps), successor_first()};
+                    a.rstd.present() ? a.rstd.as<float>() : nullptr, T, H, float(a.eps)};
   const bool all_bf16 = is_bf16(a.x) && is_bf16(a.y) && is_bf16(a.residual) && is_bf16(a.residual_out);
   with_shape(vpt, all_bf16, [&](auto fmt, auto v) {
     const auto kernel = rmsnorm_forward_kernel<decltype(fmt), decltype(v)::value>;
