@@ -212,6 +212,18 @@ def decode_part(samebits, sb_model, hf, args, bw, memory, per_row):
             rows.append(f"| {B} | {C} | {ms(t)} | {ms(waited)} | {ms(eager)} | {bound * 1e3:.2f} | "
                         f"{pct(t)} | {pct(waited)} | {pct(eager)} | {B / t:,.0f} |")
             print(rows[-1], flush=True)
+            if args.ab:  # the same case again in this process with a tuning hook set (A/B of a kernel choice)
+                hook, value = args.ab.split("=")
+                before = samebits._core._set_tuning(hook, int(value))
+                try:
+                    t_b = decode_case(samebits, sb_model, cfg, B, C, args.steps, args.max_batch_tokens, reserve,
+                                      memory, args.temperature, True, True)
+                finally:
+                    samebits._core._set_tuning(hook, before)
+                if not isinstance(t_b, str):
+                    notes.append(f"- B = {B}, C = {C}, `{args.ab}` (`samebits._core._set_tuning`): {ms(t_b)} ms a step, "
+                                 f"{pct(t_b)} of the bound, against {ms(t)} ms without it in the same process.")
+                    print(notes[-1], flush=True)
     out = ["## Decode step", "",
            f"B prompts of C random tokens submitted to one engine (`Engine.submit`), stepped until every request "
            f"decodes, then {args.steps} decode steps back to back (wall clock from a device synchronisation to one "
@@ -377,6 +389,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0, help="the decode part's sampling temperature")
     ap.add_argument("--graphs-only", action="store_true",
                     help="decode: only the default engine (graphs, overlapped steps), not the waited and eager ones")
+    ap.add_argument("--ab", metavar="HOOK=VALUE",
+                    help="decode: each case again with samebits._core._set_tuning(HOOK, VALUE) (e.g. fused_swiglu=1)")
     ap.add_argument("--prompts", type=int, help="rollout prompts P (64)")
     ap.add_argument("--prompt-len", type=int, help="rollout prompt length L (512)")
     ap.add_argument("-n", type=int, help="rollout samples a prompt (8)")

@@ -228,13 +228,14 @@ class Chain {
                    ForwardKeep keep = ForwardKeep::all) const;
   // One layer's forward, from its input (x_in, and n1 = its input norm) to its SwiGLU output: the
   // forward and the backward's recomputation both run it, so a rerun layer has the forward's bits.
-  // Every activation it makes is appended to `out`.
+  // Every activation it makes is appended to `out`; `mlp_parts` false (no backward reads the layer):
+  // gate and up are not made, only their SwiGLU (one launch where the backend fuses them).
   struct LayerStep;
   struct LayerOut {
     const DeviceTensor *x_mid, *swiglu;
   };
   LayerOut layer_forward(int64_t l, const DeviceTensor& x_in, const DeviceTensor& n1, const LayerStep& step,
-                         ActivationTrace& out) const;
+                         ActivationTrace& out, bool mlp_parts = true) const;
   // RMSNorm of x (+ residual: the fused residual add, whose sum lands in residual_out).
   void norm(const DeviceTensor& x, const DeviceTensor* residual, const std::string& weight, DeviceTensor& y,
             DeviceTensor* residual_out, DeviceTensor& rstd) const;

@@ -55,6 +55,13 @@ struct LinearGroupForwardArgs {
   LinearPart parts[3];
   int count = 0;
   bool weights_settled = false;  // every part's weight, as LinearForwardArgs::weight_settled
+  // Given (two parts, gate and up, no bias, no y): only SwiGLU of the two goes out, into `swiglu`
+  // [M, N] of x's dtype — bitwise swiglu_forward of the two parts' outputs (each rounded to x's
+  // dtype first, as linear_forward rounds it). Where a backend can (a Hopper GPU, decode-sized M),
+  // one launch: a tile multiplies N/2 gate columns and the same N/2 up columns, and its epilogue
+  // writes silu(gate)·up, so the MLP's two outputs never leave the chip and no second kernel sits
+  // between the gate + up GEMM and the down projection.
+  TensorView swiglu;
 };
 void linear_forward(const Context&, const LinearForwardArgs&);
 void linear_group_forward(const Context&, const LinearGroupForwardArgs&);

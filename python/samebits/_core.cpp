@@ -879,7 +879,14 @@ PYBIND11_MODULE(_core, m) {
       detail::lm_head_vocab_chunk_override() = int(value);
       return before;
     }
-    throw Error("_set_tuning", name, "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk)");
+    if (name == "fused_swiglu") {
+      if (value < -1 || value > 1) throw Error("_set_tuning", name, "takes -1 (never), 0 (SAMEBITS_FUSED_SWIGLU) or 1");
+      const int64_t before = detail::fused_swiglu_override();
+      detail::fused_swiglu_override() = int(value);
+      return before;
+    }
+    throw Error("_set_tuning", name,
+                "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk, fused_swiglu)");
   }, py::arg("name"), py::arg("value"),
      "Test / benchmark hook: forces a kernel-shape choice that changes no bit (0: the library's own); returns the "
      "previous value.");

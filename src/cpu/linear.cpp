@@ -4,6 +4,7 @@
 // value, skipping masked rows (design rule 6).
 #include "cpu/common.hpp"
 #include "ops/registry.hpp"
+#include "samebits/host_tensor.hpp"
 #include "samebits/ops.hpp"
 
 namespace samebits::cpu {
@@ -35,8 +36,17 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
 }
 
 // The CPU runs a group's parts one after the other, each through this file's kernel (the
-// parentheses keep argument-dependent lookup from finding the public op).
+// parentheses keep argument-dependent lookup from finding the public op); a swiglu output is the
+// public swiglu_forward of the two parts' outputs, made in temporaries.
 void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
+  if (a.swiglu.present()) {
+    const int64_t M = a.x.shape[0], N = a.parts[0].weight.shape[0];
+    HostTensor gate(a.swiglu.dtype, {M, N}), up(a.swiglu.dtype, {M, N});
+    (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[0].weight, {}, gate.view()});
+    (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[1].weight, {}, up.view()});
+    swiglu_forward(ctx, {gate.view(), up.view(), a.swiglu});
+    return;
+  }
   for (int i = 0; i < a.count; ++i)
     (linear_forward)(ctx, LinearForwardArgs{a.x, a.parts[i].weight, a.parts[i].bias, a.parts[i].y});
 }

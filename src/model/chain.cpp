@@ -122,7 +122,7 @@ struct Chain::LayerStep {
 };
 
 Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const DeviceTensor& n1, const LayerStep& step,
-                                     ActivationTrace& out) const {
+                                     ActivationTrace& out, bool mlp_parts) const {
   const ModelConfig& c = model_.config();
   const int64_t T = x_in.shape()[0], H = c.hidden_size, I = c.intermediate_size, Hq = c.num_heads,
                 Hkv = c.num_kv_heads, D = c.head_dim;
@@ -227,6 +227,18 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
   DeviceTensor& n2 = act("n2", {T, H});
   DeviceTensor& rstd2 = acc("rstd2", {T});
   norm(o, &x_in, p + "post_attention_layernorm.weight", n2, &x_mid, rstd2);
+  if (!mlp_parts) {  // silu(gate)·up alone: bitwise swiglu_forward of the two (LinearGroupForwardArgs::swiglu)
+    DeviceTensor& m = act("swiglu", {T, I});
+    LinearGroupForwardArgs group;
+    group.x = n2.view();
+    group.weights_settled = true;
+    group.count = 2;
+    group.parts[0].weight = W(p + "mlp.gate_proj.weight");
+    group.parts[1].weight = W(p + "mlp.up_proj.weight");
+    group.swiglu = m.view();
+    linear_group_forward(ctx_, group);
+    return {&x_mid, &m};
+  }
   const auto gate_up = linears(n2, {{"gate", "mlp.gate_proj.weight", I}, {"up", "mlp.up_proj.weight", I}});
   DeviceTensor& m = act("swiglu", {T, I});
   swiglu_forward(ctx_, {gate_up[0]->view(), gate_up[1]->view(), m.view()});
@@ -302,7 +314,7 @@ ChainForward Chain::run(const ChainBatch& batch, KvCache* cache, std::vector<std
     // layer's input is made (the backward reruns the layer for them); else in the result's trace.
     ActivationTrace layer;
     ActivationTrace& into = keep == ForwardKeep::layer_inputs ? layer : f.trace;
-    const LayerOut made = layer_forward(l, *x_in, *n1, step, into);
+    const LayerOut made = layer_forward(l, *x_in, *n1, step, into, /*mlp_parts=*/keep != ForwardKeep::none);
     // The down projection and the next input norm stay out of layer_forward: a rerun layer needs
     // neither (its backward reads the kept next input, not `down`).
     DeviceTensor& d = record(into, layer_name(l, "down"), act_, {T, H});

@@ -41,6 +41,27 @@ void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
   auto v = begin_op<OpId::linear_group_forward>("linear_group_forward", ctx, a);
   if (a.count < 1 || a.count > 3) v.fail("count", "a group has 1 to 3 parts, got " + std::to_string(a.count));
   check_float_input(v, "x", a.x, 2);
+  if (a.swiglu.present()) {  // gate and up in, silu(gate)·up out: the parts have no y of their own
+    if (a.count != 2) v.fail("count", "a group with a swiglu output has two parts (gate, up), got " + std::to_string(a.count));
+    for (int i = 0; i < 2; ++i) {
+      const LinearPart& p = a.parts[i];
+      const std::string name = "parts[" + std::to_string(i) + "].";
+      if (p.y.present()) v.fail((name + "y").c_str(), "must be absent: with a swiglu output only silu(gate)·up goes out");
+      if (p.bias.present()) v.fail((name + "bias").c_str(), "must be absent with a swiglu output");
+      check_float_input(v, (name + "weight").c_str(), p.weight, 2);
+      v.same_dtype((name + "weight").c_str(), p.weight, "x", a.x);
+      v.dim((name + "weight").c_str(), p.weight, 1, a.x.shape[1], "K, x's columns");
+      v.no_alias("swiglu", a.swiglu, (name + "weight").c_str(), p.weight);
+    }
+    v.dim("parts[1].weight", a.parts[1].weight, 0, a.parts[0].weight.shape[0], "N, gate's rows");
+    v.required("swiglu", a.swiglu, 2);
+    v.same_dtype("swiglu", a.swiglu, "x", a.x);
+    v.dim("swiglu", a.swiglu, 0, a.x.shape[0], "M, x's rows");
+    v.dim("swiglu", a.swiglu, 1, a.parts[0].weight.shape[0], "N, gate's rows");
+    v.no_alias("swiglu", a.swiglu, "x", a.x);
+    run_kernel<OpId::linear_group_forward>("linear_group_forward", ctx, a);
+    return;
+  }
   for (int i = 0; i < a.count; ++i) {
     const LinearPart& p = a.parts[i];
     const std::string name = "parts[" + std::to_string(i) + "].";

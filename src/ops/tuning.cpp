@@ -22,6 +22,11 @@ int& programmatic_launch_override() {
   return value;
 }
 
+int& fused_swiglu_override() {
+  static int value = 0;
+  return value;
+}
+
 int& sampling_kernel_override() {
   static int value = 0;
   return value;

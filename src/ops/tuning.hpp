@@ -29,6 +29,12 @@ int& attention_persistent_ctas_override();
 // devices); 2, the cluster kernel wherever the device allows it, whatever the row count.
 int& sampling_kernel_override();
 
+// The gate + up GEMM with a SwiGLU output (LinearGroupForwardArgs::swiglu) on a Hopper GPU: 0, as
+// SAMEBITS_FUSED_SWIGLU says (off unless "1": not yet measured on a GPU); 1, the fused launch wherever
+// it takes the call; -1, never (the parts, then swiglu_forward). The same bits either way
+// (tests/cuda/test_gemm.cpp).
+int& fused_swiglu_override();
+
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.
 template <class T>

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "samebits/error.hpp"
+#include "samebits/host_tensor.hpp"
 #include "samebits/ops.hpp"
 
 using namespace samebits;
@@ -305,6 +306,46 @@ TEST(Validation, LinearGroupGivesEachPartsOwnCallAndNamesTheBadPart) {
   // And linear_forward's own output over its bias.
   LinearForwardArgs own{g.x, g.parts[1].weight, TensorView::of(shared.data(), DType::f32, {2}), view(shared, 5, 2)};
   expect_error([&] { linear_forward(Context{}, own); }, "linear_forward", "y", "must not overlap bias", &shared);
+}
+
+TEST(Validation, LinearGroupSwiGluOutputIsTheElementwiseOpsAndNamesBadArguments) {
+  // A group with a swiglu output: gate and up, silu(gate)·up out, bitwise linear_forward of each
+  // then swiglu_forward (fp32 and bf16); the parts have no y or bias of their own.
+  for (DType dt : {DType::f32, DType::bf16}) {
+    HostTensor x(dt, {5, 8}), wg(dt, {3, 8}), wu(dt, {3, 8}), y(dt, {5, 3}), gate(dt, {5, 3}), up(dt, {5, 3}),
+        want(dt, {5, 3});
+    for (int64_t i = 0; i < x.numel(); ++i) x.set(i, std::sin(double(i)));
+    for (int64_t i = 0; i < wg.numel(); ++i) wg.set(i, std::cos(double(i) * 0.7)), wu.set(i, std::cos(double(i) * 1.3));
+    LinearGroupForwardArgs g;
+    g.x = x.view();
+    g.count = 2;
+    g.parts[0].weight = wg.view();
+    g.parts[1].weight = wu.view();
+    g.swiglu = y.view();
+    linear_group_forward(Context{}, g);
+    linear_forward(Context{}, {x.view(), wg.view(), {}, gate.view()});
+    linear_forward(Context{}, {x.view(), wu.view(), {}, up.view()});
+    swiglu_forward(Context{}, {gate.view(), up.view(), want.view()});
+    EXPECT_EQ(std::memcmp(y.data(), want.data(), size_t(y.bytes())), 0) << dtype_name(dt);
+
+    auto bad = g;
+    bad.count = 3;
+    bad.parts[2].weight = wg.view();
+    expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "count", "two parts");
+    bad = g;
+    bad.parts[0].y = gate.view();
+    expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[0].y", "must be absent");
+    bad = g;
+    bad.parts[1].bias = TensorView::of(wu.data(), dt, {3});
+    expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[1].bias", "must be absent");
+    HostTensor w_narrow(dt, {2, 8}), y_wide(dt, {5, 4});
+    bad = g;
+    bad.parts[1].weight = w_narrow.view();
+    expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "parts[1].weight", "gate's rows");
+    bad = g;
+    bad.swiglu = y_wide.view();
+    expect_error([&] { linear_group_forward(Context{}, bad); }, "linear_group_forward", "swiglu", "gate's rows");
+  }
 }
 
 TEST(Validation, QkNormPairGivesEachPartsOwnCallAndNamesTheBadPart) {

@@ -183,6 +183,52 @@ TEST_F(CudaLinear, GroupedPartsGiveEachPartsOwnBits) {
     }
 }
 
+TEST_F(CudaLinear, SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot) {
+  // linear_group_forward with a swiglu output: on a Hopper GPU, for decode-sized M, one launch whose
+  // tiles pair gate's and up's columns and whose epilogue writes silu(gate)·up; elsewhere the parts,
+  // then swiglu_forward. Both must give the bits of two linear_forward calls and swiglu_forward:
+  // every tile width forced (32 / 48 / 64 / 192 / 256 and the launch's own choice), M across the
+  // thin ring (16) and the compact tiles (64) and past them (the unfused path), N not a multiple of
+  // any half tile, K a multiple of the wide stages and not, settled weights, bf16 and fp16.
+  struct Shape {
+    int64_t N, K;
+  };
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const Shape sh : {Shape{1000, 4096}, Shape{12288 / 8, 520}, Shape{200, 136}}) {
+      Rng r(uint64_t(sh.N * 7 + sh.K));
+      const int64_t max_m = 100;
+      const DeviceBuffer x(r.tensor(dt, {max_m, sh.K}, -2, 2));
+      const DeviceBuffer wg(r.tensor(dt, {sh.N, sh.K}, -1, 1)), wu(r.tensor(dt, {sh.N, sh.K}, -1, 1));
+      for (int64_t m : {1, 2, 7, 8, 15, 16, 17, 33, 64, 65, 100}) {
+        const DeviceBuffer gate(dt, {m, sh.N}), up(dt, {m, sh.N}), want(dt, {m, sh.N});
+        linear_forward(cuda_ctx(), {x.rows(0, m), wg.view(), {}, gate.view()});
+        linear_forward(cuda_ctx(), {x.rows(0, m), wu.view(), {}, up.view()});
+        swiglu_forward(cuda_ctx(), {gate.view(), up.view(), want.view()});
+        const HostTensor expected = want.host();
+        for (int fused : {1, -1})
+          for (int width : {0, 32, 48, 64, 192, 256})
+            for (bool settled : {false, true}) {
+              if (fused < 0 && width != 0) continue;
+              const detail::ScopedOverride<int> f(detail::fused_swiglu_override(), fused);
+              const detail::ScopedOverride<int> w(detail::gemm_tile_width_override(), width);
+              const DeviceBuffer y(r.tensor(dt, {m, sh.N}, -9, 9));  // stale content: every element written
+              LinearGroupForwardArgs g;
+              g.x = x.rows(0, m);
+              g.count = 2;
+              g.parts[0].weight = wg.view();
+              g.parts[1].weight = wu.view();
+              g.swiglu = y.view();
+              g.weights_settled = settled;
+              linear_group_forward(cuda_ctx(), g);
+              expect_same_bits(y.host(), expected,
+                               std::string(dtype_name(dt)) + " N=" + std::to_string(sh.N) + " K=" +
+                                   std::to_string(sh.K) + " M=" + std::to_string(m) + (fused > 0 ? " fused" : " parts") +
+                                   " width " + std::to_string(width) + (settled ? " settled" : ""));
+            }
+      }
+    }
+}
+
 TEST_F(CudaLinear, SettledWeightsLoadBeforeTheWaitAndChangeNoBit) {
   // weight_settled: the ring's first weight loads go before the programmatic wait, while the kernel
   // before may still run; x, which that kernel writes, only after it. On a stream of its own (the

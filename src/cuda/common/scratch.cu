@@ -49,6 +49,15 @@ cudaMemPool_t pool_of_current_device(const char* op) {
   if (dev < 0 || dev >= 64) throw Error(op, "device", "device ordinal above 63 is not supported");
   std::lock_guard<std::mutex> lock(mu);
   if (pools[dev] == nullptr) {
+    // Made in relaxed capture mode for this thread: the first call may come inside a capture
+    // (torch.cuda.graph's global mode refuses cudaMemPoolCreate otherwise; samebits' own captures
+    // make the pool before they begin: scratch_pool_ready).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    struct Restore {
+      cudaStreamCaptureMode& mode;
+      ~Restore() { cudaThreadExchangeStreamCaptureMode(&mode); }
+    } restore{mode};
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;

@@ -9,6 +9,7 @@
 // never how.
 #include <algorithm>
 
+#include "cuda/common/activation.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/vec8.cuh"
@@ -20,9 +21,6 @@ namespace samebits::cuda {
 namespace {
 
 constexpr int THREADS = 256;
-
-// sigmoid(g) = 1 / (1 + e^(−g)), e^x by the accurate expf (deterministic).
-__device__ __forceinline__ float sigmoid(float g) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g))); }
 
 // An op fetches a vector of every input (fetch: loads only) before it widens them, computes and
 // stores (finish), so all of a thread's loads are in flight at once.
@@ -38,7 +36,7 @@ struct SwiGluFwd {
     unpack8(gate.dt, r.g, g);
     unpack8(up.dt, r.u, u);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = __fmul_rn(__fmul_rn(g[e], sigmoid(g[e])), u[e]);
+    for (int e = 0; e < 8; ++e) out[e] = swiglu_value(g[e], u[e]);
     store8(y, i, n, out);
   }
 };

@@ -236,6 +236,37 @@ void gemm_sm90_forward_products(const T* x, const T* const* w, const T* const* b
 }
 
 template <class T>
+bool gemm_sm90_forward_swiglu(const T* x, const T* w_gate, const T* w_up, T* y, int64_t M, int64_t N, int64_t K,
+                              cudaStream_t stream, bool weights_settled) {
+  // Decode-sized calls only (compact tiles, the threads' stores: what the plain launch takes there);
+  // the width is the one the two products side by side would get, so the weights stream alike.
+  if (M > 64) return false;
+  const int64_t Ns[2] = {N, N};
+  const TileChoice choice = tile_choice(M, Columns{Ns, 2}, current_sm_count("linear (cuda)"), true);
+  if (!choice.compact) return false;
+  using Epi = sm90gemm::SwiGluEpilogue<T, T>;
+  typename Epi::Params ep{};
+  ep.out = y;
+  ep.store_by_tma = false;
+  const T* const bs[2] = {w_gate, w_up};
+  const typename Epi::Params eps[2] = {ep, ep};
+  auto run = [&](auto width) {
+    constexpr int BN = decltype(width)::value;
+    sm90gemm::launch_products<T, false, BN, true, Epi, 2>(x, bs, eps, Ns, 2, M, K, stream, "linear (cuda)",
+                                                          weights_settled);
+    return true;
+  };
+  switch (choice.width) {
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 48: return run(std::integral_constant<int, 48>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 192: return run(std::integral_constant<int, 192>{});
+    case 256: return run(std::integral_constant<int, 256>{});
+    default: return false;
+  }
+}
+
+template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
                           cudaStream_t stream) {
   // dx[M,K] = dy[M,N]·w[N,K]: the kernel's K is N (the reduction), its N is K (dx's columns).
@@ -265,6 +296,11 @@ template void gemm_sm90_forward_products<__nv_bfloat16>(const __nv_bfloat16*, co
                                                         int64_t, int64_t, cudaStream_t, bool);
 template void gemm_sm90_forward_products<__half>(const __half*, const __half* const*, const __half* const*,
                                                  void* const*, const int64_t*, int, int64_t, int64_t, cudaStream_t, bool);
+template bool gemm_sm90_forward_swiglu<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*,
+                                                       const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t, int64_t,
+                                                       cudaStream_t, bool);
+template bool gemm_sm90_forward_swiglu<__half>(const __half*, const __half*, const __half*, __half*, int64_t, int64_t,
+                                               int64_t, cudaStream_t, bool);
 template void gemm_sm90_input_grad<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, void*, DType, int64_t,
                                                   int64_t, int64_t, cudaStream_t);
 template void gemm_sm90_input_grad<__half>(const __half*, const __half*, void*, DType, int64_t, int64_t, int64_t,

@@ -4,10 +4,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "cuda/common/convert.cuh"
 #include "cuda/common/runtime.cuh"
+#include "cuda/common/scratch.cuh"
 #include "cuda/linear/gemm.cuh"
 #include "ops/registry.hpp"
+#include "ops/tuning.hpp"
 #include "samebits/ops.hpp"
 #include "samebits/validate.hpp"
 
@@ -55,9 +60,47 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
 // K sequence is the tile's, whatever its width or neighbours). What the CUDA kernels require of a
 // part is checked for every part first, under the part's name, so that no part is written when
 // another is refused.
+// A group with a SwiGLU output: one launch where the Hopper kernel takes it (fused_swiglu_override,
+// SAMEBITS_FUSED_SWIGLU), else the two parts into stream-ordered temporaries, then swiglu_forward.
+void linear_swiglu_forward(const Context& ctx, const LinearGroupForwardArgs& a, const Validator& v) {
+  const int64_t M = a.x.shape[0], N = a.parts[0].weight.shape[0], K = a.x.shape[1];
+  const bool hopper = sm90_path_available() && K % 8 == 0;
+  if (hopper) {
+    require_tma_alignment(v, "x", a.x);
+    require_tma_alignment(v, "parts[0].weight", a.parts[0].weight);
+    require_tma_alignment(v, "parts[1].weight", a.parts[1].weight);
+  }
+  static const bool env_on = [] {
+    const char* e = std::getenv("SAMEBITS_FUSED_SWIGLU");
+    return e && std::string(e) == "1";
+  }();
+  const int forced = detail::fused_swiglu_override();
+  const bool fused = hopper && (forced != 0 ? forced > 0 : env_on);
+  const cudaStream_t stream = stream_of(ctx.stream);
+  if (fused) {
+    bool ran = false;
+    with_16bit_storage(a.x.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      ran = gemm_sm90_forward_swiglu<T>(a.x.as<const T>(), a.parts[0].weight.as<const T>(),
+                                         a.parts[1].weight.as<const T>(), a.swiglu.as<T>(), M, N, K, stream,
+                                         a.weights_settled);
+    });
+    if (ran) return;
+  }
+  const size_t bytes = size_t(M * N) * dtype_size(a.x.dtype);
+  const ScratchBuffer gate(bytes, stream, "linear_group_forward"), up(bytes, stream, "linear_group_forward");
+  LinearGroupForwardArgs parts = a;
+  parts.swiglu = {};
+  parts.parts[0].y = TensorView::of(gate.as<void>(), a.x.dtype, {M, N}, Device::cuda);
+  parts.parts[1].y = TensorView::of(up.as<void>(), a.x.dtype, {M, N}, Device::cuda);
+  (linear_group_forward)(ctx, parts);
+  swiglu_forward(ctx, {parts.parts[0].y, parts.parts[1].y, a.swiglu});
+}
+
 void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
   Validator v("linear_group_forward", ctx);
   require_16bit(v, "x", a.x);
+  if (a.swiglu.present()) return linear_swiglu_forward(ctx, a, v);
   const bool hopper = sm90_path_available() && a.x.shape[1] % 8 == 0;
   if (hopper) require_tma_alignment(v, "x", a.x);
   bool one_launch = hopper && a.count > 1;

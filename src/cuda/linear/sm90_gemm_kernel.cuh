@@ -90,6 +90,16 @@ struct Tile {
   static_assert(SMEM_BYTES <= SMEM_LIMIT, "shared memory of one Hopper CTA");
 };
 
+// An epilogue that declares `static constexpr bool kPairedHalves = true` takes tiles that pair two
+// products (count 2, the same N): a tile's first BN/2 columns are product 0's columns n0 … n0 + BN/2 − 1
+// and its other BN/2 the same columns of product 1 (gate and up: the SwiGLU epilogue then writes
+// silu(gate)·up, BN/2 columns). Each element's K sequence is the plain tile's: a wgmma column never
+// sees another column, so a column's bits do not depend on which tile or half holds it.
+template <class Epi, class = void>
+struct PairedHalves : std::false_type {};
+template <class Epi>
+struct PairedHalves<Epi, std::void_t<decltype(Epi::kPairedHalves)>> : std::bool_constant<Epi::kPairedHalves> {};
+
 // The products one launch computes: C_g = A·B_g for g < count (at most G), every one with A's rows
 // and K, its own B, N and epilogue parameters (a layer's Q, K and V, or gate and up, all reading
 // the same x). Their column tiles lie side by side, group 0's first, so one grid covers them all;
@@ -117,6 +127,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int A_TILE = Ring::A_TILE, B_TILE = Ring::B_TILE, NREG = BN / 2, STAGES = Ring::STAGES;
   constexpr int A_BOX = Ring::A_BOX, B_BOX = Ring::B_BOX;
   static_assert(!TRANS_B || KB == 1, "the dX path loads and multiplies one k-box a stage");
+  constexpr bool PAIRED = PairedHalves<Epi>::value;
+  constexpr int TILE_COLS = PAIRED ? BN / 2 : BN;  // a product's columns a tile covers
+  static_assert(!PAIRED || (!TRANS_B && G == 2 && TILE_COLS % 8 == 0), "paired halves: forward, two products");
   T* sb = sa + STAGES * A_TILE;
   uint8_t* staging = base + Ring::RING_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Ring::STAGING_BYTES);
@@ -143,7 +156,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int i = 1; i < G; ++i)
       if (i < prod.count && column_tile >= prod.first_tile[i]) p = i;
-    n0 = (column_tile - prod.first_tile[p]) * BN;
+    n0 = (column_tile - prod.first_tile[p]) * TILE_COLS;
   };
   // Stages a tile: K's boxes of BK, KB a stage (the launch takes KB > 1 only where KB divides them).
   const int kt_count = int((K + BK - 1) / BK) / KB;
@@ -158,6 +171,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (TRANS_B) {  // BN / 64 boxes of 64 columns of w rows [kt*BK, +BK) (one of 32 for BN = 32)
       for (int i = 0; i < (BN + 63) / 64; ++i)
         tma_load_2d(sb + s * B_TILE + i * 64 * BK, map_b, int32_t(n0 + 64 * i), kt * BK, &full[s]);
+    } else if constexpr (PAIRED) {  // each k-box: product 0's BN/2 rows of w, then product 1's same rows
+      for (int b = 0; b < KB; ++b) {
+        tma_load_2d(sb + s * B_TILE + b * B_BOX, &prod.map_b[0], (kt * KB + b) * BK, int32_t(n0), &full[s]);
+        tma_load_2d(sb + s * B_TILE + b * B_BOX + TILE_COLS * BK, &prod.map_b[1], (kt * KB + b) * BK, int32_t(n0),
+                    &full[s]);
+      }
     } else {
       for (int b = 0; b < KB; ++b)
         tma_load_2d(sb + s * B_TILE + b * B_BOX, map_b, (kt * KB + b) * BK, int32_t(n0), &full[s]);
@@ -276,15 +295,20 @@ void launch_products_kb(const T* a, const T* const (&b)[G], const typename Epi::
   const CUtensorMap ma = tma_map_2d(a, M, K, a_rows, streaming);
   Products<Epi, G> prod{};
   prod.count = count;
+  // Paired halves (PairedHalves): the two products' maps box BN/2 rows, and the tiles are product
+  // 0's columns in steps of BN/2 (every tile index below first_tile[1]: the kernel's product 0).
+  constexpr bool paired = PairedHalves<Epi>::value;
+  if (paired && (count != 2 || N[0] != N[count - 1]))
+    throw Error(op, "products", "paired halves take two products of one width (cannot happen)");
   static const bool early_weights = env_switch("SAMEBITS_EARLY_WEIGHTS");
   prod.b_settled = b_settled && early_weights ? 1 : 0;
   prod.first_tile[0] = 0;
   for (int g = 0; g < count; ++g) {
     prod.map_b[g] = TRANS_B ? tma_map_2d(b[g], K, N[g], BK, streaming, BN == 32 ? 64 : 128)
-                            : tma_map_2d(b[g], N[g], K, BN, streaming);
+                            : tma_map_2d(b[g], N[g], K, paired ? BN / 2 : BN, streaming);
     prod.ep[g] = ep[g];
     prod.N[g] = N[g];
-    prod.first_tile[g + 1] = prod.first_tile[g] + (N[g] + BN - 1) / BN;
+    prod.first_tile[g + 1] = paired ? (N[0] + BN / 2 - 1) / (BN / 2) : prod.first_tile[g] + (N[g] + BN - 1) / BN;
   }
   static std::atomic<int> smem_allowed[64] = {};
   allow_dynamic_smem(gemm_sm90<T, TRANS_B, BN, COMPACT, Epi, G, KB, AR>, Ring::SMEM_BYTES, smem_allowed, op);

@@ -4,6 +4,7 @@
 // else through a padded staging area and the threads' own 16-byte stores. The fused LM head's
 // backward reuses it to write dlogits.
 #pragma once
+#include "cuda/common/activation.cuh"
 #include "cuda/linear/sm90_gemm_kernel.cuh"
 
 namespace samebits::cuda::sm90gemm {
@@ -178,6 +179,46 @@ struct StoreEpilogue {
   __device__ __forceinline__ static void finish(const Params& p, int t, State&) {
     if (p.store_by_tma && t == 0) tma_store_wait_all();  // the copy engine is done with this CTA's boxes
   }
+};
+
+// The gate + up GEMM's SwiGLU epilogue (paired halves, sm90_gemm_kernel.cuh: a tile's first BN/2
+// columns are gate's, its other BN/2 the same columns of up). Each gate and up value is rounded to
+// O as the plain epilogue stores it, then silu(gate)·up is computed by the elementwise op's own
+// expression (cuda/common/activation.cuh) and stored as BN/2 columns: swiglu_forward's bits of the
+// two stored outputs, which never leave the chip. The threads' stores only (a BN/2-wide tile may be
+// narrower than a TMA store box); the launch uses it for decode-sized M, where the plain GEMM does
+// too.
+template <class T, class O>
+struct SwiGluEpilogue {
+  static constexpr bool kPairedHalves = true;
+  using Store = StoreEpilogue<T, O, false>;
+  using Params = typename Store::Params;
+  using State = typename Store::State;
+  struct AsComputed {
+    __device__ __forceinline__ float operator()(float v, int, int) const { return v; }
+  };
+  template <int BN>
+  __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
+                                                    int64_t, int, State&) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+  }
+  template <int BN, int BOXES>
+  __device__ __forceinline__ static void end_tile(const Params& p, float (&d)[BN / 2], uint8_t* staging,
+                                                  int64_t row_base, int64_t n0, int64_t M, int64_t N, int t, int c,
+                                                  State& s) {
+    constexpr int HALF = BN / 2, GROUPS = HALF / 8;  // 8-column groups of a half: up's group j is d's j + GROUPS
+    float m[HALF / 2];
+#pragma unroll
+    for (int j = 0; j < GROUPS; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float g = float(convert<O>(d[j * 4 + i])), u = float(convert<O>(d[(j + GROUPS) * 4 + i]));
+        m[j * 4 + i] = swiglu_value(g, u);
+      }
+    Store::template store<HALF, BOXES>(p, m, AsComputed{}, staging, row_base, n0, M, N, t, c, s);
+  }
+  __device__ __forceinline__ static void finish(const Params& p, int t, State& s) { Store::finish(p, t, s); }
 };
 
 }  // namespace samebits::cuda::sm90gemm
