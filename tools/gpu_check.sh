@@ -84,7 +84,7 @@ lane_model() {  # the torch suite, then verify and the bits
 
 # Each kernel family's small tests, the chain (every family in one forward, backward and decode), and
 # the engine's decode steps replayed from CUDA graphs.
-families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
+families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
 families+=':CudaLinear.BadInputIsAClearErrorOrACorrectSlowerPath:CudaAttention.PagedCacheGivesTheSameBits'
 families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecodeEqualsPrefillAcrossSpans'
 families+=':CudaLogprob.NonFiniteLogitsPoisonOnlyTheirRow:CudaLmHead.RecomputedStatisticsGiveTheSavedOnesBits'

@@ -27,6 +27,11 @@ int& fused_swiglu_override() {
   return value;
 }
 
+long long& fused_swiglu_launches() {
+  static long long count = 0;
+  return count;
+}
+
 int& sampling_kernel_override() {
   static int value = 0;
   return value;

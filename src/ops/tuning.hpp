@@ -32,8 +32,10 @@ int& sampling_kernel_override();
 // The gate + up GEMM with a SwiGLU output (LinearGroupForwardArgs::swiglu) on a Hopper GPU: 0, as
 // SAMEBITS_FUSED_SWIGLU says (off unless "1": not yet measured on a GPU); 1, the fused launch wherever
 // it takes the call; -1, never (the parts, then swiglu_forward). The same bits either way
-// (tests/cuda/test_gemm.cpp).
+// (tests/cuda/test_linear.cpp).
 int& fused_swiglu_override();
+// Fused gate + up + SwiGLU launches so far (tests: proof that the fused kernel ran, not the parts).
+long long& fused_swiglu_launches();
 
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.

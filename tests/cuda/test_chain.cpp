@@ -9,6 +9,7 @@
 #include <iostream>
 #include <map>
 
+#include "core/captured_graph.hpp"
 #include "ops/tuning.hpp"
 #include "samebits/chain.hpp"
 #include "samebits/device.hpp"
@@ -170,6 +171,26 @@ TEST_F(CudaChain, ScoringKeepsNoActivationsAndGivesTheForwardsBits) {
       << per_layer << " B)";
   EXPECT_LT(3 * score_peak[1], full_peak[1]) << "scoring peak " << score_peak[1] << " B against the kept forward's "
                                              << full_peak[1];
+}
+
+TEST_F(CudaChain, FusedSwiGluScoringGivesTheKeptForwardsBits) {
+  // A chain that keeps no layer (Chain::score, every engine step) runs gate + up with a SwiGLU output:
+  // with the fused launch forced on, its logprob and entropy bits are the kept forward's (gate, up,
+  // then swiglu_forward), and on a Hopper GPU the fused kernel ran once a layer (M <= 64: 3 short
+  // sequences, 17 rows).
+  const ChainBatch b = ChainBatch::packed({{5, 17, 300, 2}, {9, 9, 9, 9, 9, 1200}, {7, 1, 2, 3, 4, 5, 6}});
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  const Model m = Model::random(Model::builtin(false).config(), 91);
+  const Chain chain(m, ctx);
+  const ChainForward full = chain.forward(b);
+  const detail::ScopedOverride<int> fused(detail::fused_swiglu_override(), 1);
+  const long long launches = detail::fused_swiglu_launches();
+  const ChainForward scored = chain.score(b);
+  EXPECT_EQ(std::memcmp(scored.logp.data(), full.logp.data(), full.logp.size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(scored.entropy.data(), full.entropy.data(), full.entropy.size() * sizeof(double)), 0);
+  if (captured_graphs_available(Backend::cuda))  // the sm_90a path
+    EXPECT_EQ(detail::fused_swiglu_launches() - launches, m.config().num_layers);
 }
 
 TEST_F(CudaChain, RecomputingEachLayerGivesTheKeptForwardsBitsInLessMemory) {

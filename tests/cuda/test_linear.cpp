@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/captured_graph.hpp"
 #include "ops/tuning.hpp"
 #include "samebits/device.hpp"
 #include "samebits/error.hpp"
@@ -188,13 +189,14 @@ TEST_F(CudaLinear, SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot) {
   // tiles pair gate's and up's columns and whose epilogue writes silu(gate)·up; elsewhere the parts,
   // then swiglu_forward. Both must give the bits of two linear_forward calls and swiglu_forward:
   // every tile width forced (32 / 48 / 64 / 192 / 256 and the launch's own choice), M across the
-  // thin ring (16) and the compact tiles (64) and past them (the unfused path), N not a multiple of
-  // any half tile, K a multiple of the wide stages and not, settled weights, bf16 and fp16.
+  // thin ring (16) and the compact tiles (64) and past them (the unfused path), N a multiple of every
+  // half tile (1536) and not (1000; 1004 and 200: rows not 16-byte aligned, the stores' scalar tail),
+  // K a multiple of the wide stages and not, settled weights, bf16 and fp16.
   struct Shape {
     int64_t N, K;
   };
   for (DType dt : {DType::bf16, DType::f16})
-    for (const Shape sh : {Shape{1000, 4096}, Shape{12288 / 8, 520}, Shape{200, 136}}) {
+    for (const Shape sh : {Shape{1000, 4096}, Shape{12288 / 8, 520}, Shape{1004, 136}, Shape{200, 136}}) {
       Rng r(uint64_t(sh.N * 7 + sh.K));
       const int64_t max_m = 100;
       const DeviceBuffer x(r.tensor(dt, {max_m, sh.K}, -2, 2));
@@ -212,6 +214,7 @@ TEST_F(CudaLinear, SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot) {
               const detail::ScopedOverride<int> f(detail::fused_swiglu_override(), fused);
               const detail::ScopedOverride<int> w(detail::gemm_tile_width_override(), width);
               const DeviceBuffer y(r.tensor(dt, {m, sh.N}, -9, 9));  // stale content: every element written
+              const long long launches = detail::fused_swiglu_launches();
               LinearGroupForwardArgs g;
               g.x = x.rows(0, m);
               g.count = 2;
@@ -220,6 +223,11 @@ TEST_F(CudaLinear, SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot) {
               g.swiglu = y.view();
               g.weights_settled = settled;
               linear_group_forward(cuda_ctx(), g);
+              // The fused kernel ran where it takes the call (a Hopper GPU, M <= 64, a compact width:
+              // every forced one but the parts' path), so the bits below are its own.
+              const bool hopper = captured_graphs_available(Backend::cuda);  // the sm_90a path
+              EXPECT_EQ(detail::fused_swiglu_launches() - launches, fused > 0 && hopper && m <= 64 ? 1 : 0)
+                  << "M=" << m << " width " << width;
               expect_same_bits(y.host(), expected,
                                std::string(dtype_name(dt)) + " N=" + std::to_string(sh.N) + " K=" +
                                    std::to_string(sh.K) + " M=" + std::to_string(m) + (fused > 0 ? " fused" : " parts") +

@@ -37,13 +37,13 @@ template <class T>
 void gemm_sm90_forward_products(const T* x, const T* const* w, const T* const* bias, void* const* out,
                                 const int64_t* N, int count, int64_t M, int64_t K, cudaStream_t stream,
                                 bool weights_settled = false);
-// dx[M,K] = dy[M,N]·w[N,K] on the Hopper path (N and K multiples of 8).
 // silu(x·w_gateᵀ)·(x·w_upᵀ) into y [M, N], each product rounded to T before the SwiGLU: bitwise the
 // two forwards then swiglu_forward. One launch (tiles pairing gate's and up's columns); false where
 // it does not take the call (M > 64, a tile width it has no instance of): the caller runs the parts.
 template <class T>
 bool gemm_sm90_forward_swiglu(const T* x, const T* w_gate, const T* w_up, T* y, int64_t M, int64_t N, int64_t K,
                               cudaStream_t stream, bool weights_settled);
+// dx[M,K] = dy[M,N]·w[N,K] on the Hopper path (N and K multiples of 8).
 template <class T>
 void gemm_sm90_input_grad(const T* dy, const T* w, void* dx, DType out_dtype, int64_t M, int64_t N, int64_t K,
                           cudaStream_t stream);

@@ -60,6 +60,8 @@ void linear_forward(const Context& ctx, const LinearForwardArgs& a) {
 // K sequence is the tile's, whatever its width or neighbours). What the CUDA kernels require of a
 // part is checked for every part first, under the part's name, so that no part is written when
 // another is refused.
+void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a);  // this file's, below
+
 // A group with a SwiGLU output: one launch where the Hopper kernel takes it (fused_swiglu_override,
 // SAMEBITS_FUSED_SWIGLU), else the two parts into stream-ordered temporaries, then swiglu_forward.
 void linear_swiglu_forward(const Context& ctx, const LinearGroupForwardArgs& a, const Validator& v) {
@@ -85,7 +87,10 @@ void linear_swiglu_forward(const Context& ctx, const LinearGroupForwardArgs& a, 
                                          a.parts[1].weight.as<const T>(), a.swiglu.as<T>(), M, N, K, stream,
                                          a.weights_settled);
     });
-    if (ran) return;
+    if (ran) {
+      ++detail::fused_swiglu_launches();
+      return;
+    }
   }
   const size_t bytes = size_t(M * N) * dtype_size(a.x.dtype);
   const ScratchBuffer gate(bytes, stream, "linear_group_forward"), up(bytes, stream, "linear_group_forward");
