@@ -197,11 +197,10 @@ struct SwiGluEpilogue {
   struct AsComputed {
     __device__ __forceinline__ float operator()(float v, int, int) const { return v; }
   };
-  template <int BN>
-  __device__ __forceinline__ static void begin_tile(const Params&, float (&d)[BN / 2], int64_t, int64_t, int64_t,
-                                                    int64_t, int, State&) {
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+  template <int BN>  // zeros, as the plain GEMM's
+  __device__ __forceinline__ static void begin_tile(const Params& p, float (&d)[BN / 2], int64_t row_base, int64_t n0,
+                                                    int64_t M, int64_t N, int t, State& s) {
+    Store::template begin_tile<BN>(p, d, row_base, n0, M, N, t, s);
   }
   template <int BN, int BOXES>
   __device__ __forceinline__ static void end_tile(const Params& p, float (&d)[BN / 2], uint8_t* staging,
