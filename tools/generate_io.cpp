@@ -2,6 +2,7 @@
 
 #include "tools/jsonl.hpp"
 
+#include <iostream>
 #include <map>
 
 #include <fmt/format.h>
@@ -87,7 +88,12 @@ int64_t write_generations(const Model& model, const EngineOptions& options, cons
     else prompt_of[engine.submit(prompts[i].request)] = int64_t(i);
   }
   std::map<int64_t, std::vector<Completion>> by_prompt;
-  for (Completion& c : engine.run()) {
+  std::vector<Completion> done = engine.run();
+  if (!engine.graphs_off_reason().empty())  // the output is right; the speed is an eager run's
+    std::cerr << "samebits generate: decode steps ran eagerly (the same tokens and logprobs, slower): a CUDA graph "
+                 "capture failed: "
+              << engine.graphs_off_reason() << "\n";
+  for (Completion& c : done) {
     const int64_t i = prompt_of.at(c.request);
     if (c.finish_reason == "error") failed[i] = fmt::format("line {}: {}", prompts[size_t(i)].line, c.error);
     else by_prompt[i].push_back(std::move(c));
