@@ -7,13 +7,18 @@ namespace samebits {
 using namespace detail;
 
 namespace {
+// The checks of a weight w [N, K] against x [M, K].
+void check_weight(const Validator& v, const TensorView& x, const TensorView& weight, const std::string& w_name) {
+  check_float_input(v, w_name.c_str(), weight, 2);
+  v.same_dtype(w_name.c_str(), weight, "x", x);
+  v.dim(w_name.c_str(), weight, 1, x.shape[1], "K, x's columns");
+}
+
 // The checks of one y = x·wᵀ (+ bias); `part` prefixes the argument names of a group's part.
 void check_linear_forward(const Validator& v, const TensorView& x, const TensorView& weight, const TensorView& bias,
                           const TensorView& y, const std::string& part = "") {
   const std::string w_name = part + "weight", b_name = part + "bias", y_name = part + "y";
-  check_float_input(v, w_name.c_str(), weight, 2);
-  v.same_dtype(w_name.c_str(), weight, "x", x);
-  v.dim(w_name.c_str(), weight, 1, x.shape[1], "K, x's columns");
+  check_weight(v, x, weight, w_name);
   v.optional(b_name.c_str(), bias, 1);
   if (bias.present()) {
     v.floating(b_name.c_str(), bias);
@@ -48,9 +53,7 @@ void linear_group_forward(const Context& ctx, const LinearGroupForwardArgs& a) {
       const std::string name = "parts[" + std::to_string(i) + "].";
       if (p.y.present()) v.fail((name + "y").c_str(), "must be absent: with a swiglu output only silu(gate)·up goes out");
       if (p.bias.present()) v.fail((name + "bias").c_str(), "must be absent with a swiglu output");
-      check_float_input(v, (name + "weight").c_str(), p.weight, 2);
-      v.same_dtype((name + "weight").c_str(), p.weight, "x", a.x);
-      v.dim((name + "weight").c_str(), p.weight, 1, a.x.shape[1], "K, x's columns");
+      check_weight(v, a.x, p.weight, name + "weight");
       v.no_alias("swiglu", a.swiglu, (name + "weight").c_str(), p.weight);
     }
     v.dim("parts[1].weight", a.parts[1].weight, 0, a.parts[0].weight.shape[0], "N, gate's rows");
