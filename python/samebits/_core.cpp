@@ -903,8 +903,15 @@ PYBIND11_MODULE(_core, m) {
       detail::fused_swiglu_override() = int(value);
       return before;
     }
+    if (name == "narrow_decode") {
+      if (value < -1 || value > 1) throw Error("_set_tuning", name, "takes -1 (never), 0 (SAMEBITS_NARROW_DECODE) or 1");
+      const int64_t before = detail::narrow_decode_override();
+      detail::narrow_decode_override() = int(value);
+      return before;
+    }
     throw Error("_set_tuning", name,
-                "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk, fused_swiglu)");
+                "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk, fused_swiglu, "
+                "narrow_decode)");
   }, py::arg("name"), py::arg("value"),
      "Test / benchmark hook: forces a kernel-shape choice that changes no bit (0: the library's own); returns the "
      "previous value.");

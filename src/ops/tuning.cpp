@@ -32,6 +32,16 @@ long long& fused_swiglu_launches() {
   return count;
 }
 
+int& narrow_decode_override() {
+  static int value = 0;
+  return value;
+}
+
+long long& narrow_decode_launches() {
+  static long long count = 0;
+  return count;
+}
+
 int& sampling_kernel_override() {
   static int value = 0;
   return value;

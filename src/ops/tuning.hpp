@@ -37,6 +37,14 @@ int& fused_swiglu_override();
 // Fused gate + up + SwiGLU launches so far (tests: proof that the fused kernel ran, not the parts).
 long long& fused_swiglu_launches();
 
+// The decode attention's 16-row kernel (mma.sync; cuda/attention/attention_forward_sm90.cu) for calls
+// whose items are all one span of at most 16 rows: 0, as SAMEBITS_NARROW_DECODE says (off unless "1":
+// not yet measured on a GPU); 1, wherever it takes the call; -1, never (the 64-row wgmma kernel). The
+// same bits either way (tests/cuda/test_attention.cpp).
+int& narrow_decode_override();
+// Launches of the 16-row kernel so far (tests: proof that it ran).
+long long& narrow_decode_launches();
+
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.
 template <class T>

@@ -203,6 +203,88 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
   }
 }
 
+// The decode kernel's 16-row consumer (mma.sync instead of 64-row wgmma tiles; forced on here by the
+// test hook, off by default until timed) gives the prefill's bits: decode one by one and batched
+// across span boundaries, chunks of up to 16 rows, ~hundreds of items over the SMs, 5 CTAs and 1
+// (the persistent ring and Q buffers wrapping), paged caches with NaN in the unused pages; GQA
+// groups of 4 and 16 packed into the rows, 8 with two tokens an item, 3 (not packable: a query head
+// an item) and 1; bf16 and f16, D 128 and 64. The launch counter proves the narrow kernel ran.
+TEST_F(CudaAttention, NarrowDecodeGivesThePrefillsBits) {
+  struct Case {
+    Shape s;
+    int32_t chunk;  // tokens of the chunked calls (rows = chunk · G ≤ 16 where the group packs)
+  };
+  for (const Case& c : {Case{{DType::bf16, 8, 2, 128, 2600}, 4}, Case{{DType::f16, 6, 2, 64, 1300}, 16},
+                        Case{{DType::bf16, 32, 2, 128, 1100}, 1}, Case{{DType::bf16, 16, 2, 128, 1100}, 2},
+                        Case{{DType::f16, 4, 4, 64, 1100}, 16}}) {
+    const Shape& s = c.s;
+    const std::string what = describe(s);
+    Rng r(97 + s.d + s.hq);
+    const int32_t L = int32_t(s.len);
+    const auto [q, k, v, g] = random_inputs(s, r);
+    const Fwd whole = run_gpu(q, k, v, {{0, L, 0, L}});
+    const detail::ScopedOverride<int> narrow(detail::narrow_decode_override(), 1);
+    const long long launches = detail::narrow_decode_launches();
+    std::vector<int32_t> steps = {0, 1, 127, 128, 1023, 1024, 1025, L - 1};
+    for (const int32_t t : steps) {
+      const Fwd one = run_gpu(q.slice_rows(t, t + 1), k, v, {{0, 1, 0, t + 1}});
+      expect_same_bits(one.out, whole.out.slice_rows(t, t + 1), what + ": decode at " + std::to_string(t));
+      expect_same_bits(one.lse, whole.lse.slice_rows(t, t + 1), what + ": decode lse at " + std::to_string(t));
+    }
+    // Every case's five steps before 1024 are single-span calls (the unpackable group's later ones are
+    // not: a query head an item over all spans, the general kernel).
+    EXPECT_GE(detail::narrow_decode_launches() - launches, 5) << what << ": the narrow kernel did not run";
+    for (int32_t c0 : {1020, 2040 % L}) {  // chunks across a span boundary and inside one
+      const int32_t n = c.chunk;
+      const Fwd part = run_gpu(q.slice_rows(c0, c0 + n), k, v, {{0, n, 0, c0 + n}});
+      expect_same_bits(part.out, whole.out.slice_rows(c0, c0 + n), what + ": chunk of " + std::to_string(n) + " at " + std::to_string(c0));
+      expect_same_bits(part.lse, whole.lse.slice_rows(c0, c0 + n), what + ": chunk lse at " + std::to_string(c0));
+    }
+    // The steps 12 times over in one call: over the SMs, 5 CTAs and 1.
+    const size_t n = 12 * steps.size();
+    HostTensor qm(s.dt, {int64_t(n), s.hq, s.d});
+    std::vector<SeqRow> many;
+    for (size_t i = 0; i < n; ++i) {
+      qm.copy_rows_from(q, steps[i % steps.size()], int64_t(i), 1);
+      many.push_back({int32_t(i), 1, 0, steps[i % steps.size()] + 1});
+    }
+    for (int ctas : {0, 5, 1}) {
+      const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
+      const Fwd wide = run_gpu(qm, k, v, many);
+      for (size_t i = 0; i < n; ++i) {
+        const int32_t t = steps[i % steps.size()];
+        expect_same_bits(wide.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(t, t + 1),
+                         what + ": decode among " + std::to_string(n) + " at " + std::to_string(t) + ", CTAs " + std::to_string(ctas));
+      }
+    }
+    // Paged: the sequence's pages shuffled over a pool whose other pages hold NaN.
+    for (int32_t ps : {16, 64}) {
+      const int32_t pages = (L + ps - 1) / ps, pool = (pages + 3) % 5 == 0 ? pages + 4 : pages + 3;  // 5 i + 2 a bijection
+      HostTensor pk(s.dt, {int64_t(pool) * ps, s.hkv, s.d}), pv(s.dt, {int64_t(pool) * ps, s.hkv, s.d});
+      for (int64_t i = 0; i < pk.numel(); ++i) pk.set(i, NAN), pv.set(i, NAN);
+      HostTensor table(DType::i32, {int64_t(steps.size()), pages});
+      for (int32_t i = 0; i < pages; ++i) {
+        const int32_t at = (5 * i + 2) % pool, rows = std::min(ps, L - i * ps);
+        pk.copy_rows_from(k, int64_t(i) * ps, int64_t(at) * ps, rows);
+        pv.copy_rows_from(v, int64_t(i) * ps, int64_t(at) * ps, rows);
+        for (size_t b = 0; b < steps.size(); ++b) table.set(int64_t(b) * pages + i, at);
+      }
+      HostTensor qb(s.dt, {int64_t(steps.size()), s.hq, s.d});
+      std::vector<SeqRow> batch;
+      for (size_t i = 0; i < steps.size(); ++i) {
+        qb.copy_rows_from(q, steps[i], int64_t(i), 1);
+        batch.push_back({int32_t(i), 1, 0, steps[i] + 1});
+      }
+      const Fwd paged = run_gpu(qb, pk, pv, batch, &table, ps);
+      for (size_t i = 0; i < steps.size(); ++i) {
+        const std::string at = what + ", page size " + std::to_string(ps) + ": decode at " + std::to_string(steps[i]);
+        expect_same_bits(paged.out.slice_rows(int64_t(i), int64_t(i) + 1), whole.out.slice_rows(steps[i], steps[i] + 1), at);
+        expect_same_bits(paged.lse.slice_rows(int64_t(i), int64_t(i) + 1), whole.lse.slice_rows(steps[i], steps[i] + 1), at + " (lse)");
+      }
+    }
+  }
+}
+
 // Cache rows past a sequence's keys may hold anything, NaN included (an unwritten slot): the result
 // is the same as with finite values there.
 TEST_F(CudaAttention, CacheRowsPastTheKeysNeverReachTheResult) {

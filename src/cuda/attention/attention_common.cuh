@@ -66,6 +66,13 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* 
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
 }
 
+// The same for two 8×8 matrices (lanes 0–15 give the addresses; 16–31's are not read but must be valid).
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+
 // 2^x by the hardware's ex2 (flush-to-zero; ex2(−inf) = 0): the exponentials of the softmax are
 // 2^(s·c − m·c) with c = scale·log2(e), one FFMA and one ex2 a score.
 __device__ __forceinline__ float exp2_ftz(float x) {

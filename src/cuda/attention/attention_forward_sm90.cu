@@ -122,7 +122,19 @@ static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 // that frees as a deeper ring (3 stages of K / V at D = 128, 4 where a CTA reads one V box), so a CTA
 // walking a span's blocks has more of them in flight. V stages hold only the 64-column boxes of the
 // CTA's O columns.
-template <int D, int PARTS, bool SINGLE>
+// The narrow consumer's exchange area (NARROW, below): the block's P (T, rows padded so that
+// ldmatrix's eight rows fall in distinct banks), each (row, quad lane)'s pair sums of the block's 16
+// column tiles, and each warp's row maxima.
+constexpr int NARROW_ROWS = 16;
+struct NarrowSmem {
+  static constexpr int P_STRIDE = BN * 2 + 16;  // bytes a P row
+  static constexpr int P_BYTES = NARROW_ROWS * P_STRIDE;
+  static constexpr int X_FLOATS = NARROW_ROWS * 4 * (BN / 8);  // [row][quad lane][column tile]
+  static constexpr int MAX_FLOATS = 4 * NARROW_ROWS;            // [warp][row]
+  static constexpr int BYTES = P_BYTES + (X_FLOATS + MAX_FLOATS) * 4;
+};
+
+template <int D, int PARTS, bool SINGLE, bool NARROW = false>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int ON = D / PARTS, V_BOXES = (ON + 63) / 64;
@@ -131,12 +143,15 @@ struct Smem {
   static constexpr int Q_BUFFERS = 2;
   static constexpr int Q_BYTES = Q_BUFFERS * 64 * D * 2, K_BYTES = BOXES * BN * 128, V_BYTES = V_BOXES * BN * 128;
   static constexpr int O_BYTES = SINGLE ? 0 : BM * D * 4;
+  static constexpr int X_BYTES = NARROW ? NarrowSmem::BYTES : 0;  // the narrow consumer's exchange area
   static constexpr int LIMIT = 227 * 1024, SLACK = 1024 + 64 * 8;  // alignment, barriers
-  static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - SLACK) / (K_BYTES + V_BYTES);
+  static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - X_BYTES - SLACK) / (K_BYTES + V_BYTES);
   static constexpr int STAGES = SINGLE ? (FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS) : 2;
   static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
-  static constexpr size_t BYTES = size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + BARRIERS * 8 + 1024;
+  static constexpr size_t BYTES =
+      size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + X_BYTES + BARRIERS * 8 + 1024;
   static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
+  static_assert(!NARROW || SINGLE, "the narrow consumer runs single-span items");
 };
 
 // Whether a kernel walks many items a CTA: the single-span kernel over whole O columns (a grid of
@@ -144,11 +159,222 @@ struct Smem {
 // and the launch's grid (grid_of) both follow it.
 constexpr bool persistent_kernel(bool single, int parts) { return single && parts == 1; }
 
+// The narrow consumer (NARROW: every item of the call one span of at most 16 rows — a decode step's
+// items are one token's GQA group, 4 rows for Qwen3-8B or Llama-3-8B).
+// Why: the wgmma kernel gives such an item 64-row tiles of which 60 rows are idle, and its
+// S = Q·Kᵀ (64 × 128 × D a block) holds the tensor cores on the chain a CTA walks block after
+// block (~1.3 µs a block on the H100: a B = 1 decode's attention is latency, not bytes). mma.sync
+// works on 16-row tiles and gives wgmma's bits (bench/probes/mma_sync_bits.cu: D = C + A·B over k16
+// steps, no element of 819,200 differs, bf16 and f16, exponents spread over ±30 binades; H200), so
+// the consumer's four warps split a block's 128 keys for S (32 each), exchange the rows' maxima in
+// shared memory, and split O's columns for P·V, each with the whole block's P from shared memory.
+// Every value the wgmma kernel rounds is rounded here by the same expression, in the same order:
+//  * S: each element's D/16 k16 steps in ascending order (the probe's equality);
+//  * the row max: exact in any order (the warps' maxima meet in shared memory);
+//  * p = 2^(s·c − m·c), the rescale 2^(m_old·c − m·c), o·alpha, P rounded to T: elementwise;
+//  * the row sum: the wgmma kernel's quad lane q adds the pairs of its columns 8·nt + 2q, + 1 over
+//    the block's 16 column tiles nt in ascending order, then l = l·alpha + sum, and the four lanes'
+//    l meet at the span's end ((l0 + l1) + (l2 + l3)); here the warps leave their tiles' pair sums
+//    in shared memory and every thread adds its quad lane's 16 in that order (each warp holds every
+//    row, so each has the state of all 16 rows, as every thread of the wgmma kernel has its own);
+//  * O += P·V: the block's 8 k16 steps of keys in ascending order into each output element.
+// Rows past the item's (the Q box's other rows) are computed and never written; a row never mixes
+// with another in an MMA, and the maxima and sums are a row's own.
+template <class T, int D, int PARTS, int STAGES, bool PERSISTENT>
+__device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, int items_step, const uint8_t* sq,
+                                                const uint8_t* sk, const uint8_t* sv, uint8_t* exchange,
+                                                uint64_t* full_q, uint64_t* q_empty, uint64_t* full_k,
+                                                uint64_t* full_v, uint64_t* empty) {
+  using S = Smem<D, PARTS, true, true>;
+  using X = NarrowSmem;
+  constexpr int ON = D / PARTS, WN = ON / 4, NT = WN / 8;  // a warp's O columns: NT tiles of 8
+  static_assert(WN % 8 == 0, "a warp's O columns are whole 8-column tiles");
+  constexpr int KT = BN / 16, TILES = BN / 8, WARP_KEYS = BN / 4, WARP_TILES = WARP_KEYS / 8;
+  uint8_t* sp = exchange;                                               // P [16][P_STRIDE bytes]
+  float* xs = reinterpret_cast<float*>(exchange + X::P_BYTES);          // pair sums [row][q][tile]
+  float* maxes = xs + X::X_FLOATS;                                      // [warp][row]
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
+  const float c2 = p.scale_log2;
+  // ldmatrix's row address of matrix lane / 8, row lane % 8, in a 128B-swizzled box of 128-byte rows.
+  auto swz = [](const uint8_t* box, int row, int chunk) {
+    return reinterpret_cast<const uint16_t*>(box + row * 128 + ((chunk ^ (row % 8)) * 16));
+  };
+  const int mi = lane / 8, mr = lane % 8;
+  int n = 0;  // blocks consumed (the ring's count runs on across items)
+  for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
+    const Item it = p.items ? p.items[idx] : p.inline_items[idx];
+    const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
+    const bool writes_stats = (PARTS == 1 || it.d_split == 1) && warp == 0;
+    const int pos0 = it.first_pos + r / it.group, pos1 = it.first_pos + (r + 8) / it.group;
+    const int qb = PERSISTENT ? k & 1 : 0;
+    mbar_wait(&full_q[qb], PERSISTENT ? (k >> 1) & 1 : 0);
+    // Q's A fragments (rows 0–15) of every k16 step, in registers for the item; its buffer is free then.
+    uint32_t qa[D / 16][4];
+    const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      ldsm_x4(qa[kk], swz(qbase + (kk / 4) * 64 * 128, (mi & 1) * 8 + mr, (kk % 4) * 2 + (mi >> 1)));
+    __syncwarp();
+    if (PERSISTENT && lane == 0) mbar_arrive(&q_empty[qb]);
+
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's state of rows r, r + 8
+    float o[NT][4];  // rows r (0, 1) and r + 8 (2, 3), columns 2q, 2q + 1 of each tile
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
+      const int st = n % STAGES;
+      const uint32_t phase = (n / STAGES) & 1;
+      // S of this warp's keys 32·warp … + 31 (the block's column tiles 4·warp + nt).
+      float s[WARP_TILES][4];
+#pragma unroll
+      for (int nt = 0; nt < WARP_TILES; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      mbar_wait(&full_k[st], phase);
+      const uint8_t* kbase = sk + st * S::K_BYTES;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int pair = 0; pair < WARP_TILES / 2; ++pair) {  // two column tiles: {lo, hi} k-halves of each
+          uint32_t b[4];
+          const int key = warp * WARP_KEYS + (pair * 2 + (mi >> 1)) * 8 + mr;
+          ldsm_x4(b, swz(kbase + (kk / 4) * BN * 128, key, (kk % 4) * 2 + (mi & 1)));
+          mma16816<T>(s[pair * 2], qa[kk], b[0], b[1]);
+          mma16816<T>(s[pair * 2 + 1], qa[kk], b[2], b[3]);
+        }
+      // Causal mask (keys past a row's position), then this warp's row maxima of the raw scores.
+      if (j * BN + BN - 1 > it.first_pos) {
+        const int key_base = j * BN + warp * WARP_KEYS + 2 * q;
+#pragma unroll
+        for (int nt = 0; nt < WARP_TILES; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (key_base + nt * 8 + (e & 1) > (e < 2 ? pos0 : pos1)) s[nt][e] = -INFINITY;
+      }
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < WARP_TILES; ++nt) {
+        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
+      }
+      if (q == 0) maxes[warp * NARROW_ROWS + r] = mx0, maxes[warp * NARROW_ROWS + r + 8] = mx1;
+      named_barrier_sync(3, 128);  // the maxima are in (and every warp is done with the last block's P and sums)
+      mx0 = fmaxf(fmaxf(maxes[r], maxes[NARROW_ROWS + r]), fmaxf(maxes[2 * NARROW_ROWS + r], maxes[3 * NARROW_ROWS + r]));
+      mx1 = fmaxf(fmaxf(maxes[r + 8], maxes[NARROW_ROWS + r + 8]),
+                  fmaxf(maxes[2 * NARROW_ROWS + r + 8], maxes[3 * NARROW_ROWS + r + 8]));
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float mc0 = mn0 == -INFINITY ? 0.0f : __fmul_rn(mn0, c2), mc1 = mn1 == -INFINITY ? 0.0f : __fmul_rn(mn1, c2);
+      const float alpha0 = exp2_ftz(__fsub_rn(__fmul_rn(m0, c2), mc0)), alpha1 = exp2_ftz(__fsub_rn(__fmul_rn(m1, c2), mc1));
+      // p, its pair sums and P (rounded to T) into the exchange area.
+#pragma unroll
+      for (int nt = 0; nt < WARP_TILES; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = exp2_ftz(__fmaf_rn(s[nt][e], c2, e < 2 ? -mc0 : -mc1));
+        const int tile = warp * WARP_TILES + nt, key = tile * 8 + 2 * q;
+        xs[(r * 4 + q) * TILES + tile] = __fadd_rn(s[nt][0], s[nt][1]);
+        xs[((r + 8) * 4 + q) * TILES + tile] = __fadd_rn(s[nt][2], s[nt][3]);
+        *reinterpret_cast<uint32_t*>(sp + r * X::P_STRIDE + key * 2) = pack2<T>(s[nt][0], s[nt][1]);
+        *reinterpret_cast<uint32_t*>(sp + (r + 8) * X::P_STRIDE + key * 2) = pack2<T>(s[nt][2], s[nt][3]);
+      }
+      m0 = mn0, m1 = mn1;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        o[nt][0] = __fmul_rn(o[nt][0], alpha0), o[nt][1] = __fmul_rn(o[nt][1], alpha0);
+        o[nt][2] = __fmul_rn(o[nt][2], alpha1), o[nt][3] = __fmul_rn(o[nt][3], alpha1);
+      }
+      named_barrier_sync(4, 128);  // the block's P and pair sums are in
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int tile = 0; tile < TILES; ++tile) {
+        sum0 = __fadd_rn(sum0, xs[(r * 4 + q) * TILES + tile]);
+        sum1 = __fadd_rn(sum1, xs[((r + 8) * 4 + q) * TILES + tile]);
+      }
+      l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
+      l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
+      // O += P·V over this warp's columns: local column lc of the CTA's V boxes.
+      mbar_wait(&full_v[st], phase);
+      const uint8_t* vbase = sv + st * S::V_BYTES;
+      const int lc0 = d0 % 64 + warp * WN;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        uint32_t pa[4];
+        ldsm_x4(pa, reinterpret_cast<const uint16_t*>(sp + ((mi & 1) * 8 + mr) * X::P_STRIDE + (kt * 16 + (mi >> 1) * 8) * 2));
+        if constexpr (NT == 1) {
+          uint32_t b[2];
+          const int key = kt * 16 + (mi & 1) * 8 + mr;
+          ldsm_x2_trans(b, swz(vbase + (lc0 / 64) * BN * 128, key, (lc0 % 64) / 8));
+          mma16816<T>(o[0], pa, b[0], b[1]);
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; nt += 2) {  // two column tiles: {lo, hi} keys of each
+            uint32_t b[4];
+            const int key = kt * 16 + (mi & 1) * 8 + mr, lc = lc0 + (nt + (mi >> 1)) * 8;
+            ldsm_x4_trans(b, swz(vbase + (lc / 64) * BN * 128, key, (lc % 64) / 8));
+            mma16816<T>(o[nt], pa, b[0], b[1]);
+            mma16816<T>(o[nt + 1], pa, b[2], b[3]);
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[st]);  // this warp is done with the stage's K and V
+    }
+    // The span's end: the quad lanes' sums meet; fold into the empty state, or keep it (split-KV).
+#pragma unroll
+    for (int m = 1; m <= 2; m *= 2) {
+      l0 = __fadd_rn(l0, __shfl_xor_sync(FULL, l0, m));
+      l1 = __fadd_rn(l1, __shfl_xor_sync(FULL, l1, m));
+    }
+    float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;
+    if (it.part < 0) {
+      float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+      const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool second = e >= 2;
+          o[nt][e] = (second ? f1 : f0) ? fold_value(0.0f, o[nt][e], second ? a1 : a0, second ? b1 : b0) : 0.0f;
+        }
+    }
+    auto write_row = [&](int row, bool second) {
+      if (row >= it.rows) return;
+      const int col0 = d0 + warp * WN + 2 * q;  // this thread's first O column
+      if (it.part >= 0) {
+        const int64_t pr = int64_t(it.part) + row;
+        float2* dst = reinterpret_cast<float2*>(p.part_o + pr * D);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int e = second ? 2 : 0;
+          dst[(col0 + nt * 8) / 2] = make_float2(o[nt][e], o[nt][e + 1]);
+        }
+        if (writes_stats && q == 0)
+          reinterpret_cast<float2*>(p.part_ml)[pr] = make_float2(second ? m1 : m0, second ? l1 : l0);
+        return;
+      }
+      const float L = second ? L1 : L0, M = second ? M1 : M0;
+      const int64_t token = int64_t(it.q_row) + row / it.group;
+      const int head = it.head * it.group + row % it.group;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int e = second ? 2 : 0;
+        dst[(col0 + nt * 8) / 2] = pack2<T>(__fdiv_rn(o[nt][e], L), __fdiv_rn(o[nt][e + 1], L));
+      }
+      if (p.lse && writes_stats && q == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
+    };
+    write_row(r, false);
+    write_row(r + 8, true);
+  }
+}
+
 // PARTS > 1: a small grid (fewer CTAs than SMs) of one-span items runs each item as PARTS CTAs,
 // each computing D / PARTS of O's columns: a decode CTA is bound by its tensor work (64 query rows
 // of which a few are real), P·V is half of it, and every element of O is formed by the same
 // products in the same order whichever N the wgmma has (tested: decode in parts == prefill).
-template <class T, int D, int PARTS, bool SINGLE>
+template <class T, int D, int PARTS, bool SINGLE, bool NARROW>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // Launched after the previous kernel (cuda/common/pdl.cuh): the next one (the combine, or the O
@@ -156,14 +382,15 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // small decode leaves idle; this one waits for the previous kernel's output (Q, the cache's K / V).
   pdl_launch_dependents();
   pdl_wait();
-  using S = Smem<D, PARTS, SINGLE>;
+  using S = Smem<D, PARTS, SINGLE, NARROW>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sk = sq + S::Q_BYTES;
   uint8_t* sv = sk + STAGES * S::K_BYTES;
   float* so = reinterpret_cast<float*>(sv + STAGES * S::V_BYTES);  // the running O (not in SINGLE)
-  uint64_t* full_q = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(so) + S::O_BYTES);
+  uint8_t* exchange = reinterpret_cast<uint8_t*>(so) + S::O_BYTES;  // the narrow consumer's (NarrowSmem)
+  uint64_t* full_q = reinterpret_cast<uint64_t*>(exchange + S::X_BYTES);
   uint64_t* q_empty = full_q + S::Q_BUFFERS;  // persistent kernel: the buffer's item has done its last S = Q·Kᵀ
   uint64_t* full_k = q_empty + S::Q_BUFFERS;
   uint64_t* full_v = full_k + STAGES;
@@ -178,15 +405,17 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // elsewhere — a loop the compiler sees run once.
   constexpr bool PERSISTENT = persistent_kernel(SINGLE, PARTS);
   const int items_end = PERSISTENT ? p.n_items : int(blockIdx.x) + 1, items_step = PERSISTENT ? int(gridDim.x) : 1;
+  // Who releases a Q buffer and a stage: a consumer's thread 0, or each of the narrow consumer's warps.
+  const uint32_t releasers = NARROW ? 4u : uint32_t(consumers);
   if (threadIdx.x == 0) {
     for (int b = 0; b < S::Q_BUFFERS; ++b) {
       mbar_init(&full_q[b], 1);
-      mbar_init(&q_empty[b], 1);
+      mbar_init(&q_empty[b], NARROW ? 4u : 1u);
     }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
-      mbar_init(&empty[s], uint32_t(consumers));
+      mbar_init(&empty[s], releasers);
       mbar_init(&tail_v[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -296,6 +525,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;
   if (c >= consumers) return;
+  if constexpr (NARROW) {
+    narrow_consumer<T, D, PARTS, STAGES, PERSISTENT>(p, items_end, items_step, sq, sk, sv, exchange, full_q, q_empty,
+                                                     full_k, full_v, empty);
+    return;
+  }
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, quad_col = (lane % 4) * 2;
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
   const float c2 = p.scale_log2;
@@ -518,6 +752,7 @@ struct Plan {
   int64_t part_rows = 0;
   int parts = 1;
   bool single = false;    // every item one span of at most 64 rows: the single-span kernel (a deeper ring)
+  bool narrow = false;    // single, and every item at most 16 rows: its narrow consumer (mma.sync)
   int32_t most_rows = 0;  // the most rows of a combine
 };
 
@@ -580,6 +815,15 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
   w.single = single_span && std::all_of(items.begin(), items.end(), [](const Item& x) {
     return x.rows <= 64 && x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
   });
+  // The 16-row consumer (narrow_consumer): off unless SAMEBITS_NARROW_DECODE=1 or the test hook says
+  // so, until a GPU run has timed it.
+  static const bool narrow_env = [] {
+    const char* v = std::getenv("SAMEBITS_NARROW_DECODE");
+    return v && std::strcmp(v, "1") == 0;
+  }();
+  const int narrow_forced = detail::narrow_decode_override();
+  w.narrow = w.single && (narrow_forced != 0 ? narrow_forced > 0 : narrow_env) &&
+             std::all_of(items.begin(), items.end(), [](const Item& x) { return x.rows <= NARROW_ROWS; });
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;
@@ -619,33 +863,40 @@ struct ForwardKernel {
   void* fn = nullptr;
   unsigned smem = 0;
 };
-// [single][parts index]: the general and the single-span kernel of each O-column split (index 0, 1,
-// 2: parts 1, 2, 4; null where D / 4 is too narrow), each opted into its shared memory once per device.
-using ForwardKernels = std::array<std::array<ForwardKernel, 3>, 2>;
+// [kernel][parts index]: the general kernel, the single-span kernel and the single-span kernel with
+// the narrow consumer (index 0, 1, 2) of each O-column split (index 0, 1, 2: parts 1, 2, 4; null where
+// D / 4 is too narrow), each opted into its shared memory once per device.
+using ForwardKernels = std::array<std::array<ForwardKernel, 3>, 3>;
 
-template <class T, int D, int PARTS, bool SINGLE>
+template <class T, int D, int PARTS, bool SINGLE, bool NARROW = false>
 void add_forward_kernel(ForwardKernels& k, std::atomic<int> (&allowed)[64], const char* op) {
-  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE>;
-  allow_dynamic_smem(fn, Smem<D, PARTS, SINGLE>::BYTES, allowed, op);
-  k[SINGLE][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(Smem<D, PARTS, SINGLE>::BYTES)};
+  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE, NARROW>;
+  using S = Smem<D, PARTS, SINGLE, NARROW>;
+  allow_dynamic_smem(fn, S::BYTES, allowed, op);
+  k[NARROW ? 2 : SINGLE ? 1 : 0][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
 }
 
 template <class T, int D>
 ForwardKernels forward_kernels(const char* op) {
-  static std::atomic<int> allowed[2][3][64] = {};
+  static std::atomic<int> allowed[3][3][64] = {};
   ForwardKernels k{};
   add_forward_kernel<T, D, 1, false>(k, allowed[0][0], op);
   add_forward_kernel<T, D, 2, false>(k, allowed[0][1], op);
   add_forward_kernel<T, D, 1, true>(k, allowed[1][0], op);
   add_forward_kernel<T, D, 2, true>(k, allowed[1][1], op);
+  add_forward_kernel<T, D, 1, true, true>(k, allowed[2][0], op);
+  add_forward_kernel<T, D, 2, true, true>(k, allowed[2][1], op);
   if constexpr (D / 4 >= 32) {
     add_forward_kernel<T, D, 4, false>(k, allowed[0][2], op);
     add_forward_kernel<T, D, 4, true>(k, allowed[1][2], op);
+    add_forward_kernel<T, D, 4, true, true>(k, allowed[2][2], op);
   }
   return k;
 }
 
-const ForwardKernel& kernel_of(const ForwardKernels& k, const Plan& w) { return k[w.single][size_t(kernel_index(w.parts))]; }
+const ForwardKernel& kernel_of(const ForwardKernels& k, const Plan& w) {
+  return k[w.narrow ? 2 : w.single ? 1 : 0][size_t(kernel_index(w.parts))];
+}
 
 }  // namespace
 
@@ -767,6 +1018,7 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   // launches them plainly (A/B runs).
   static const bool after_previous = env_switch("SAMEBITS_ATTENTION_PDL");
   launch_after_previous(fk.fn, dim3(grid_of(w, sms)), dim3(THREADS), fk.smem, stream, op, args, after_previous);
+  if (w.narrow) ++detail::narrow_decode_launches();
   RecordedCall call;
   if (rec) call.forward = last_captured_node(stream, op);
   // A graph always holds the combine: a step without split spans runs it as one CTA with nothing to
@@ -837,7 +1089,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
           op, "combine table");
   check(cudaEventRecord(r.uploaded, stream), op, "event");
   const std::array<int64_t, 5> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows,
-                                     int64_t(w.single)};
+                                     int64_t(w.single) + int64_t(w.narrow)};
   if (shape == r.applied) return;
   r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
