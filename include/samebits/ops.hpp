@@ -286,6 +286,8 @@ struct LmHeadLogprobForwardArgs {
 // micro-batches split at sequence boundaries chain dweight bit for bit.
 // Tied embeddings: the LM head's dweight is its own accumulator; the tied matrix's gradient is
 // embedding's accumulator + the LM head's, one fp32 add per element (ModelGrads::gradient).
+// dweight is optional: without it (a frozen head) the weight-gradient GEMM — as large as the
+// forward's — is not run, and dhidden's bits are those of the call with it.
 struct LmHeadLogprobBackwardArgs {
   TensorView hidden, weight, targets, loss_mask, lse, dlogp, dentropy, dhidden, dweight, segments;
   int32_t ignore_index = -100;

@@ -154,7 +154,7 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
     const auto hid = load_all<Acc>(a.hidden), w = load_all<Acc>(a.weight);
     const auto wt = transposed(w, V, H);  // [H, V]: dhidden reduces over V with dot_fixed
     const auto* tg = a.targets.as<const int32_t>();
-    auto* dw = a.dweight.as<Acc>();
+    auto* dw = a.dweight.present() ? a.dweight.as<Acc>() : nullptr;  // absent: a frozen head
     std::vector<Acc> z(static_cast<size_t>(V)), dz(static_cast<size_t>(V)), dh(static_cast<size_t>(H));
     for (int64_t t = 0; t < T; ++t) {  // tokens ascending: the dweight order
       std::fill(dh.begin(), dh.end(), Acc(0));
@@ -167,9 +167,11 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
                     dz.data());
 #pragma omp parallel for schedule(static)
         for (int64_t k = 0; k < H; ++k) dh[k] = dot_fixed(dz.data(), &wt[k * V], V);
+        if (dw) {
 #pragma omp parallel for schedule(static)
-        for (int64_t v = 0; v < V; ++v)
-          for (int64_t k = 0; k < H; ++k) dw[v * H + k] += dz[v] * hid[t * H + k];
+          for (int64_t v = 0; v < V; ++v)
+            for (int64_t k = 0; k < H; ++k) dw[v * H + k] += dz[v] * hid[t * H + k];
+        }
       }
       store(a.dhidden, t * H, H, dh.data());
     }

@@ -148,9 +148,11 @@ void lm_head_logprob_backward(const Context& ctx, const LmHeadLogprobBackwardArg
   v.floating("dhidden", a.dhidden);
   v.same_shape("dhidden", a.dhidden, "hidden", a.hidden);
   v.no_alias("dhidden", a.dhidden, "hidden", a.hidden);
-  v.required("dweight", a.dweight, 2);
-  v.accumulator("dweight", a.dweight);
-  v.same_shape("dweight", a.dweight, "weight", a.weight);
+  v.optional("dweight", a.dweight, 2);  // absent: a frozen head, no weight gradient
+  if (a.dweight.present()) {
+    v.accumulator("dweight", a.dweight);
+    v.same_shape("dweight", a.dweight, "weight", a.weight);
+  }
   check_segments(v, a.segments, rows);
   check_logits_kept(v, a.logits_kept, a.hidden, a.weight, &a.segments, {{"dhidden", &a.dhidden}, {"dweight", &a.dweight}});
   run_kernel<OpId::lm_head_logprob_backward>("lm_head_logprob_backward", ctx, a);

@@ -284,6 +284,21 @@ TEST(CpuOps, FusedLmHeadEqualsLinearThenLogprobBitwise) {
   EXPECT_EQ(std::memcmp(dh1.data(), dh2.data(), dh1.size() * 4), 0);
   EXPECT_EQ(std::memcmp(dw1.data(), dw2.data(), dw1.size() * 4), 0);
   for (int j = 0; j < V; ++j) ASSERT_EQ(dlogits[3 * V + j], 0.0f);  // a masked row: exact zeros
+  // A frozen head: no dweight, the same dhidden bits.
+  std::vector<float> dh3(dh2.size(), -7.0f);
+  fb.dhidden = view(dh3, DType::f32, {T, H});
+  fb.dweight = {};
+  lm_head_logprob_backward(Context{}, fb);
+  EXPECT_EQ(std::memcmp(dh1.data(), dh3.data(), dh1.size() * 4), 0) << "dhidden without dweight";
+  // Given, dweight must still be the weight's fp32 accumulator.
+  std::vector<float> dw_small(size_t(V - 1) * H);
+  fb.dweight = view(dw_small, DType::f32, {V - 1, H});
+  try {
+    lm_head_logprob_backward(Context{}, fb);
+    ADD_FAILURE() << "a dweight of the wrong shape was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "dweight") << e.what();
+  }
 }
 
 // logits_kept (the LM head's three-GEMM mode) is checked on every backend: fp32 [C, V], C <= T, and

@@ -56,6 +56,7 @@ struct Options {
   bool saved_lse = true;
   bool targets_checked = false;  // the caller vouches for the targets: no range check, no read-back
   int64_t kept_rows = -1;        // >= 0: logits_kept of that many rows (the three-GEMM mode)
+  bool frozen = false;           // no dweight (a frozen head): the backward skips its weight gradient
   std::vector<int32_t> segments;  // {row, len} pairs, relative to the call's rows; empty: none
 };
 
@@ -90,7 +91,7 @@ Outputs run(const Batch& b, int64_t off, int64_t m, const Options& o = {}, const
   g.dlogp = dlogp.rows(off, off + m);
   if (o.entropy_grad) g.dentropy = dentropy.rows(off, off + m);
   g.dhidden = dhidden.view();
-  g.dweight = dweight.view();
+  if (!o.frozen) g.dweight = dweight.view();
   HostTensor seg(DType::i32, {int64_t(o.segments.size() / 2), 2});
   if (!o.segments.empty()) {
     std::memcpy(seg.data(), o.segments.data(), o.segments.size() * sizeof(int32_t));
@@ -109,6 +110,34 @@ class CudaLmHead : public testing_cuda::CudaTest {
 };
 
 }  // namespace
+
+// A frozen head (no dweight): the backward gives the same dhidden bits without the weight gradient —
+// on the fused path (one vocab chunk and several), with kept logits, with an entropy gradient, and
+// on the composed path (a vocab that is not a multiple of 8).
+TEST_F(CudaLmHead, AFrozenHeadGivesTheSameDhiddenWithoutAWeightGradient) {
+  struct Case {
+    DType dt;
+    int64_t V, rows, chunk, kept;
+    bool entropy_grad;
+  };
+  for (const Case c : {Case{DType::bf16, 32000, 130, 0, -1, false}, Case{DType::bf16, 32000, 130, 4096, -1, true},
+                       Case{DType::f16, 32000, 64, 0, 64, false}, Case{DType::bf16, 4099, 70, 0, -1, true}}) {
+    const int64_t K = 128;
+    Rng r(uint64_t(c.V) * 7 + uint64_t(c.rows));
+    const Batch b(r, c.dt, c.rows, c.V, K);
+    detail::lm_head_vocab_chunk_override() = int(c.chunk);
+    Options o;
+    o.entropy_grad = c.entropy_grad;
+    o.kept_rows = c.kept;
+    const Outputs trained = run(b, 0, c.rows, o);
+    o.frozen = true;
+    const Outputs frozen = run(b, 0, c.rows, o);
+    const std::string what = "V " + std::to_string(c.V) + ", chunk " + std::to_string(c.chunk) + ", kept " +
+                             std::to_string(c.kept) + (c.entropy_grad ? ", entropy gradient" : "");
+    expect_same_bits(frozen.dhidden, trained.dhidden, what + ": dhidden");
+    expect_same_bits(frozen.logp, trained.logp, what + ": logp");
+  }
+}
 
 // The fused forward's logits are the GEMM's fp32 values and its reduction the standalone one: the
 // same bits as linear_forward into fp32 followed by logprob_forward.

@@ -253,6 +253,40 @@ def test_lm_head_logprobs_with_logits_kept_are_the_recomputes_bits():
                 assert torch.equal(bits(a), bits(b)), f"{what}: budget {budget} bytes, segments {segments}"
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="the GPU's memory")
+def test_a_frozen_lm_head_computes_no_weight_gradient_on_either_path():
+    """A frozen LM head (weight.requires_grad False, as in LoRA or a frozen-head RL run): the backward
+    gives the trained head's dhidden bits without the weight gradient — no fp32 accumulator of the
+    vocab × hidden weight, no weight-gradient GEMM — on the dispatcher op and the custom_op path.
+    (Before, both made the accumulator and ran the GEMM, then dropped the result.)"""
+    g = torch.Generator(device="cpu").manual_seed(21)
+    T, H, V = 256, 1024, 32000
+    hidden0 = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    weight0 = (torch.randn(V, H, generator=g) * 0.03).to(DEV, torch.bfloat16)
+    targets = torch.randint(0, V, (T,), generator=g).to(DEV)
+    accumulator = V * H * 4  # 131 MB
+
+    def run(fn, frozen):
+        h, w = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_(not frozen)
+        lp, _ = fn(h, w)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        lp.sum().backward()
+        torch.cuda.synchronize()
+        return h.grad, w.grad, torch.cuda.max_memory_allocated() - before
+
+    paths = {"custom_op": lambda h, w: ops._lm_head_logprobs(h, w, targets)[:2]}
+    if _common._ext is not None:
+        paths["dispatcher op"] = lambda h, w: _common._ext.lm_head_logprobs(h, w, targets)
+    for name, fn in paths.items():
+        dh, dw, peak = run(fn, frozen=False)
+        dh_frozen, dw_frozen, peak_frozen = run(fn, frozen=True)
+        assert dw is not None and dw_frozen is None, name
+        assert torch.equal(bits(dh_frozen), bits(dh)), f"{name}: dhidden of a frozen head"
+        assert peak - peak_frozen >= accumulator, f"{name}: {peak_frozen} bytes at the peak, trained {peak}"
+
+
 def test_samebits_device_memory_comes_from_torchs_caching_allocator():
     """With the dispatcher library loaded, an engine's KV cache (and every samebits allocation outside
     its own graph captures) is torch's memory: torch.cuda.memory_allocated() sees it, and it goes back to

@@ -1078,7 +1078,10 @@ struct LmHeadLogprobsBackward final : BackwardNode {
       return g.defined() ? g.reshape({-1}).to(lse.scalar_type()).contiguous() : at::zeros_like(lse);
     };
     const at::Tensor dlogp = flat(grads[0]), dentropy = grads[1].defined() ? flat(grads[1]) : at::Tensor();
-    at::Tensor dh = at::empty_like(hidden), dw = dweight_of(wg, weight, wants(1));
+    // A frozen head (no gradient wanted for the weight): no dweight, so neither its vocab-sized fp32
+    // accumulator nor the weight-gradient GEMM (the library skips it; dhidden's bits are the same).
+    const bool want_dw = wants(1);
+    at::Tensor dh = at::empty_like(hidden), dw = want_dw ? dweight_of(wg, weight) : at::Tensor();
     samebits::LmHeadLogprobBackwardArgs a;
     with_segments(a.segments, wg, op);
     a.hidden = view(h2, op, "hidden");
@@ -1095,9 +1098,9 @@ struct LmHeadLogprobsBackward final : BackwardNode {
     kept = at::Tensor();
     if (logits.defined()) a.logits_kept = view(logits, op, "logits_kept");
     a.dhidden = view(rows_of(dh, op, "dhidden"), op, "dhidden");
-    a.dweight = view(dw, op, "dweight");
+    if (want_dw) a.dweight = view(dw, op, "dweight");
     run([&] { samebits::lm_head_logprob_backward(context_of(hidden), a); });
-    return {dh, weight_grad_out(wg, dw, weight, wants(1))};
+    return {dh, want_dw ? weight_grad_out(wg, dw, weight) : at::Tensor()};
   }
   void release() override {
     hidden_.reset_data();

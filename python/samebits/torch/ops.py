@@ -688,13 +688,15 @@ def _(hidden, weight, targets):
 
 @torch.library.custom_op("samebits::lm_head_logprobs_backward", mutates_args=())
 def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, lse: Tensor, dlogp: Tensor,
-                               dentropy: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                               dentropy: Optional[Tensor], want_dw: bool) -> Tuple[Tensor, Tensor]:
+    """(dhidden, dweight); a frozen head (want_dw False): no dweight — neither its fp32 accumulator nor
+    the weight-gradient GEMM — and an empty tensor in its place."""
     name = "lm_head_logprobs_backward"
     h2 = _rows(hidden, name)
     t = _int32(targets, name, "targets")
     mask = torch.ones(t.shape[0], dtype=torch.uint8, device=hidden.device)
     dh = torch.empty_like(h2)
-    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device)  # fp32 accumulator
+    dw = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if want_dw else None  # fp32 accumulator
     acc = _acc(hidden)
     with _device(hidden):
         raw.lm_head_logprob_backward(_desc(h2, name, "hidden"), _desc(weight, name, "weight"), _desc(t, name, "targets"),
@@ -704,12 +706,12 @@ def _lm_head_logprobs_backward(hidden: Tensor, weight: Tensor, targets: Tensor, 
                                            name, "dentropy"),
                                      _desc(dh, name, "dhidden"), _desc(dw, name, "dweight"), ignore_index=-100,
                                      stream=_stream(hidden))
-    return dh.reshape(hidden.shape), dw.to(weight.dtype)
+    return dh.reshape(hidden.shape), dw.to(weight.dtype) if want_dw else weight.new_empty(0)
 
 
 @_lm_head_logprobs_backward.register_fake
-def _(hidden, weight, targets, lse, dlogp, dentropy):
-    return torch.empty_like(hidden), torch.empty_like(weight)
+def _(hidden, weight, targets, lse, dlogp, dentropy, want_dw):
+    return torch.empty_like(hidden), torch.empty_like(weight) if want_dw else weight.new_empty(0)
 
 
 _once_differentiable(_lm_head_logprobs_backward, "lm_head_logprobs")
@@ -726,8 +728,9 @@ def _lm_grad(ctx, dlogp, dentropy, _dlse):
     dlogp = torch.zeros_like(lse) if dlogp is None else dlogp
     # No entropy gradient: none given (a zero one would make the backward recompute the statistics,
     # a whole extra pass of the LM-head GEMM)
-    dh, dw = _lm_head_logprobs_backward(hidden, weight, targets, lse, dlogp, dentropy)
-    return dh, dw, None
+    want_dw = ctx.needs_input_grad[1]
+    dh, dw = _lm_head_logprobs_backward(hidden, weight, targets, lse, dlogp, dentropy, want_dw)
+    return dh, dw if want_dw else None, None
 
 
 _lm_head_logprobs.register_autograd(_lm_grad, setup_context=_lm_setup)

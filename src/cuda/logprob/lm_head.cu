@@ -567,8 +567,9 @@ void fused_backward(const LmHeadLogprobBackwardArgs& a, const BackwardRows& r, c
       gemm_sm90_input_grad_continue<T>(dlogits.as<const T>(), w_chunk, acc, last ? a.dhidden.data : acc,
                                        last ? a.dhidden.dtype : DType::f32, M, width, K, stream);
     }
-    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, r.keep, segs.data(), int64_t(segs.size() / 2),
-                             a.dweight.as<float>() + col0 * K, M, width, K, stream);
+    if (a.dweight.present())  // absent: a frozen head
+      gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, r.keep, segs.data(), int64_t(segs.size() / 2),
+                               a.dweight.as<float>() + col0 * K, M, width, K, stream);
   }
 }
 
@@ -588,8 +589,9 @@ void kept_backward(const LmHeadLogprobBackwardArgs& a, const BackwardRows& r, co
   else dlogits_from_kept<T, false><<<blocks, 256, 0, stream>>>(a.logits_kept.as<const float>(), p, M, V, dlogits.as<T>());
   check(cudaGetLastError(), op, "kept dlogits launch");
   gemm_sm90_input_grad<T>(dlogits.as<const T>(), a.weight.as<const T>(), a.dhidden.data, a.dhidden.dtype, M, V, K, stream);
-  gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, r.keep, segs.data(), int64_t(segs.size() / 2),
-                           a.dweight.as<float>(), M, V, K, stream);
+  if (a.dweight.present())  // absent: a frozen head
+    gemm_sm90_weight_grad<T>(dlogits.as<const T>(), hidden, r.keep, segs.data(), int64_t(segs.size() / 2),
+                             a.dweight.as<float>(), M, V, K, stream);
 }
 
 // The backward's rows [begin, end) as arguments of their own (dweight, weight and flags shared).
@@ -649,6 +651,7 @@ void composed_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a, c
     b.targets_checked = true;  // the LM head's own call checked them (or the caller vouched)
     logprob_backward(ctx, b);
     linear_backward_input(ctx, {dz, a.weight, a.dhidden.rows(r0, r0 + n)});
+    if (!a.dweight.present()) continue;  // a frozen head
     LinearBackwardWeightArgs w;
     w.dy = dz;
     w.x = a.hidden.rows(r0, r0 + n);
