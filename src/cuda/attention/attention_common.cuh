@@ -73,6 +73,23 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const uint16_t* 
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
 }
 
+// A row of an MMA accumulator lies across the four lanes of a quad: its max, and its sum
+// ((l0 + l1) + (l2 + l3): the xor-1 partner first), the same bits in each lane; two rows at once.
+__device__ __forceinline__ void quad_max(float& a, float& b) {
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, m));
+  }
+}
+__device__ __forceinline__ void quad_sum(float& a, float& b) {
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+    a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, m));
+    b = __fadd_rn(b, __shfl_xor_sync(0xffffffffu, b, m));
+  }
+}
+
 // 2^x by the hardware's ex2 (flush-to-zero; ex2(−inf) = 0): the exponentials of the softmax are
 // 2^(s·c − m·c) with c = scale·log2(e), one FFMA and one ex2 a score.
 __device__ __forceinline__ float exp2_ftz(float x) {

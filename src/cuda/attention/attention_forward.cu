@@ -44,9 +44,10 @@ namespace {
 using attention::join2;
 using attention::mma16816;
 using attention::pack2;
+using attention::quad_max;
+using attention::quad_sum;
 
 constexpr int WARPS = 4, THREADS = 32 * WARPS, BLOCK_Q = 16 * WARPS, BLOCK_K = 64;
-constexpr unsigned FULL = 0xffffffffu;
 
 // One tile of a sequence's queries: rows [q_row, q_row + rows), the first at absolute position
 // first_pos, against the k_len keys of sequence `seq` (rows k_row … or its pages).
@@ -135,11 +136,7 @@ __global__ void __launch_bounds__(THREADS) attention_forward_kernel(const __grid
       mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
       mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
     }
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(FULL, mx_a, m));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(FULL, mx_b, m));
-    }
+    quad_max(mx_a, mx_b);
     const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
     // A row with no visible key yet (only rows past the tile: block 0 always shows key 0) keeps
     // m = −inf; its factors are then 0, not NaN.
@@ -156,11 +153,7 @@ __global__ void __launch_bounds__(THREADS) attention_forward_kernel(const __grid
       sum_a = __fadd_rn(sum_a, __fadd_rn(s[nt][0], s[nt][1]));
       sum_b = __fadd_rn(sum_b, __fadd_rn(s[nt][2], s[nt][3]));
     }
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) {  // a butterfly: every lane of the quad ends with the same bits
-      sum_a = __fadd_rn(sum_a, __shfl_xor_sync(FULL, sum_a, m));
-      sum_b = __fadd_rn(sum_b, __shfl_xor_sync(FULL, sum_b, m));
-    }
+    quad_sum(sum_a, sum_b);  // a butterfly: every lane of the quad ends with the same bits
     l_a = __fadd_rn(__fmul_rn(l_a, alpha_a), sum_a);
     l_b = __fadd_rn(__fmul_rn(l_b, alpha_b), sum_b);
     m_a = mn_a, m_b = mn_b;

@@ -72,7 +72,6 @@ using namespace sm90;
 
 constexpr int BM = 128, BN = 128, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
 constexpr int SPLIT_BLOCKS = ATTENTION_SPLIT_KEYS / BN;
-constexpr unsigned FULL = 0xffffffffu;
 static_assert(ATTENTION_SPLIT_KEYS % BN == 0, "a span is whole key blocks");
 
 // One CTA's work: `rows` rows, row i = token q_row + i / group at position first_pos + i / group,
@@ -255,11 +254,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
         mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
         mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
       }
-#pragma unroll
-      for (int m = 1; m <= 2; m *= 2) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
-      }
+      quad_max(mx0, mx1);
       if (q == 0) maxes[warp * NARROW_ROWS + r] = mx0, maxes[warp * NARROW_ROWS + r + 8] = mx1;
       named_barrier_sync(3, 128);  // the maxima are in (and every warp is done with the last block's P and sums)
       mx0 = fmaxf(fmaxf(maxes[r], maxes[NARROW_ROWS + r]), fmaxf(maxes[2 * NARROW_ROWS + r], maxes[3 * NARROW_ROWS + r]));
@@ -322,11 +317,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
       if (lane == 0) mbar_arrive(&empty[st]);  // this warp is done with the stage's K and V
     }
     // The span's end: the quad lanes' sums meet; fold into the empty state, or keep it (split-KV).
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) {
-      l0 = __fadd_rn(l0, __shfl_xor_sync(FULL, l0, m));
-      l1 = __fadd_rn(l1, __shfl_xor_sync(FULL, l1, m));
-    }
+    quad_sum(l0, l1);
     float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;
     if (it.part < 0) {
       float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
@@ -601,11 +592,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
         mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
       }
-  #pragma unroll
-      for (int m = 1; m <= 2; m *= 2) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, m));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, m));
-      }
+        quad_max(mx0, mx1);
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       // The row max in exp2 units; 0 for a row that has seen no key of the span yet (its scores are
       // all −inf: p = 0, and its rescale factor multiplies zeros).
@@ -648,11 +635,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       // The span ends: fold it into the running state (or keep it, for a split-KV item).
       span = span_end;
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  #pragma unroll
-      for (int m = 1; m <= 2; m *= 2) {
-        l0 = __fadd_rn(l0, __shfl_xor_sync(FULL, l0, m));
-        l1 = __fadd_rn(l1, __shfl_xor_sync(FULL, l1, m));
-      }
+        quad_sum(l0, l1);
       if (it.part < 0) {
         float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
         const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
