@@ -44,9 +44,23 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", choices=["prefill", "backward", "decode", "paged"], help="one table alone")
     ap.add_argument("--quick", action="store_true", help="one shape a table")
+    ap.add_argument("--ab", metavar="HOOK=VALUE",
+                    help="decode table: samebits again with a tuning hook set (samebits._core._set_tuning, e.g. "
+                         "narrow_decode=1), in the same alternation as the other contenders")
     args = ap.parse_args()
     samebits = samebits_from(args.build)
     raw = samebits._core.raw
+    hook, hook_value = (args.ab.split("=", 1)[0], int(args.ab.split("=", 1)[1])) if args.ab else (None, 0)
+
+    def with_hook(fn):
+        """fn with the --ab hook set for the call's life (read when the call plans its work)."""
+        def call(i):
+            before = samebits._core._set_tuning(hook, hook_value)
+            try:
+                return fn(i)
+            finally:
+                samebits._core._set_tuning(hook, before)
+        return call
 
     def desc(t):
         return samebits.torch._desc(t, "bench_attention", "tensor")
@@ -188,8 +202,9 @@ def main():
             f"D = {d}); torch gets q [B, Hq, 1, D] and the same cache as [B, Hkv, C, D] views (and repeated to Hq "
             "heads where that copy stays under 4 GiB), is_causal=False. KV GB/s: key and value bytes read once over "
             "the time.", "",
-            "| B | C | samebits | torch default (best) | samebits / default time | torch, each | max abs diff of out |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+            "| B | C | samebits | torch default (best) | samebits / default time | torch, each | max abs diff of out |"
+            + (f" samebits, `{args.ab}` |" if hook else ""),
+            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if hook else "")]
     for B in (1, 8, 64, 256) if wanted("decode") else ():
         for C in (1024, 4000, 4096, 16384, 32768) if not args.quick else (4096,):  # 4000: a partly filled key block
             if B * C > 64 * 32768:
@@ -203,13 +218,22 @@ def main():
             kt, vt = (t.view(B, C, hkv, d).transpose(1, 2) for t in (k, v))
             table = host_ints([x for b in range(B) for x in (b, 1, b * C, C)], 4)
             theirs = sdpa_contenders(qt, kt, vt, False)
-            times = alternate([lambda i: run(q, k, v, table, o, lse)] + list(theirs.values()), args.reps)
-            a, tt = times[0], dict(zip(theirs, times[1:]))
+            mine = [lambda i: run(q, k, v, table, o, lse)]
+            if hook:
+                o_ab = torch.empty_like(o)
+                mine.append(with_hook(lambda i: run(q, k, v, table, o_ab, lse)))
+            times = alternate(mine + list(theirs.values()), args.reps)
+            a, tt = times[0], dict(zip(theirs, times[len(mine):]))
             base = baseline(tt)
             diff = (o.float() - theirs["default"](0).view(B, hq, d).float()).abs().max().item()
             gb = B * C * hkv * d * 2 * 2 / 1e9
+            ab = ""
+            if hook:  # the same call with the hook: its time, and whether its bits are the plain call's
+                same = torch.equal(o.view(torch.uint8), o_ab.view(torch.uint8))
+                ab = f" {times[1] * 1e3:.1f} µs ({times[1] / a:.2f}× samebits; {'same bits' if same else 'BITS DIFFER'}) |"
             out.append(f"| {B} | {C} | {a * 1e3:.1f} µs, {gb / a * 1e3:.0f} GB/s | {base * 1e3:.1f} µs, "
-                       f"{gb / base * 1e3:.0f} GB/s | **{a / base:.2f}×** | {others(tt, 1e3, 'µs', '.1f')} | {diff:.3g} |")
+                       f"{gb / base * 1e3:.0f} GB/s | **{a / base:.2f}×** | {others(tt, 1e3, 'µs', '.1f')} | {diff:.3g} |"
+                       + ab)
             del q, k, v, o, kt, vt, theirs
     out += ["", "Kernel time against the Python call's host time (issue 30 goal 5: a kernel gap and a host gap "
             "kept apart): `samebits.torch.attention` (the op users call: packed rows and lengths) and "
