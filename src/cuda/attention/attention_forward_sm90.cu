@@ -110,6 +110,8 @@ struct Params {
   int n_items;  // the CTAs walk items blockIdx.x, + gridDim.x, … below it (one each but in SINGLE)
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
+  const uint8_t* prefetch;  // AttentionForwardArgs::prefetch_after: bytes the idle warpgroup prefetches into L2
+  int64_t prefetch_bytes;
 };
 
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
@@ -515,7 +517,18 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;
-  if (c >= consumers) return;
+  if (c >= consumers) {
+    // A warpgroup with no rows (one consumer: decode steps) prefetches its CTA's share of the next
+    // op's input into L2 (prefetch_after), 128-byte lines, evict-last: at small batches the memory
+    // bus idles while the attention walks its key blocks. It changes no value.
+    if (p.prefetch_bytes >= 128 && c == 1) {
+      const int64_t lines = p.prefetch_bytes / 128, share = (lines + gridDim.x - 1) / gridDim.x;
+      const int64_t first = int64_t(blockIdx.x) * share, last = first + share < lines ? first + share : lines;
+      for (int64_t line = first + threadIdx.x % 128; line < last; line += 128)
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p.prefetch + line * 128));
+    }
+    return;
+  }
   if constexpr (NARROW) {
     narrow_consumer<T, D, PARTS, STAGES, PERSISTENT>(p, items_end, items_step, sq, sk, sv, exchange, full_q, q_empty,
                                                      full_k, full_v, empty);
@@ -991,6 +1004,18 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   p.n_items = int(w.items.size());
   p.n_combines = int(w.combines.size());
+  // The L2 prefetch hint (an experiment, off by default): SAMEBITS_ATTN_L2_PREFETCH=N takes it for calls
+  // of at most N query tokens (decode steps of at most N sequences), in the single-span kernel, whose
+  // second consumer warpgroup has no rows. A timing choice: no value depends on it.
+  static const int64_t prefetch_tokens = [] {
+    const char* e = std::getenv("SAMEBITS_ATTN_L2_PREFETCH");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);
+  }();
+  if (a.q.shape[0] <= prefetch_tokens && w.single && a.prefetch_after.present() &&
+      a.prefetch_after.device == Device::cuda) {
+    p.prefetch = static_cast<const uint8_t*>(a.prefetch_after.data);
+    p.prefetch_bytes = int64_t(a.prefetch_after.bytes());
+  }
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
