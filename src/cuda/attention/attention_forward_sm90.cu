@@ -130,7 +130,7 @@ constexpr int NARROW_ROWS = 16;
 struct NarrowSmem {
   static constexpr int P_STRIDE = BN * 2 + 16;  // bytes a P row
   static constexpr int P_BYTES = NARROW_ROWS * P_STRIDE;
-  static constexpr int X_FLOATS = NARROW_ROWS * 4 * (BN / 8);  // [row][quad lane][column tile]
+  static constexpr int X_FLOATS = (BN / 8) * NARROW_ROWS * 4;  // [column tile][row][quad lane]: lanes apart
   static constexpr int MAX_FLOATS = 4 * NARROW_ROWS;            // [warp][row]
   static constexpr int BYTES = P_BYTES + (X_FLOATS + MAX_FLOATS) * 4;
 };
@@ -140,8 +140,10 @@ struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int ON = D / PARTS, V_BOXES = (ON + 63) / 64;
   // Q buffers of 64 rows: one a consumer, or (the persistent kernel) one an item, two in turn — the
-  // next item's Q loads while the current item's blocks are consumed.
-  static constexpr int Q_BUFFERS = 2;
+  // next item's Q loads while the current item's blocks are consumed. The narrow consumer takes its
+  // item's Q into registers first thing and frees the buffer: one is enough, and the 16 KiB it leaves
+  // (at D = 128) hold its exchange area without costing a K / V stage.
+  static constexpr int Q_BUFFERS = NARROW ? 1 : 2;
   static constexpr int Q_BYTES = Q_BUFFERS * 64 * D * 2, K_BYTES = BOXES * BN * 128, V_BYTES = V_BOXES * BN * 128;
   static constexpr int O_BYTES = SINGLE ? 0 : BM * D * 4;
   static constexpr int X_BYTES = NARROW ? NarrowSmem::BYTES : 0;  // the narrow consumer's exchange area
@@ -153,6 +155,8 @@ struct Smem {
       size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + X_BYTES + BARRIERS * 8 + 1024;
   static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
   static_assert(!NARROW || SINGLE, "the narrow consumer runs single-span items");
+  static_assert(!NARROW || STAGES >= Smem<D, PARTS, SINGLE, false>::STAGES,
+                "the narrow consumer's ring as deep as the wgmma consumer's (a fair A/B)");
 };
 
 // Whether a kernel walks many items a CTA: the single-span kernel over whole O columns (a grid of
@@ -192,7 +196,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
   static_assert(WN % 8 == 0, "a warp's O columns are whole 8-column tiles");
   constexpr int KT = BN / 16, TILES = BN / 8, WARP_KEYS = BN / 4, WARP_TILES = WARP_KEYS / 8;
   uint8_t* sp = exchange;                                               // P [16][P_STRIDE bytes]
-  float* xs = reinterpret_cast<float*>(exchange + X::P_BYTES);          // pair sums [row][q][tile]
+  float* xs = reinterpret_cast<float*>(exchange + X::P_BYTES);          // pair sums [tile][row][q]
   float* maxes = xs + X::X_FLOATS;                                      // [warp][row]
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
   const float c2 = p.scale_log2;
@@ -207,8 +211,8 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
     const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
     const bool writes_stats = (PARTS == 1 || it.d_split == 1) && warp == 0;
     const int pos0 = it.first_pos + r / it.group, pos1 = it.first_pos + (r + 8) / it.group;
-    const int qb = PERSISTENT ? k & 1 : 0;
-    mbar_wait(&full_q[qb], PERSISTENT ? (k >> 1) & 1 : 0);
+    const int qb = PERSISTENT ? k % S::Q_BUFFERS : 0;
+    mbar_wait(&full_q[qb], PERSISTENT ? (k / S::Q_BUFFERS) & 1 : 0);
     // Q's A fragments (rows 0–15) of every k16 step, in registers for the item; its buffer is free then.
     uint32_t qa[D / 16][4];
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
@@ -271,8 +275,8 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = exp2_ftz(__fmaf_rn(s[nt][e], c2, e < 2 ? -mc0 : -mc1));
         const int tile = warp * WARP_TILES + nt, key = tile * 8 + 2 * q;
-        xs[(r * 4 + q) * TILES + tile] = __fadd_rn(s[nt][0], s[nt][1]);
-        xs[((r + 8) * 4 + q) * TILES + tile] = __fadd_rn(s[nt][2], s[nt][3]);
+        xs[tile * 4 * NARROW_ROWS + r * 4 + q] = __fadd_rn(s[nt][0], s[nt][1]);  // a lane a word: no bank conflict
+        xs[tile * 4 * NARROW_ROWS + (r + 8) * 4 + q] = __fadd_rn(s[nt][2], s[nt][3]);
         *reinterpret_cast<uint32_t*>(sp + r * X::P_STRIDE + key * 2) = pack2<T>(s[nt][0], s[nt][1]);
         *reinterpret_cast<uint32_t*>(sp + (r + 8) * X::P_STRIDE + key * 2) = pack2<T>(s[nt][2], s[nt][3]);
       }
@@ -286,8 +290,8 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
       float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
       for (int tile = 0; tile < TILES; ++tile) {
-        sum0 = __fadd_rn(sum0, xs[(r * 4 + q) * TILES + tile]);
-        sum1 = __fadd_rn(sum1, xs[((r + 8) * 4 + q) * TILES + tile]);
+        sum0 = __fadd_rn(sum0, xs[tile * 4 * NARROW_ROWS + r * 4 + q]);
+        sum1 = __fadd_rn(sum1, xs[tile * 4 * NARROW_ROWS + (r + 8) * 4 + q]);
       }
       l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
       l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
@@ -470,8 +474,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         // Q: a buffer a consumer, or (the persistent kernel) the item's of two in turn, once the item
         // two before it has done its last S.
         for (int c = 0; c < consumers; ++c) {
-          const int qb = PERSISTENT ? k & 1 : c;
-          if (PERSISTENT && k >= 2) mbar_wait(&q_empty[qb], ((k >> 1) - 1) & 1);
+          const int qb = PERSISTENT ? k % S::Q_BUFFERS : c;
+          if (PERSISTENT && k >= S::Q_BUFFERS) mbar_wait(&q_empty[qb], ((k / S::Q_BUFFERS) - 1) & 1);
           mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
           for (int b = 0; b < S::BOXES; ++b) {
             uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
@@ -519,13 +523,14 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int c = wg - 1;
   if (c >= consumers) {
     // A warpgroup with no rows (one consumer: decode steps) prefetches its CTA's share of the next
-    // op's input into L2 (prefetch_after), 128-byte lines, evict-last: at small batches the memory
-    // bus idles while the attention walks its key blocks. It changes no value.
+    // op's input into L2 (prefetch_after), 128-byte lines (evict-normal: evict-last would leave each
+    // layer's weight in L2 at high priority long after its GEMM), as at small batches the memory bus
+    // idles while the attention walks its key blocks. It changes no value.
     if (p.prefetch_bytes >= 128 && c == 1) {
       const int64_t lines = p.prefetch_bytes / 128, share = (lines + gridDim.x - 1) / gridDim.x;
       const int64_t first = int64_t(blockIdx.x) * share, last = first + share < lines ? first + share : lines;
       for (int64_t line = first + threadIdx.x % 128; line < last; line += 128)
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p.prefetch + line * 128));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.prefetch + line * 128));
     }
     return;
   }
@@ -553,8 +558,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
     float o[ON / 2];
-    const int qb = PERSISTENT ? k & 1 : c;
-    mbar_wait(&full_q[qb], PERSISTENT ? (k >> 1) & 1 : 0);
+    const int qb = PERSISTENT ? k % S::Q_BUFFERS : c;
+    mbar_wait(&full_q[qb], PERSISTENT ? (k / S::Q_BUFFERS) & 1 : 0);
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
 
     // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
@@ -1006,7 +1011,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.n_combines = int(w.combines.size());
   // The L2 prefetch hint (an experiment, off by default): SAMEBITS_ATTN_L2_PREFETCH=N takes it for calls
   // of at most N query tokens (decode steps of at most N sequences), in the single-span kernel, whose
-  // second consumer warpgroup has no rows. A timing choice: no value depends on it.
+  // second consumer warpgroup has no rows. A timing choice: no value depends on it. In a graph the
+  // choice is the capture's (replan_graph keeps the recorded parameters).
   static const int64_t prefetch_tokens = [] {
     const char* e = std::getenv("SAMEBITS_ATTN_L2_PREFETCH");
     return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);

@@ -633,7 +633,7 @@ void composed_backward(const Context& ctx, const LmHeadLogprobBackwardArgs& a, c
   ScratchBuffer logits(size_t(rows) * size_t(V) * sizeof(float), stream, op);
   ScratchBuffer dlogits(size_t(rows) * size_t(V) * dtype_size(a.hidden.dtype), stream, op);
   ScratchBuffer active(size_t(T), stream, op);  // masked rows leave dweight alone (their x may be anything)
-  mark_active(a, active.as<uint8_t>(), stream);
+  if (a.dweight.present()) mark_active(a, active.as<uint8_t>(), stream);  // read by the weight gradient alone
   for (int64_t r0 = 0; r0 < T; r0 += rows) {
     const int64_t n = std::min(rows, T - r0);
     const TensorView z = TensorView::of(logits.as<float>(), DType::f32, {n, V}, Device::cuda);
