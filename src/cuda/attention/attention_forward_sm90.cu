@@ -184,7 +184,9 @@ constexpr bool persistent_kernel(bool single, int parts) { return single && part
 //    row, so each has the state of all 16 rows, as every thread of the wgmma kernel has its own);
 //  * O += P·V: the block's 8 k16 steps of keys in ascending order into each output element.
 // Rows past the item's (the Q box's other rows) are computed and never written; a row never mixes
-// with another in an MMA, and the maxima and sums are a row's own.
+// with another in an MMA, and the maxima and sums are a row's own. A block's S is issued before the
+// previous block's two barriers, so its MMAs run while the warps meet (the chain a CTA walks is the
+// time of a small decode); which instruction waits where changes no value.
 template <class T, int D, int PARTS, int STAGES, bool PERSISTENT>
 __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, int items_step, const uint8_t* sq,
                                                 const uint8_t* sk, const uint8_t* sv, uint8_t* exchange,
@@ -226,15 +228,15 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
     float o[NT][4];  // rows r (0, 1) and r + 8 (2, 3), columns 2q, 2q + 1 of each tile
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-    for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
-      const int st = n % STAGES;
-      const uint32_t phase = (n / STAGES) & 1;
-      // S of this warp's keys 32·warp … + 31 (the block's column tiles 4·warp + nt).
-      float s[WARP_TILES][4];
+    // S of this warp's keys 32·warp … + 31 of the block in ring slot `count` (the block's column tiles
+    // 4·warp + nt). Block j + 1's is issued before block j's barriers (below), so its MMAs run while
+    // the warps meet: the ring has at least 2 stages, so waiting for the next block's K there never
+    // waits on a stage this consumer still holds.
+    auto scores = [&](int count, float (&s)[WARP_TILES][4]) {
 #pragma unroll
       for (int nt = 0; nt < WARP_TILES; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      mbar_wait(&full_k[st], phase);
-      const uint8_t* kbase = sk + st * S::K_BYTES;
+      mbar_wait(&full_k[count % STAGES], (count / STAGES) & 1);
+      const uint8_t* kbase = sk + (count % STAGES) * S::K_BYTES;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
@@ -245,6 +247,12 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
           mma16816<T>(s[pair * 2], qa[kk], b[0], b[1]);
           mma16816<T>(s[pair * 2 + 1], qa[kk], b[2], b[3]);
         }
+    };
+    float s[WARP_TILES][4];
+    if (it.block_begin < it.block_end) scores(n, s);
+    for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
+      const int st = n % STAGES;
+      const uint32_t phase = (n / STAGES) & 1;
       // Causal mask (keys past a row's position), then this warp's row maxima of the raw scores.
       if (j * BN + BN - 1 > it.first_pos) {
         const int key_base = j * BN + warp * WARP_KEYS + 2 * q;
@@ -262,6 +270,8 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
       }
       quad_max(mx0, mx1);
       if (q == 0) maxes[warp * NARROW_ROWS + r] = mx0, maxes[warp * NARROW_ROWS + r + 8] = mx1;
+      float s_next[WARP_TILES][4];  // the next block's scores, in flight through the barriers
+      if (j + 1 < it.block_end) scores(n + 1, s_next);
       named_barrier_sync(3, 128);  // the maxima are in (and every warp is done with the last block's P and sums)
       mx0 = fmaxf(fmaxf(maxes[r], maxes[NARROW_ROWS + r]), fmaxf(maxes[2 * NARROW_ROWS + r], maxes[3 * NARROW_ROWS + r]));
       mx1 = fmaxf(fmaxf(maxes[r + 8], maxes[NARROW_ROWS + r + 8]),
@@ -321,6 +331,11 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[st]);  // this warp is done with the stage's K and V
+      if (j + 1 < it.block_end)
+#pragma unroll
+        for (int nt = 0; nt < WARP_TILES; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = s_next[nt][e];
     }
     // The span's end: the quad lanes' sums meet; fold into the empty state, or keep it (split-KV).
     quad_sum(l0, l1);
