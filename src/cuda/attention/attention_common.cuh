@@ -98,6 +98,17 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
+// One block's step of a row's online softmax: the new max mn = max(m, mx) of the raw scores, its
+// value in exp2 units mc (0 for a row that has seen no key of the span yet: its scores are all −inf,
+// p = 0, and the rescale multiplies zeros), and the returned rescale 2^(m·c − mc) of what the span
+// summed so far — exactly 1 where the max did not move (both products round alike). Every consumer
+// (wgmma and narrow) takes these from here, so they round alike by construction.
+__device__ __forceinline__ float online_step(float m, float mx, float c, float& mn, float& mc) {
+  mn = fmaxf(m, mx);
+  mc = mn == -INFINITY ? 0.0f : __fmul_rn(mn, c);
+  return exp2_ftz(__fsub_rn(__fmul_rn(m, c), mc));
+}
+
 // The fold of a key span's softmax state (m: its row max of the raw scores, l = Σ 2^((s − m)·c),
 // o = Σ 2^((s − m)·c)·v) into the running state (M, L, O) of the spans before it, left to right:
 //   M' = max(M, m), a = 2^(M·c − M'·c), b = 2^(m·c − M'·c) (products rounded, then subtracted),

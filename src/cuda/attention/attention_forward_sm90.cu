@@ -163,6 +163,9 @@ struct Smem {
 // O-column parts is at most half the SMs, the general kernel's grid is its items). The kernel's loop
 // and the launch's grid (grid_of) both follow it.
 constexpr bool persistent_kernel(bool single, int parts) { return single && parts == 1; }
+// Which forward kernel runs a call: the general kernel (0), the single-span kernel (1), or the
+// single-span kernel with the narrow consumer (2) — ForwardKernels' first index.
+constexpr int kernel_kind(bool single, bool narrow) { return narrow ? 2 : single ? 1 : 0; }
 
 // The narrow consumer (NARROW: every item of the call one span of at most 16 rows — a decode step's
 // items are one token's GQA group, 4 rows for Qwen3-8B or Llama-3-8B).
@@ -276,9 +279,8 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
       mx0 = fmaxf(fmaxf(maxes[r], maxes[NARROW_ROWS + r]), fmaxf(maxes[2 * NARROW_ROWS + r], maxes[3 * NARROW_ROWS + r]));
       mx1 = fmaxf(fmaxf(maxes[r + 8], maxes[NARROW_ROWS + r + 8]),
                   fmaxf(maxes[2 * NARROW_ROWS + r + 8], maxes[3 * NARROW_ROWS + r + 8]));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mc0 = mn0 == -INFINITY ? 0.0f : __fmul_rn(mn0, c2), mc1 = mn1 == -INFINITY ? 0.0f : __fmul_rn(mn1, c2);
-      const float alpha0 = exp2_ftz(__fsub_rn(__fmul_rn(m0, c2), mc0)), alpha1 = exp2_ftz(__fsub_rn(__fmul_rn(m1, c2), mc1));
+      float mn0, mn1, mc0, mc1;
+      const float alpha0 = online_step(m0, mx0, c2, mn0, mc0), alpha1 = online_step(m1, mx1, c2, mn1, mc1);
       // p, its pair sums and P (rounded to T) into the exchange area.
 #pragma unroll
       for (int nt = 0; nt < WARP_TILES; ++nt) {
@@ -625,14 +627,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
         mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
       }
-        quad_max(mx0, mx1);
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      // The row max in exp2 units; 0 for a row that has seen no key of the span yet (its scores are
-      // all −inf: p = 0, and its rescale factor multiplies zeros).
-      const float mc0 = mn0 == -INFINITY ? 0.0f : __fmul_rn(mn0, c2), mc1 = mn1 == -INFINITY ? 0.0f : __fmul_rn(mn1, c2);
-      // The rescale factor is exactly 1 where the max did not move (a block fully masked for the row
-      // changes no bit): both products round alike.
-      const float alpha0 = exp2_ftz(__fsub_rn(__fmul_rn(m0, c2), mc0)), alpha1 = exp2_ftz(__fsub_rn(__fmul_rn(m1, c2), mc1));
+      quad_max(mx0, mx1);
+      // The new maxima in exp2 units and the rescale of the span so far (exactly 1 where a block fully
+      // masked for the row moved no max: it changes no bit).
+      float mn0, mn1, mc0, mc1;
+      const float alpha0 = online_step(m0, mx0, c2, mn0, mc0), alpha1 = online_step(m1, mx1, c2, mn1, mc1);
       float sum0 = 0.0f, sum1 = 0.0f;
   #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
@@ -668,7 +667,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       // The span ends: fold it into the running state (or keep it, for a split-KV item).
       span = span_end;
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        quad_sum(l0, l1);
+      quad_sum(l0, l1);
       if (it.part < 0) {
         float a0 = 0, b0 = 0, a1 = 0, b1 = 0;
         const bool f0 = fold_stats(M0, L0, m0, l0, c2, a0, b0), f1 = fold_stats(M1, L1, m1, l1, c2, a1, b1);
@@ -833,10 +832,7 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
   });
   // The 16-row consumer (narrow_consumer): off unless SAMEBITS_NARROW_DECODE=1 or the test hook says
   // so, until a GPU run has timed it.
-  static const bool narrow_env = [] {
-    const char* v = std::getenv("SAMEBITS_NARROW_DECODE");
-    return v && std::strcmp(v, "1") == 0;
-  }();
+  static const bool narrow_env = env_opt_in("SAMEBITS_NARROW_DECODE");
   const int narrow_forced = detail::narrow_decode_override();
   w.narrow = w.single && (narrow_forced != 0 ? narrow_forced > 0 : narrow_env) &&
              std::all_of(items.begin(), items.end(), [](const Item& x) { return x.rows <= NARROW_ROWS; });
@@ -889,7 +885,7 @@ void add_forward_kernel(ForwardKernels& k, std::atomic<int> (&allowed)[64], cons
   const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE, NARROW>;
   using S = Smem<D, PARTS, SINGLE, NARROW>;
   allow_dynamic_smem(fn, S::BYTES, allowed, op);
-  k[NARROW ? 2 : SINGLE ? 1 : 0][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
+  k[kernel_kind(SINGLE, NARROW)][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
 }
 
 template <class T, int D>
@@ -911,7 +907,7 @@ ForwardKernels forward_kernels(const char* op) {
 }
 
 const ForwardKernel& kernel_of(const ForwardKernels& k, const Plan& w) {
-  return k[w.narrow ? 2 : w.single ? 1 : 0][size_t(kernel_index(w.parts))];
+  return k[kernel_kind(w.single, w.narrow)][size_t(kernel_index(w.parts))];
 }
 
 }  // namespace
@@ -1118,7 +1114,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
           op, "combine table");
   check(cudaEventRecord(r.uploaded, stream), op, "event");
   const std::array<int64_t, 5> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows,
-                                     int64_t(w.single) + int64_t(w.narrow)};
+                                     int64_t(kernel_kind(w.single, w.narrow))};
   if (shape == r.applied) return;
   r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {

@@ -42,6 +42,13 @@ inline bool env_switch(const char* name) {
   return !(v && std::strcmp(v, "0") == 0);
 }
 
+// The opposite default, for experiments left off: true only where the environment sets `name` to "1"
+// (callers keep it in a static: read once).
+inline bool env_opt_in(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "1") == 0;
+}
+
 // Whether launch_after_previous sets the attribute: a compute capability 9.0 device (the waits are
 // compiled for sm_90a only; on another device the kernels come from the sm_80 PTX, which has
 // none, so the attribute would let them read too early), and SAMEBITS_PDL not "0" (the test hook

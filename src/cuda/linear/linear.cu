@@ -4,10 +4,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "cuda/common/convert.cuh"
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
 #include "cuda/linear/gemm.cuh"
@@ -72,10 +72,7 @@ void linear_swiglu_forward(const Context& ctx, const LinearGroupForwardArgs& a, 
     require_tma_alignment(v, "parts[0].weight", a.parts[0].weight);
     require_tma_alignment(v, "parts[1].weight", a.parts[1].weight);
   }
-  static const bool env_on = [] {
-    const char* e = std::getenv("SAMEBITS_FUSED_SWIGLU");
-    return e && std::string(e) == "1";
-  }();
+  static const bool env_on = env_opt_in("SAMEBITS_FUSED_SWIGLU");
   const int forced = detail::fused_swiglu_override();
   const bool fused = hopper && (forced != 0 ? forced > 0 : env_on);
   const cudaStream_t stream = stream_of(ctx.stream);
