@@ -4,16 +4,14 @@
 # process of its own (the switches are read once a process), the plain setting first and last (its
 # two runs bound the drift), then one table of milliseconds a step.
 # Usage: bench/probes/ab_decode.sh BUILD_DIR OUT_DIR [SETTING ...]
-#   SETTING: NAME=VALUE[,NAME=VALUE…] of SAMEBITS_* variables, e.g. SAMEBITS_ATTN_L2_PREFETCH=1
-#   (default: the experiments still off: the L2 prefetch during attention for N = 1, 8, 64 tokens,
-#   the 16-row decode attention, the fused gate + up + SwiGLU GEMM).
+#   SETTING: NAME=VALUE[,NAME=VALUE…] of SAMEBITS_* variables, e.g. SAMEBITS_NARROW_DECODE=1
+#   (default: the experiments still off: the 16-row decode attention, the fused gate + up + SwiGLU GEMM).
 # BATCHES (default 1,8,64) and CONTEXTS (default 1024) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:?BUILD_DIR}; out=${2:?OUT_DIR}; shift 2
 settings=("$@")
-[ ${#settings[@]} -gt 0 ] || settings=(SAMEBITS_ATTN_L2_PREFETCH=1 SAMEBITS_ATTN_L2_PREFETCH=8 SAMEBITS_ATTN_L2_PREFETCH=64
-                                       SAMEBITS_NARROW_DECODE=1 SAMEBITS_FUSED_SWIGLU=1)
+[ ${#settings[@]} -gt 0 ] || settings=(SAMEBITS_NARROW_DECODE=1 SAMEBITS_FUSED_SWIGLU=1)
 mkdir -p "$out"
 export PYTHONPATH=$build/python PYTHONUNBUFFERED=1
 run() {  # LABEL SETTING (empty: the plain build)

@@ -222,11 +222,6 @@ struct AttentionForwardArgs {
   // of uploading block_table themselves (one upload for every layer of a step; the only way inside a
   // captured CUDA graph). Ignored on the CPU. The caller keeps the two equal.
   TensorView block_table_device;
-  // Optional, a hint: a tensor in q's device memory that the op after this one reads (the chain: the
-  // O projection's weight). Where the CUDA kernel has warps with nothing to do (a decode step's
-  // kernel: one consumer warpgroup of two), they prefetch it into L2 while the attention runs, which
-  // at small batches leaves the memory bus idle. No value depends on it. Ignored on the CPU.
-  TensorView prefetch_after;
 };
 // dq, dk, dv: same shapes as q, k, v. Key rows covered by no sequence get dk = dv = 0; key ranges
 // of different sequences must not overlap. dk/dv sum over the query heads of their group in

@@ -216,7 +216,6 @@ Chain::LayerOut Chain::layer_forward(int64_t l, const DeviceTensor& x_in, const 
     at.v = v3(v, Hkv, D);
   }
   at.seqs = step.seqs;
-  at.prefetch_after = W(p + "self_attn.o_proj.weight");  // a hint (AttentionForwardArgs): the next GEMM's weight
   DeviceTensor& attn = act("attn", {T, Hq * D});
   at.out = v3(attn, Hq, D);
   at.lse = acc("attn_lse", {T, Hq}).view();

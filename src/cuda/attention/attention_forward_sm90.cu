@@ -110,8 +110,6 @@ struct Params {
   int n_items;  // the CTAs walk items blockIdx.x, + gridDim.x, … below it (one each but in SINGLE)
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
-  const uint8_t* prefetch;  // AttentionForwardArgs::prefetch_after: bytes the idle warpgroup prefetches into L2
-  int64_t prefetch_bytes;
 };
 
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
@@ -192,7 +190,7 @@ constexpr int kernel_kind(bool single, bool narrow) { return narrow ? 2 : single
 // time of a small decode); which instruction waits where changes no value.
 template <class T, int D, int PARTS, int STAGES, bool PERSISTENT>
 __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, int items_step, const uint8_t* sq,
-                                                const uint8_t* sk, const uint8_t* sv, uint8_t* exchange,
+                                                const uint8_t* sk, uint8_t* sv, uint8_t* exchange,
                                                 uint64_t* full_q, uint64_t* q_empty, uint64_t* full_k,
                                                 uint64_t* full_v, uint64_t* empty) {
   using S = Smem<D, PARTS, true, true>;
@@ -309,8 +307,22 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
       l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
       // O += P·V over this warp's columns: local column lc of the CTA's V boxes.
       mbar_wait(&full_v[st], phase);
-      const uint8_t* vbase = sv + st * S::V_BYTES;
+      uint8_t* vbase = sv + st * S::V_BYTES;
       const int lc0 = d0 % 64 + warp * WN;
+      // A tail block (the item's last, partly past its keys): this warp zeroes the rows past the end
+      // of the columns it reads (0 · NaN must not reach P·V), then reads them. The wgmma consumer has
+      // the producer do it (zero_tail); here each warp's columns are its own, so no other warp waits
+      // on the zeros and the hand-over is this warp's own __syncwarp.
+      const bool tail = j * BN + BN > it.k_len;
+      if (tail) {
+        const int valid = it.k_len - j * BN;
+        for (int piece = lane; piece < (BN - valid) * (WN / 8); piece += 32) {
+          const int row = valid + piece / (WN / 8), lc = lc0 + (piece % (WN / 8)) * 8;
+          *reinterpret_cast<uint4*>(vbase + (lc / 64) * BN * 128 + row * 128 + (((lc % 64) / 8) ^ (row % 8)) * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+      }
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
         uint32_t pa[4];
@@ -331,6 +343,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
           }
         }
       }
+      if (tail) fence_async_shared();  // the zeros (generic writes) before the copy engine refills the stage
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[st]);  // this warp is done with the stage's K and V
       if (j + 1 < it.block_end)
@@ -437,9 +450,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   __syncthreads();
   const int wg = threadIdx.x / 128;
 
-  if (wg == 0) {  // producer: warp 0 loads; in the persistent kernel warp 1 zeroes tail blocks' V rows
+  if (wg == 0) {  // producer: warp 0 loads; in the persistent wgmma kernel warp 1 zeroes tail blocks' V rows
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x >= (PERSISTENT ? 64 : 32)) return;
+    constexpr bool TAIL_WARP = PERSISTENT && !NARROW;
+    if (threadIdx.x >= (TAIL_WARP ? 64 : 32)) return;
     const int lane = threadIdx.x % 32;
     // The V boxes (64 columns each) holding this CTA's O columns.
     auto v_boxes = [&](const Item& it, int& lo, int& hi) {
@@ -466,7 +480,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     };
     auto is_tail = [](const Item& it, int j) { return j * BN + BN > it.k_len; };
     uint32_t parity = 0;
-    if constexpr (PERSISTENT) {
+    if constexpr (TAIL_WARP) {
       if (threadIdx.x >= 32) {
         // Warp 1 zeroes the tails, walking the loader's blocks in its order: the loading warp runs
         // on into the next items (it used to wait for each tail itself, its loads stalled once an
@@ -522,15 +536,16 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
           for (int b = 0; b < S::BOXES; ++b)
             tma_load_3d(kdst + b * BN * 128 + r0 * 128, &p.k, b * 64, hk, piece_row(r0), &full_k[st]);
-        // A tail block's V lands on tail_v[st]: zero_tail fills full_v[st] once its rows past the end are zeroed.
-        uint64_t* v_bar = is_tail(it, j) ? &tail_v[st] : &full_v[st];
+        // A tail block's V lands on tail_v[st]: zero_tail fills full_v[st] once its rows past the end are
+        // zeroed (the narrow consumer's warps zero their own columns: straight to full_v).
+        uint64_t* v_bar = is_tail(it, j) && !NARROW ? &tail_v[st] : &full_v[st];
         if (lane == 0) mbar_expect_tx(v_bar, uint32_t(vb_hi - vb_lo) * BN * 128);
         __syncwarp();
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
           for (int b = vb_lo; b < vb_hi; ++b)
             tma_load_3d(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), v_bar);
         // One item a CTA: its tail is its last block, nothing is loaded after it, this warp zeroes it.
-        if (!PERSISTENT && is_tail(it, j)) zero_tail(it, j, st, parity);
+        if (!PERSISTENT && !NARROW && is_tail(it, j)) zero_tail(it, j, st, parity);
       }
     }
     return;
@@ -538,19 +553,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;
-  if (c >= consumers) {
-    // A warpgroup with no rows (one consumer: decode steps) prefetches its CTA's share of the next
-    // op's input into L2 (prefetch_after), 128-byte lines (evict-normal: evict-last would leave each
-    // layer's weight in L2 at high priority long after its GEMM), as at small batches the memory bus
-    // idles while the attention walks its key blocks. It changes no value.
-    if (p.prefetch_bytes >= 128 && c == 1) {
-      const int64_t lines = p.prefetch_bytes / 128, share = (lines + gridDim.x - 1) / gridDim.x;
-      const int64_t first = int64_t(blockIdx.x) * share, last = first + share < lines ? first + share : lines;
-      for (int64_t line = first + threadIdx.x % 128; line < last; line += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.prefetch + line * 128));
-    }
-    return;
-  }
+  if (c >= consumers) return;
   if constexpr (NARROW) {
     narrow_consumer<T, D, PARTS, STAGES, PERSISTENT>(p, items_end, items_step, sq, sk, sv, exchange, full_q, q_empty,
                                                      full_k, full_v, empty);
@@ -1020,19 +1023,6 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   p.n_items = int(w.items.size());
   p.n_combines = int(w.combines.size());
-  // The L2 prefetch hint (an experiment, off by default): SAMEBITS_ATTN_L2_PREFETCH=N takes it for calls
-  // of at most N query tokens (decode steps of at most N sequences), in the single-span kernel, whose
-  // second consumer warpgroup has no rows. A timing choice: no value depends on it. In a graph the
-  // choice is the capture's (replan_graph keeps the recorded parameters).
-  static const int64_t prefetch_tokens = [] {
-    const char* e = std::getenv("SAMEBITS_ATTN_L2_PREFETCH");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);
-  }();
-  if (a.q.shape[0] <= prefetch_tokens && w.single && a.prefetch_after.present() &&
-      a.prefetch_after.device == Device::cuda) {
-    p.prefetch = static_cast<const uint8_t*>(a.prefetch_after.data);
-    p.prefetch_bytes = int64_t(a.prefetch_after.bytes());
-  }
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
   p.scale_log2 = float(scale * 1.4426950408889634);
