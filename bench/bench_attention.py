@@ -45,8 +45,8 @@ def main():
     ap.add_argument("--only", choices=["prefill", "backward", "decode", "paged"], help="one table alone")
     ap.add_argument("--quick", action="store_true", help="one shape a table")
     ap.add_argument("--ab", metavar="HOOK=VALUE",
-                    help="decode table: samebits again with a tuning hook set (samebits._core._set_tuning, e.g. "
-                         "narrow_decode=1), in the same alternation as the other contenders")
+                    help="prefill and decode tables: samebits again with a tuning hook set (samebits._core._set_tuning, "
+                         "e.g. narrow_decode=1, persistent_prefill=1), in the same alternation as the other contenders")
     args = ap.parse_args()
     samebits = samebits_from(args.build)
     raw = samebits._core.raw
@@ -61,6 +61,15 @@ def main():
             finally:
                 samebits._core._set_tuning(hook, before)
         return call
+
+    def ab_cell(times, a, o, o_ab, scale, unit, fmt):
+        """The --ab column: the call with the hook set, its time against the plain call's, and whether its bits
+        are the plain call's ("" without --ab)."""
+        if o_ab is None:
+            return ""
+        same = torch.equal(o.view(torch.uint8), o_ab.view(torch.uint8))
+        return (f" {times[1] * scale:{fmt}} {unit} ({times[1] / a:.2f}× samebits; "
+                f"{'same bits' if same else 'BITS DIFFER'}) |")
 
     def desc(t):
         return samebits.torch._desc(t, "bench_attention", "tensor")
@@ -117,8 +126,8 @@ def main():
            "Causal prefill: B sequences of S tokens (TFLOP/s count the causal half of the score and value products, "
            "4·S²·D·Hq/2 a sequence).", "",
            "| Hq / Hkv, D | S × B | samebits | torch default (best) | samebits / default throughput | torch, each | "
-           "max abs diff of out |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "max abs diff of out |" + (f" samebits, `{args.ab}` |" if hook else ""),
+           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if hook else "")]
     def host_ints(values, cols):  # made once, outside the timed calls (large block tables take milliseconds)
         return torch.tensor(values, dtype=torch.int32).view(-1, cols)
 
@@ -131,6 +140,17 @@ def main():
         else:
             raw.attention_forward_paged(desc(q), desc(k), desc(v), desc(table), desc(o), desc(lse), desc(pages),
                                         page_size=page_size, stream=stream)
+
+    def time_against(q, k, v, table, o, lse, theirs):
+        """samebits (and, with --ab, samebits with the hook set, into its own output) alternating with torch's
+        contenders: every time, samebits', torch's by label, and the --ab call's output (None without --ab)."""
+        mine = [lambda i: run(q, k, v, table, o, lse)]
+        o_ab = None
+        if hook:
+            o_ab = torch.empty_like(o)
+            mine.append(with_hook(lambda i: run(q, k, v, table, o_ab, lse)))
+        times = alternate(mine + list(theirs.values()), args.reps)
+        return times, times[0], dict(zip(theirs, times[len(mine):])), o_ab
 
     def wanted(name):
         return args.only in (None, name)
@@ -150,13 +170,13 @@ def main():
             qt, kt, vt = (t.view(B, S, -1, d).transpose(1, 2) for t in (q, k, v))
             table = host_ints([x for b in range(B) for x in (b * S, S, b * S, S)], 4)
             theirs = sdpa_contenders(qt, kt, vt, True)
-            times = alternate([lambda i: run(q, k, v, table, o, lse)] + list(theirs.values()), args.reps)
-            a, tt = times[0], dict(zip(theirs, times[1:]))
+            times, a, tt, o_ab = time_against(q, k, v, table, o, lse, theirs)
             base = baseline(tt)
             diff = (o.view(B, S, hq, d).transpose(1, 2).float() - theirs["default"](0).float()).abs().max().item()
             flops = 4 * S * S * d * hq / 2 * B
             out.append(f"| {hq} / {hkv}, {d} | {S} × {B} | {a:.2f} ms, {flops / a / 1e9:.0f} TFLOP/s | {base:.2f} ms, "
-                       f"{flops / base / 1e9:.0f} TFLOP/s | **{base / a:.2f}×** | {others(tt)} | {diff:.3g} |")
+                       f"{flops / base / 1e9:.0f} TFLOP/s | **{base / a:.2f}×** | {others(tt)} | {diff:.3g} |"
+                       + ab_cell(times, a, o, o_ab, 1, "ms", ".2f"))
             del q, k, v, o, qt, kt, vt, theirs
 
     out += ["", "Causal backward (dq, dk, dv from out, lse and dout): samebits' backward against "
@@ -218,22 +238,13 @@ def main():
             kt, vt = (t.view(B, C, hkv, d).transpose(1, 2) for t in (k, v))
             table = host_ints([x for b in range(B) for x in (b, 1, b * C, C)], 4)
             theirs = sdpa_contenders(qt, kt, vt, False)
-            mine = [lambda i: run(q, k, v, table, o, lse)]
-            if hook:
-                o_ab = torch.empty_like(o)
-                mine.append(with_hook(lambda i: run(q, k, v, table, o_ab, lse)))
-            times = alternate(mine + list(theirs.values()), args.reps)
-            a, tt = times[0], dict(zip(theirs, times[len(mine):]))
+            times, a, tt, o_ab = time_against(q, k, v, table, o, lse, theirs)
             base = baseline(tt)
             diff = (o.float() - theirs["default"](0).view(B, hq, d).float()).abs().max().item()
             gb = B * C * hkv * d * 2 * 2 / 1e9
-            ab = ""
-            if hook:  # the same call with the hook: its time, and whether its bits are the plain call's
-                same = torch.equal(o.view(torch.uint8), o_ab.view(torch.uint8))
-                ab = f" {times[1] * 1e3:.1f} µs ({times[1] / a:.2f}× samebits; {'same bits' if same else 'BITS DIFFER'}) |"
             out.append(f"| {B} | {C} | {a * 1e3:.1f} µs, {gb / a * 1e3:.0f} GB/s | {base * 1e3:.1f} µs, "
                        f"{gb / base * 1e3:.0f} GB/s | **{a / base:.2f}×** | {others(tt, 1e3, 'µs', '.1f')} | {diff:.3g} |"
-                       + ab)
+                       + ab_cell(times, a, o, o_ab, 1e3, "µs", ".1f"))
             del q, k, v, o, kt, vt, theirs
     out += ["", "Kernel time against the Python call's host time (issue 30 goal 5: a kernel gap and a host gap "
             "kept apart): `samebits.torch.attention` (the op users call: packed rows and lengths) and "

@@ -87,7 +87,7 @@ lane_model() {  # the torch suite, then verify and the bits
 families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
 families+=':CudaLinear.BadInputIsAClearErrorOrACorrectSlowerPath:CudaAttention.PagedCacheGivesTheSameBits'
 families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecodeEqualsPrefillAcrossSpans'
-families+=':CudaAttention.NarrowDecodeGivesThePrefillsBits'
+families+=':CudaAttention.NarrowDecodeGivesThePrefillsBits:CudaAttention.PersistentPrefillGivesACtaAnItemsBits'
 families+=':CudaLogprob.NonFiniteLogitsPoisonOnlyTheirRow:CudaLmHead.RecomputedStatisticsGiveTheSavedOnesBits'
 families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBitsIgnoreBatchOffsetAndAlignment'
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'

@@ -897,21 +897,26 @@ PYBIND11_MODULE(_core, m) {
       detail::lm_head_vocab_chunk_override() = int(value);
       return before;
     }
-    if (name == "fused_swiglu") {
-      if (value < -1 || value > 1) throw Error("_set_tuning", name, "takes -1 (never), 0 (SAMEBITS_FUSED_SWIGLU) or 1");
-      const int64_t before = detail::fused_swiglu_override();
-      detail::fused_swiglu_override() = int(value);
-      return before;
-    }
-    if (name == "narrow_decode") {
-      if (value < -1 || value > 1) throw Error("_set_tuning", name, "takes -1 (never), 0 (SAMEBITS_NARROW_DECODE) or 1");
-      const int64_t before = detail::narrow_decode_override();
-      detail::narrow_decode_override() = int(value);
+    // The experiments' switches: -1 never, 0 as their SAMEBITS_* variable says, 1 wherever they take a call.
+    struct OptIn {
+      const char* name;
+      int& (*hook)();
+      const char* env;
+    };
+    for (const OptIn& o : {OptIn{"fused_swiglu", detail::fused_swiglu_override, "SAMEBITS_FUSED_SWIGLU"},
+                           OptIn{"narrow_decode", detail::narrow_decode_override, "SAMEBITS_NARROW_DECODE"},
+                           OptIn{"persistent_prefill", detail::persistent_prefill_override,
+                                 "SAMEBITS_PERSISTENT_PREFILL"}}) {
+      if (name != o.name) continue;
+      if (value < -1 || value > 1)
+        throw Error("_set_tuning", name, std::string("takes -1 (never), 0 (") + o.env + ") or 1");
+      const int64_t before = o.hook();
+      o.hook() = int(value);
       return before;
     }
     throw Error("_set_tuning", name,
                 "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk, fused_swiglu, "
-                "narrow_decode)");
+                "narrow_decode, persistent_prefill)");
   }, py::arg("name"), py::arg("value"),
      "Test / benchmark hook: forces a kernel-shape choice that changes no bit (0: the library's own); returns the "
      "previous value.");

@@ -42,6 +42,16 @@ long long& narrow_decode_launches() {
   return count;
 }
 
+int& persistent_prefill_override() {
+  static int value = 0;
+  return value;
+}
+
+long long& persistent_prefill_launches() {
+  static long long count = 0;
+  return count;
+}
+
 int& sampling_kernel_override() {
   static int value = 0;
   return value;

@@ -19,8 +19,9 @@ bool& norm_any_dtype_path_override();
 // (cuda/common/pdl.cuh); 1: wherever the device allows them; -1: never (tests compare the two).
 int& programmatic_launch_override();
 
-// 0: the persistent single-span attention kernel (decode steps) runs at most one CTA an SM; N > 0:
-// at most N CTAs, each walking many items (tests/cuda/test_attention.cpp: the same bits).
+// 0: the persistent attention kernels (the single-span kernel of decode steps; the paired prefill
+// kernel) run at most one CTA an SM; N > 0: at most N CTAs, each walking many items
+// (tests/cuda/test_attention.cpp: the same bits).
 int& attention_persistent_ctas_override();
 
 // The CUDA sampling kernel (tests/cuda/test_sampling.cpp, bench_time_sampling: the same bits either
@@ -44,6 +45,14 @@ long long& fused_swiglu_launches();
 int& narrow_decode_override();
 // Launches of the 16-row kernel so far (tests: proof that it ran).
 long long& narrow_decode_launches();
+
+// The paired persistent attention kernel (cuda/attention/attention_forward_sm90.cu: two consumers a
+// CTA, the CTAs walking the items) for calls with items of more than 64 rows (prefill): 0, as
+// SAMEBITS_PERSISTENT_PREFILL says (off unless "1": not yet measured on a GPU); 1, wherever it takes
+// the call; -1, never (a CTA an item). The same bits either way (tests/cuda/test_attention.cpp).
+int& persistent_prefill_override();
+// Launches of the paired kernel so far (tests: proof that it ran).
+long long& persistent_prefill_launches();
 
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.

@@ -122,6 +122,13 @@ def test_set_tuning_hook():
         _core._set_tuning("gemm_tile_width", 100)
     with pytest.raises(samebits.Error, match="multiple of 256"):
         _core._set_tuning("lm_head_vocab_chunk", 300)
+    for hook, env in (("fused_swiglu", "SAMEBITS_FUSED_SWIGLU"), ("narrow_decode", "SAMEBITS_NARROW_DECODE"),
+                      ("persistent_prefill", "SAMEBITS_PERSISTENT_PREFILL")):  # the experiments' switches
+        assert _core._set_tuning(hook, 1) == 0
+        assert _core._set_tuning(hook, -1) == 1
+        assert _core._set_tuning(hook, 0) == -1
+        with pytest.raises(samebits.Error, match=f"takes -1 \\(never\\), 0 \\({env}\\) or 1"):
+            _core._set_tuning(hook, 2)
     x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
     w = np.ones(64, np.float32)
     a = samebits.rms_norm(x, w)

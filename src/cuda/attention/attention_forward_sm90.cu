@@ -40,6 +40,13 @@
 //    (the last blocks' compute, the write, the next CTA's start and first loads). Measured on the
 //    H100 (Qwen3-8B shape, whole decode step): B = 64, C = 1k 1.5% faster, C = 4k 0.7% slower; the
 //    kernel still reads the KV at ~77% of the copy bandwidth there (docs/attention.md).
+//  * Prefill (PAIRED; an experiment, off unless SAMEBITS_PERSISTENT_PREFILL=1): the same persistence
+//    for items of up to 128 rows — two consumers a CTA for every item, each with its own Q buffer,
+//    which it frees at the item's last S = Q·Kᵀ so the next item's Q loads during the last block's
+//    P·V and the write; over single-span items the single-span kernel's deeper ring and O in
+//    registers, else the general kernel's ring and running O. A CTA an item pays the CTA's start, its
+//    first loads and its drained ring at every item, which at S = 1k (items of 1–8 blocks) is a
+//    large share of its ~5 µs.
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -137,8 +144,9 @@ template <int D, int PARTS, bool SINGLE, bool NARROW = false>
 struct Smem {
   static constexpr int BOXES = D / 64;  // 64-column boxes of a row
   static constexpr int ON = D / PARTS, V_BOXES = (ON + 63) / 64;
-  // Q buffers of 64 rows: one a consumer, or (the persistent kernel) one an item, two in turn — the
-  // next item's Q loads while the current item's blocks are consumed. The narrow consumer takes its
+  // Q buffers of 64 rows: one a consumer (the general kernel; the paired kernel, item after item), or
+  // (the persistent single-span kernel) one an item, two in turn — the next item's Q loads while the
+  // current item's blocks are consumed. The narrow consumer takes its
   // item's Q into registers first thing and frees the buffer: one is enough, and the 16 KiB it leaves
   // (at D = 128) hold its exchange area without costing a K / V stage.
   static constexpr int Q_BUFFERS = NARROW ? 1 : 2;
@@ -160,10 +168,13 @@ struct Smem {
 // Whether a kernel walks many items a CTA: the single-span kernel over whole O columns (a grid of
 // O-column parts is at most half the SMs, the general kernel's grid is its items). The kernel's loop
 // and the launch's grid (grid_of) both follow it.
-constexpr bool persistent_kernel(bool single, int parts) { return single && parts == 1; }
-// Which forward kernel runs a call: the general kernel (0), the single-span kernel (1), or the
-// single-span kernel with the narrow consumer (2) — ForwardKernels' first index.
-constexpr int kernel_kind(bool single, bool narrow) { return narrow ? 2 : single ? 1 : 0; }
+constexpr bool persistent_kernel(bool single, int parts, bool paired) { return paired || (single && parts == 1); }
+// Which forward kernel runs a call: the general kernel (0), the single-span kernel (1), the
+// single-span kernel with the narrow consumer (2), or the paired persistent kernel over the general
+// (3) or the single-span layout (4) — ForwardKernels' first index.
+constexpr int kernel_kind(bool single, bool narrow, bool paired = false) {
+  return narrow ? 2 : paired ? (single ? 4 : 3) : single ? 1 : 0;
+}
 
 // The narrow consumer (NARROW: every item of the call one span of at most 16 rows — a decode step's
 // items are one token's GQA group, 4 rows for Qwen3-8B or Llama-3-8B).
@@ -401,8 +412,9 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
 // each computing D / PARTS of O's columns: a decode CTA is bound by its tensor work (64 query rows
 // of which a few are real), P·V is half of it, and every element of O is formed by the same
 // products in the same order whichever N the wgmma has (tested: decode in parts == prefill).
-template <class T, int D, int PARTS, bool SINGLE, bool NARROW>
+template <class T, int D, int PARTS, bool SINGLE, bool NARROW, bool PAIRED>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
+  static_assert(!PAIRED || (PARTS == 1 && !NARROW), "the paired kernel: whole O columns, wgmma consumers");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // Launched after the previous kernel (cuda/common/pdl.cuh): the next one (the combine, or the O
   // GEMM, which loads its first weight stages before its own wait) may start at once, on the SMs a
@@ -425,15 +437,23 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* tail_v = empty + STAGES;  // a tail block's V landed (zero_tail waits on it)
   auto item_at = [&](int i) { return p.items ? p.items[i] : p.inline_items[i]; };
   // The general kernel's grid is its items (one a CTA), so its consumers are its one item's; the
-  // single-span kernel's items have at most 64 rows: one consumer.
-  const int consumers = !SINGLE && item_at(blockIdx.x).rows > 64 ? 2 : 1;
+  // single-span kernel's items have at most 64 rows: one consumer; the paired kernel: two for every
+  // item (an item of at most 64 rows leaves the second's rows unwritten).
+  const int consumers = PAIRED || (!SINGLE && item_at(blockIdx.x).rows > 64) ? 2 : 1;
   constexpr int ON = D / PARTS;  // O's columns this CTA computes
   // Which items this CTA walks: blockIdx.x, + gridDim.x, … in the persistent kernel; its own alone
   // elsewhere — a loop the compiler sees run once.
-  constexpr bool PERSISTENT = persistent_kernel(SINGLE, PARTS);
+  constexpr bool PERSISTENT = persistent_kernel(SINGLE, PARTS, PAIRED);
   const int items_end = PERSISTENT ? p.n_items : int(blockIdx.x) + 1, items_step = PERSISTENT ? int(gridDim.x) : 1;
   // Who releases a Q buffer and a stage: a consumer's thread 0, or each of the narrow consumer's warps.
   const uint32_t releasers = NARROW ? 4u : uint32_t(consumers);
+  // The Q buffer consumer c reads for the CTA's k-th item, and which use of it that is (round: its
+  // barriers' phase): a buffer a consumer (the general kernel, one item; PAIRED, item after item),
+  // or the persistent single-span kernel's two buffers in turn (one, the narrow consumer's).
+  auto q_slot = [](int k, int c, int& round) {
+    round = PAIRED ? k : PERSISTENT ? k / S::Q_BUFFERS : 0;
+    return PERSISTENT && !PAIRED ? k % S::Q_BUFFERS : c;
+  };
   if (threadIdx.x == 0) {
     for (int b = 0; b < S::Q_BUFFERS; ++b) {
       mbar_init(&full_q[b], 1);
@@ -505,8 +525,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         // Q: a buffer a consumer, or (the persistent kernel) the item's of two in turn, once the item
         // two before it has done its last S.
         for (int c = 0; c < consumers; ++c) {
-          const int qb = PERSISTENT ? k % S::Q_BUFFERS : c;
-          if (PERSISTENT && k >= S::Q_BUFFERS) mbar_wait(&q_empty[qb], ((k / S::Q_BUFFERS) - 1) & 1);
+          int round;
+          const int qb = q_slot(k, c, round);
+          if (round > 0) mbar_wait(&q_empty[qb], (round - 1) & 1);
           mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
           for (int b = 0; b < S::BOXES; ++b) {
             uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
@@ -578,14 +599,14 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;  // running state
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
     float o[ON / 2];
-    const int qb = PERSISTENT ? k % S::Q_BUFFERS : c;
-    mbar_wait(&full_q[qb], PERSISTENT ? (k / S::Q_BUFFERS) & 1 : 0);
+    int q_round;
+    const int qb = q_slot(k, c, q_round);
+    mbar_wait(&full_q[qb], q_round & 1);
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
 
     // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
     // runs its softmax while the other's MMAs hold the tensor cores. Consumer 0 goes first.
     const bool pingpong = consumers == 2;
-    const int blocks = it.block_end - it.block_begin;
     if (pingpong && c == 1) named_barrier_arrive(1, 256);
     for (int span = it.block_begin; span < it.block_end;) {
       const int span_end = std::min(it.block_end, (span / SPLIT_BLOCKS + 1) * SPLIT_BLOCKS);
@@ -608,10 +629,12 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
         }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        if (pingpong && (c == 0 || n + 1 < blocks)) named_barrier_arrive(2 - c, 256);  // the other's turn
+        if (pingpong && (c == 0 || j + 1 < it.block_end)) named_barrier_arrive(2 - c, 256);  // the other's turn
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         // The previous block's P·V is done too: its stage can be refilled.
         if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
+        // PAIRED: the item's last S is done, its Q buffer may take the next item's Q.
+        if (PAIRED && j + 1 == it.block_end && t == 0) mbar_arrive(&q_empty[qb]);
 
         // Causal mask where the block reaches past the warp's first row (whole blocks below the
       // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
@@ -685,7 +708,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (PERSISTENT && t == 0) mbar_arrive(&q_empty[qb]);  // its products are done: the buffer may take item k + 2's Q
+    if (PERSISTENT && !PAIRED && t == 0) mbar_arrive(&q_empty[qb]);  // its products are done: the buffer may take item k + 2's Q
 
     // Write this thread's two rows: the final out / lse, or the span's unfolded state.
     auto write_row = [&](int row, bool second) {
@@ -771,6 +794,8 @@ struct Plan {
   int parts = 1;
   bool single = false;    // every item one span of at most 64 rows: the single-span kernel (a deeper ring)
   bool narrow = false;    // single, and every item at most 16 rows: its narrow consumer (mma.sync)
+  bool paired = false;    // items of more than 64 rows, whole O columns: the paired persistent kernel (an
+                          // experiment), over the single-span layout where `single` (then: every item one span)
   int32_t most_rows = 0;  // the most rows of a combine
 };
 
@@ -839,6 +864,19 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
   const int narrow_forced = detail::narrow_decode_override();
   w.narrow = w.single && (narrow_forced != 0 ? narrow_forced > 0 : narrow_env) &&
              std::all_of(items.begin(), items.end(), [](const Item& x) { return x.rows <= NARROW_ROWS; });
+  // The paired persistent kernel (two consumers a CTA, the CTAs walking the items): off unless
+  // SAMEBITS_PERSISTENT_PREFILL=1 or the test hook says so, until a GPU run has timed it. Over the
+  // single-span layout where every item is one span (w.single then only says: not at most 64 rows).
+  static const bool paired_env = env_opt_in("SAMEBITS_PERSISTENT_PREFILL");
+  const int paired_forced = detail::persistent_prefill_override();
+  // (Every item has a key block — its consumers' Q release and ping-pong count on one; q_len ≥ 1.)
+  if (!w.single && w.parts == 1 && (paired_forced != 0 ? paired_forced > 0 : paired_env) &&
+      std::all_of(items.begin(), items.end(), [](const Item& x) { return x.block_end > x.block_begin; })) {
+    w.paired = true;
+    w.single = single_span && std::all_of(items.begin(), items.end(), [](const Item& x) {
+      return x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
+    });
+  }
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;
@@ -862,7 +900,7 @@ unsigned grid_of(const Plan& w, int sms) {
   static const bool persistent = env_switch("SAMEBITS_PERSISTENT_DECODE");
   const int forced = detail::attention_persistent_ctas_override();
   size_t g = w.items.size();
-  if (persistent_kernel(w.single, w.parts) && (persistent || forced > 0))
+  if (persistent_kernel(w.single, w.parts, w.paired) && (persistent || forced > 0))
     g = std::min(g, size_t(forced > 0 ? forced : sms));
   return unsigned(g);
 }
@@ -878,22 +916,22 @@ struct ForwardKernel {
   void* fn = nullptr;
   unsigned smem = 0;
 };
-// [kernel][parts index]: the general kernel, the single-span kernel and the single-span kernel with
-// the narrow consumer (index 0, 1, 2) of each O-column split (index 0, 1, 2: parts 1, 2, 4; null where
-// D / 4 is too narrow), each opted into its shared memory once per device.
-using ForwardKernels = std::array<std::array<ForwardKernel, 3>, 3>;
+// [kernel][parts index]: the kernels of kernel_kind (index 0 … 4) of each O-column split (index 0, 1, 2:
+// parts 1, 2, 4; null where D / 4 is too narrow, and for the paired kernels' parts), each opted into
+// its shared memory once per device.
+using ForwardKernels = std::array<std::array<ForwardKernel, 3>, 5>;
 
-template <class T, int D, int PARTS, bool SINGLE, bool NARROW = false>
+template <class T, int D, int PARTS, bool SINGLE, bool NARROW = false, bool PAIRED = false>
 void add_forward_kernel(ForwardKernels& k, std::atomic<int> (&allowed)[64], const char* op) {
-  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE, NARROW>;
+  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE, NARROW, PAIRED>;
   using S = Smem<D, PARTS, SINGLE, NARROW>;
   allow_dynamic_smem(fn, S::BYTES, allowed, op);
-  k[kernel_kind(SINGLE, NARROW)][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
+  k[kernel_kind(SINGLE, NARROW, PAIRED)][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
 }
 
 template <class T, int D>
 ForwardKernels forward_kernels(const char* op) {
-  static std::atomic<int> allowed[3][3][64] = {};
+  static std::atomic<int> allowed[5][3][64] = {};
   ForwardKernels k{};
   add_forward_kernel<T, D, 1, false>(k, allowed[0][0], op);
   add_forward_kernel<T, D, 2, false>(k, allowed[0][1], op);
@@ -901,6 +939,8 @@ ForwardKernels forward_kernels(const char* op) {
   add_forward_kernel<T, D, 2, true>(k, allowed[1][1], op);
   add_forward_kernel<T, D, 1, true, true>(k, allowed[2][0], op);
   add_forward_kernel<T, D, 2, true, true>(k, allowed[2][1], op);
+  add_forward_kernel<T, D, 1, false, false, true>(k, allowed[3][0], op);
+  add_forward_kernel<T, D, 1, true, false, true>(k, allowed[4][0], op);
   if constexpr (D / 4 >= 32) {
     add_forward_kernel<T, D, 4, false>(k, allowed[0][2], op);
     add_forward_kernel<T, D, 4, true>(k, allowed[1][2], op);
@@ -910,7 +950,7 @@ ForwardKernels forward_kernels(const char* op) {
 }
 
 const ForwardKernel& kernel_of(const ForwardKernels& k, const Plan& w) {
-  return k[kernel_kind(w.single, w.narrow)][size_t(kernel_index(w.parts))];
+  return k[kernel_kind(w.single, w.narrow, w.paired)][size_t(kernel_index(w.parts))];
 }
 
 }  // namespace
@@ -1034,6 +1074,7 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   static const bool after_previous = env_switch("SAMEBITS_ATTENTION_PDL");
   launch_after_previous(fk.fn, dim3(grid_of(w, sms)), dim3(THREADS), fk.smem, stream, op, args, after_previous);
   if (w.narrow) ++detail::narrow_decode_launches();
+  if (w.paired) ++detail::persistent_prefill_launches();
   RecordedCall call;
   if (rec) call.forward = last_captured_node(stream, op);
   // A graph always holds the combine: a step without split spans runs it as one CTA with nothing to
@@ -1104,7 +1145,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
           op, "combine table");
   check(cudaEventRecord(r.uploaded, stream), op, "event");
   const std::array<int64_t, 5> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows,
-                                     int64_t(kernel_kind(w.single, w.narrow))};
+                                     int64_t(kernel_kind(w.single, w.narrow, w.paired))};
   if (shape == r.applied) return;
   r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
