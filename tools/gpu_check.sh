@@ -9,7 +9,8 @@
 # and prints one summary (also OUT_DIR/summary.txt; the logs beside it). Exit status 0 iff all pass.
 # After the build, three lanes share the one GPU (no test depends on timing, and none on having the
 # card alone): GoogleTest then the CLI and Python suites; the torch suite then verify and the
-# fingerprint; the three sanitizers side by side. GPU_CHECK_SERIAL=1 runs the lanes one after another.
+# fingerprint; the three sanitizers side by side. GPU_CHECK_SERIAL=1 runs the lanes one after another;
+# GTEST_TIMEOUT_S (420) and SANITIZER_TIMEOUT_S (300) bound the GoogleTest run and each sanitizer.
 # On a machine without a package registry, carry .deps (tools/device-deps.sh) with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,13 +46,15 @@ tools/check_ptxas.sh > "$out/ptxas.log" 2>&1 &
 ptxas_pid=$!
 
 # ---------------------------------------------------------------- lanes
-lane_tests() {  # GoogleTest, then the CLI and Python suites
-  "$build"/tests/samebits_tests > "$out/gtest.log" 2>&1
+lane_tests() {  # GoogleTest (a hung kernel ends the run, named: GTEST_TIMEOUT_S), then the CLI and Python suites
+  timeout "${GTEST_TIMEOUT_S:-420}" "$build"/tests/samebits_tests > "$out/gtest.log" 2>&1
   local rc=$?
   local passed skipped fails
   passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
   skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out/gtest.log" | grep -oE '[0-9]+$')
   fails=$(grep -E '^\[  FAILED  \] [A-Z]' "$out/gtest.log" | sed 's/.*\] //; s/ (.*//' | sort -u | tr '\n' ' ')
+  # timed out: the test that was running (its RUN line has no OK / FAILED line after it)
+  [ $rc -eq 124 ] && fails+="timed out in $(grep -E '^\[ RUN      \]' "$out/gtest.log" | tail -1 | sed 's/.*\] //')"
   note 20 "GoogleTest (cpu + cuda)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "${passed:-0} passed, ${skipped:-0} skipped ${fails:+; failed: $fails}"
   pytest_suite 30 cli tests/cli SAMEBITS_CLI="$build/samebits"
   pytest_suite 40 python tests/python PYTHONPATH="$build/python"
