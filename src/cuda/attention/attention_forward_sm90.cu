@@ -521,9 +521,12 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
       int vb_lo, vb_hi;
       v_boxes(it, vb_lo, vb_hi);
-      if (lane == 0) {
-        // Q: a buffer a consumer, or (the persistent kernel) the item's of two in turn, once the item
-        // two before it has done its last S.
+      // Q: a buffer a consumer, or (the persistent single-span kernel) the item's of two in turn, once
+      // the item that last used it has done its last S. The paired kernel's buffer is the previous
+      // item's, free only at its last S: its Q goes after the item's first K / V block, which then
+      // loads as soon as a stage frees instead of waiting behind that S.
+      auto load_q = [&] {
+        if (lane != 0) return;
         for (int c = 0; c < consumers; ++c) {
           int round;
           const int qb = q_slot(k, c, round);
@@ -535,7 +538,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
             else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[qb]);
           }
         }
-      }
+      };
+      if (!PAIRED) load_q();
       for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
         const int st = n % STAGES;
         const uint32_t reuse = ((n / STAGES) - 1) & 1;  // the phase of the release of the stage's last block
@@ -565,6 +569,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
           for (int b = vb_lo; b < vb_hi; ++b)
             tma_load_3d(vdst + (b - vb_lo) * BN * 128 + r0 * 128, &p.v, b * 64, hk, piece_row(r0), v_bar);
+        if (PAIRED && j == it.block_begin) load_q();  // (every paired item has a block)
         // One item a CTA: its tail is its last block, nothing is loaded after it, this warp zeroes it.
         if (!PERSISTENT && !NARROW && is_tail(it, j)) zero_tail(it, j, st, parity);
       }
