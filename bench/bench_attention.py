@@ -44,22 +44,25 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", choices=["prefill", "backward", "decode", "paged"], help="one table alone")
     ap.add_argument("--quick", action="store_true", help="one shape a table")
-    ap.add_argument("--ab", metavar="HOOK=VALUE",
-                    help="prefill and decode tables: samebits again with a tuning hook set (samebits._core._set_tuning, "
-                         "e.g. narrow_decode=1, persistent_prefill=1), in the same alternation as the other contenders")
+    ap.add_argument("--ab", metavar="HOOK=VALUE[,HOOK=VALUE...]",
+                    help="prefill and decode tables: samebits again with tuning hooks set (samebits._core._set_tuning, "
+                         "e.g. narrow_decode=1, or persistent_prefill=1,attention_overlap=1), in the same alternation "
+                         "as the other contenders")
     args = ap.parse_args()
     samebits = samebits_from(args.build)
     raw = samebits._core.raw
-    hook, hook_value = (args.ab.split("=", 1)[0], int(args.ab.split("=", 1)[1])) if args.ab else (None, 0)
+    hooks = [(h.split("=", 1)[0], int(h.split("=", 1)[1])) for h in args.ab.split(",")] if args.ab else []
+    hook = bool(hooks)
 
     def with_hook(fn):
-        """fn with the --ab hook set for the call's life (read when the call plans its work)."""
+        """fn with the --ab hooks set for the call's life (read when the call plans its work)."""
         def call(i):
-            before = samebits._core._set_tuning(hook, hook_value)
+            before = [(name, samebits._core._set_tuning(name, value)) for name, value in hooks]
             try:
                 return fn(i)
             finally:
-                samebits._core._set_tuning(hook, before)
+                for name, value in reversed(before):
+                    samebits._core._set_tuning(name, value)
         return call
 
     def ab_cell(times, a, o, o_ab, scale, unit, fmt):

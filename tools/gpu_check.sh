@@ -91,6 +91,7 @@ families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.SwiGluOutputGivesTheE
 families+=':CudaLinear.BadInputIsAClearErrorOrACorrectSlowerPath:CudaAttention.PagedCacheGivesTheSameBits'
 families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecodeEqualsPrefillAcrossSpans'
 families+=':CudaAttention.NarrowDecodeGivesThePrefillsBits:CudaAttention.PersistentPrefillGivesACtaAnItemsBits'
+families+=':CudaAttention.OverlappedDecodeGivesThePrefillsBits'
 families+=':CudaLogprob.NonFiniteLogitsPoisonOnlyTheirRow:CudaLmHead.RecomputedStatisticsGiveTheSavedOnesBits'
 families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBitsIgnoreBatchOffsetAndAlignment'
 families+=':CudaNormRope.QkNormRopeEqualsQkNormThenRope:CudaNormRope.RopePositionGivesTheSameBitsEverywhere'

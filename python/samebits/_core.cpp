@@ -906,7 +906,9 @@ PYBIND11_MODULE(_core, m) {
     for (const OptIn& o : {OptIn{"fused_swiglu", detail::fused_swiglu_override, "SAMEBITS_FUSED_SWIGLU"},
                            OptIn{"narrow_decode", detail::narrow_decode_override, "SAMEBITS_NARROW_DECODE"},
                            OptIn{"persistent_prefill", detail::persistent_prefill_override,
-                                 "SAMEBITS_PERSISTENT_PREFILL"}}) {
+                                 "SAMEBITS_PERSISTENT_PREFILL"},
+                           OptIn{"attention_overlap", detail::attention_overlap_override,
+                                 "SAMEBITS_ATTENTION_OVERLAP"}}) {
       if (name != o.name) continue;
       if (value < -1 || value > 1)
         throw Error("_set_tuning", name, std::string("takes -1 (never), 0 (") + o.env + ") or 1");
@@ -916,7 +918,7 @@ PYBIND11_MODULE(_core, m) {
     }
     throw Error("_set_tuning", name,
                 "is not a tuning hook (norm_any_dtype, gemm_tile_width, lm_head_vocab_chunk, fused_swiglu, "
-                "narrow_decode, persistent_prefill)");
+                "narrow_decode, persistent_prefill, attention_overlap)");
   }, py::arg("name"), py::arg("value"),
      "Test / benchmark hook: forces a kernel-shape choice that changes no bit (0: the library's own); returns the "
      "previous value.");

@@ -52,6 +52,16 @@ long long& persistent_prefill_launches() {
   return count;
 }
 
+int& attention_overlap_override() {
+  static int value = 0;
+  return value;
+}
+
+long long& attention_overlap_launches() {
+  static long long count = 0;
+  return count;
+}
+
 int& sampling_kernel_override() {
   static int value = 0;
   return value;

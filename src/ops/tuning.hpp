@@ -54,6 +54,13 @@ int& persistent_prefill_override();
 // Launches of the paired kernel so far (tests: proof that it ran).
 long long& persistent_prefill_launches();
 
+// The Hopper attention's single-span layouts issuing a block's P·V during the next block's softmax:
+// 0, as SAMEBITS_ATTENTION_OVERLAP says (off unless "1": not yet measured on a GPU); 1, wherever a
+// single-span layout runs; -1, never. The same bits either way (tests/cuda/test_attention.cpp).
+int& attention_overlap_override();
+// Launches with the overlap so far (tests: proof that it ran).
+long long& attention_overlap_launches();
+
 // A hook set for a scope's life (tests): its earlier value comes back at the scope's end, after a
 // failed check too.
 template <class T>

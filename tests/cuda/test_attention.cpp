@@ -203,28 +203,25 @@ TEST_F(CudaAttention, SplitKvDecodeEqualsPrefillAcrossSpans) {
   }
 }
 
-// The decode kernel's 16-row consumer (mma.sync instead of 64-row wgmma tiles; forced on here by the
-// test hook, off by default until timed) gives the prefill's bits: decode one by one and batched
-// across span boundaries, chunks of up to 16 rows, ~hundreds of items over the SMs, 5 CTAs and 1
-// (the persistent ring and Q buffers wrapping), paged caches with NaN in the unused pages; GQA
-// groups of 4 and 16 packed into the rows, 8 with two tokens an item, 3 (not packable: a query head
-// an item) and 1; bf16 and f16, D 128 and 64. The launch counter proves the narrow kernel ran.
-TEST_F(CudaAttention, NarrowDecodeGivesThePrefillsBits) {
-  struct Case {
-    Shape s;
-    int32_t chunk;  // tokens of the chunked calls (rows = chunk · G ≤ 16 where the group packs)
-  };
-  for (const Case& c : {Case{{DType::bf16, 8, 2, 128, 2600}, 4}, Case{{DType::f16, 6, 2, 64, 1300}, 16},
-                        Case{{DType::bf16, 32, 2, 128, 1100}, 1}, Case{{DType::bf16, 16, 2, 128, 1100}, 2},
-                        Case{{DType::f16, 4, 4, 64, 1100}, 16}}) {
+// A decode-path variant forced on by its test hook (off by default until timed) gives the prefill's
+// bits: decode one by one and batched across span boundaries, chunks, ~hundreds of items over the
+// SMs, 5 CTAs and 1 (the persistent ring and Q buffers wrapping), paged caches with NaN in the unused
+// pages. Its launch counter proves it ran.
+namespace {
+struct DecodeCase {
+  Shape s;
+  int32_t chunk;  // tokens of the chunked calls
+};
+void expect_decode_variant_gives_prefill_bits(int& hook, long long& launches_of, const std::vector<DecodeCase>& cases) {
+  for (const DecodeCase& c : cases) {
     const Shape& s = c.s;
     const std::string what = describe(s);
     Rng r(97 + s.d + s.hq);
     const int32_t L = int32_t(s.len);
     const auto [q, k, v, g] = random_inputs(s, r);
     const Fwd whole = run_gpu(q, k, v, {{0, L, 0, L}});
-    const detail::ScopedOverride<int> narrow(detail::narrow_decode_override(), 1);
-    const long long launches = detail::narrow_decode_launches();
+    const detail::ScopedOverride<int> variant(hook, 1);
+    const long long launches = launches_of;
     std::vector<int32_t> steps = {0, 1, 127, 128, 1023, 1024, 1025, L - 1};
     for (const int32_t t : steps) {
       const Fwd one = run_gpu(q.slice_rows(t, t + 1), k, v, {{0, 1, 0, t + 1}});
@@ -233,7 +230,7 @@ TEST_F(CudaAttention, NarrowDecodeGivesThePrefillsBits) {
     }
     // Every case's five steps before 1024 are single-span calls (the unpackable group's later ones are
     // not: a query head an item over all spans, the general kernel).
-    EXPECT_GE(detail::narrow_decode_launches() - launches, 5) << what << ": the narrow kernel did not run";
+    EXPECT_GE(launches_of - launches, 5) << what << ": the variant did not run";
     for (int32_t c0 : {1020, 2040 % L}) {  // chunks across a span boundary and inside one
       const int32_t n = c.chunk;
       const Fwd part = run_gpu(q.slice_rows(c0, c0 + n), k, v, {{0, n, 0, c0 + n}});
@@ -284,6 +281,27 @@ TEST_F(CudaAttention, NarrowDecodeGivesThePrefillsBits) {
     }
   }
 }
+}  // namespace
+
+// The decode kernel's 16-row consumer (mma.sync instead of 64-row wgmma tiles): GQA groups of 4 and 16
+// packed into the rows, 8 with two tokens an item, 3 (not packable: a query head an item) and 1; bf16
+// and f16, D 128 and 64; chunks of up to 16 rows.
+TEST_F(CudaAttention, NarrowDecodeGivesThePrefillsBits) {
+  expect_decode_variant_gives_prefill_bits(detail::narrow_decode_override(), detail::narrow_decode_launches(),
+                                           {{{DType::bf16, 8, 2, 128, 2600}, 4}, {{DType::f16, 6, 2, 64, 1300}, 16},
+                                            {{DType::bf16, 32, 2, 128, 1100}, 1}, {{DType::bf16, 16, 2, 128, 1100}, 2},
+                                            {{DType::f16, 4, 4, 64, 1100}, 16}});
+}
+
+// The single-span kernel issuing a block's P·V during the next block's softmax (overlap): the same
+// shapes, chunks of up to 64 rows.
+TEST_F(CudaAttention, OverlappedDecodeGivesThePrefillsBits) {
+  const detail::ScopedOverride<int> no_narrow(detail::narrow_decode_override(), -1);  // (SAMEBITS_NARROW_DECODE=1 would take the ≤ 16-row calls)
+  expect_decode_variant_gives_prefill_bits(detail::attention_overlap_override(), detail::attention_overlap_launches(),
+                                           {{{DType::bf16, 8, 2, 128, 2600}, 16}, {{DType::f16, 6, 2, 64, 1300}, 21},
+                                            {{DType::bf16, 32, 2, 128, 1100}, 2}, {{DType::bf16, 16, 2, 128, 1100}, 4},
+                                            {{DType::f16, 4, 4, 64, 1100}, 64}});
+}
 
 // The paired persistent kernel (two consumers a CTA for every item, the CTAs walking the items; forced
 // on by the test hook, off by default until timed) gives a CTA an item's bits: packed prefill of
@@ -292,7 +310,8 @@ TEST_F(CudaAttention, NarrowDecodeGivesThePrefillsBits) {
 // O), a chunk against a cache, and a cache whose rows between two sequences' keys hold NaN (the tail
 // zeroing, in both layouts; calls of enough items that no O-column split takes them);
 // over the SMs, 5 CTAs and 1 (the ring, the Q buffers and the ping-pong running on across items);
-// GQA 4, 1 and 3 (not packable), bf16 and f16, D 128 and 64. The launch counter proves it ran.
+// GQA 4, 1 and 3 (not packable), bf16 and f16, D 128 and 64; with and without the overlap (a block's
+// P·V during the next softmax) where the layout is single-span. The launch counters prove both ran.
 TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
   for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 0}, Shape{DType::f16, 4, 4, 64, 0}, Shape{DType::bf16, 6, 2, 128, 0}}) {
     const std::string what = describe(s);
@@ -300,6 +319,7 @@ TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
     struct Call {
       std::string name;
       std::vector<SeqRow> rows;
+      bool one_span;  // every item one span (≤ 1024 keys): the single-span layout, which the overlap takes
       int64_t q_rows = 0, k_rows = 0, nan_from = 0, nan_to = 0;  // k / v rows [nan_from, nan_to) hold NaN
     };
     auto packed = [](const std::vector<int32_t>& lens) {
@@ -309,11 +329,11 @@ TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
       return rows;
     };
     std::vector<Call> calls;
-    calls.push_back({"one-span sequences", packed({1, 50, 64, 65, 127, 128, 129, 300, 1000, 1024, 3})});
-    calls.push_back({"past a span", packed({1500, 7, 2600, 300})});
-    calls.push_back({"a chunk of 100 against a cache of 1600", {{0, 100, 0, 1600}}, 100, 1600});
-    calls.push_back({"NaN between the keys", {{0, 300, 0, 300}, {300, 1000, 400, 1000}}, 1300, 1400, 300, 400});
-    calls.push_back({"NaN between the keys, past a span", {{0, 300, 0, 300}, {300, 1500, 400, 1500}}, 1800, 1900, 300, 400});
+    calls.push_back({"one-span sequences", packed({1, 50, 64, 65, 127, 128, 129, 300, 1000, 1024, 3}), true});
+    calls.push_back({"past a span", packed({1500, 7, 2600, 300}), false});
+    calls.push_back({"a chunk of 100 against a cache of 1600", {{0, 100, 0, 1600}}, false, 100, 1600});
+    calls.push_back({"NaN between the keys", {{0, 300, 0, 300}, {300, 1000, 400, 1000}}, true, 1300, 1400, 300, 400});
+    calls.push_back({"NaN between the keys, past a span", {{0, 300, 0, 300}, {300, 1500, 400, 1500}}, false, 1800, 1900, 300, 400});
     for (Call& c : calls) {
       if (c.q_rows == 0) c.q_rows = c.k_rows = c.rows.back().q_row + c.rows.back().q_len;
       const HostTensor q = r.tensor(s.dt, {c.q_rows, s.hq, s.d}, -2, 2);
@@ -325,15 +345,19 @@ TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
         want = run_gpu(q, k, v, c.rows);
       }
       const detail::ScopedOverride<int> on(detail::persistent_prefill_override(), 1);
-      for (int ctas : {0, 5, 1}) {
-        const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
-        const long long launches = detail::persistent_prefill_launches();
-        const Fwd got = run_gpu(q, k, v, c.rows);
-        const std::string at = what + ", " + c.name + ", CTAs " + std::to_string(ctas);
-        EXPECT_EQ(detail::persistent_prefill_launches() - launches, 1) << at << ": the paired kernel did not run";
-        expect_same_bits(got.out, want.out, at);
-        expect_same_bits(got.lse, want.lse, at + " (lse)");
-      }
+      for (int overlap : {-1, 1})  // and the single-span layout with a block's P·V during the next softmax
+        for (int ctas : {0, 5, 1}) {
+          const detail::ScopedOverride<int> ov(detail::attention_overlap_override(), overlap);
+          const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
+          const long long launches = detail::persistent_prefill_launches(), overlapped = detail::attention_overlap_launches();
+          const Fwd got = run_gpu(q, k, v, c.rows);
+          const std::string at = what + ", " + c.name + ", CTAs " + std::to_string(ctas) + (overlap > 0 ? ", overlap" : "");
+          EXPECT_EQ(detail::persistent_prefill_launches() - launches, 1) << at << ": the paired kernel did not run";
+          EXPECT_EQ(detail::attention_overlap_launches() - overlapped, overlap > 0 && c.one_span ? 1 : 0)
+              << at << ": the overlap ran where it should not, or not where it should";
+          expect_same_bits(got.out, want.out, at);
+          expect_same_bits(got.lse, want.lse, at + " (lse)");
+        }
     }
   }
 }

@@ -123,7 +123,8 @@ def test_set_tuning_hook():
     with pytest.raises(samebits.Error, match="multiple of 256"):
         _core._set_tuning("lm_head_vocab_chunk", 300)
     for hook, env in (("fused_swiglu", "SAMEBITS_FUSED_SWIGLU"), ("narrow_decode", "SAMEBITS_NARROW_DECODE"),
-                      ("persistent_prefill", "SAMEBITS_PERSISTENT_PREFILL")):  # the experiments' switches
+                      ("persistent_prefill", "SAMEBITS_PERSISTENT_PREFILL"),
+                      ("attention_overlap", "SAMEBITS_ATTENTION_OVERLAP")):  # the experiments' switches
         assert _core._set_tuning(hook, 1) == 0
         assert _core._set_tuning(hook, -1) == 1
         assert _core._set_tuning(hook, 0) == -1

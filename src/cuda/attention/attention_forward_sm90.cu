@@ -47,6 +47,12 @@
 //    registers, else the general kernel's ring and running O. A CTA an item pays the CTA's start, its
 //    first loads and its drained ring at every item, which at S = 1k (items of 1–8 blocks) is a
 //    large share of its ~5 µs.
+//  * OVERLAP (an experiment, off unless SAMEBITS_ATTENTION_OVERLAP=1; the single-span layouts, whose
+//    rings hold ≥ 3 blocks): block j's S is issued, then block j − 1's P·V, which runs on the tensor
+//    cores during block j's softmax instead of before it (FlashAttention-3's intra-warpgroup
+//    overlap); o is rescaled once it is done, so every element sees the same operations in the same
+//    order. The loop is peeled (the span's first S alone, its last P·V after the loop): a wgmma
+//    issued under a branch, or a wait between two products' wgmma, made ptxas serialise them.
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -170,10 +176,11 @@ struct Smem {
 // and the launch's grid (grid_of) both follow it.
 constexpr bool persistent_kernel(bool single, int parts, bool paired) { return paired || (single && parts == 1); }
 // Which forward kernel runs a call: the general kernel (0), the single-span kernel (1), the
-// single-span kernel with the narrow consumer (2), or the paired persistent kernel over the general
-// (3) or the single-span layout (4) — ForwardKernels' first index.
-constexpr int kernel_kind(bool single, bool narrow, bool paired = false) {
-  return narrow ? 2 : paired ? (single ? 4 : 3) : single ? 1 : 0;
+// single-span kernel with the narrow consumer (2), the paired persistent kernel over the general (3)
+// or the single-span layout (4), and the single-span kernel (5) and the paired one over its layout
+// (6) with a block's P·V during the next block's softmax (overlap) — ForwardKernels' first index.
+constexpr int kernel_kind(bool single, bool narrow, bool paired = false, bool overlap = false) {
+  return narrow ? 2 : paired ? (single ? (overlap ? 6 : 4) : 3) : single ? (overlap ? 5 : 1) : 0;
 }
 
 // The narrow consumer (NARROW: every item of the call one span of at most 16 rows — a decode step's
@@ -412,7 +419,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
 // each computing D / PARTS of O's columns: a decode CTA is bound by its tensor work (64 query rows
 // of which a few are real), P·V is half of it, and every element of O is formed by the same
 // products in the same order whichever N the wgmma has (tested: decode in parts == prefill).
-template <class T, int D, int PARTS, bool SINGLE, bool NARROW, bool PAIRED>
+template <class T, int D, int PARTS, bool SINGLE, bool NARROW, bool PAIRED, bool OVERLAP>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
   static_assert(!PAIRED || (PARTS == 1 && !NARROW), "the paired kernel: whole O columns, wgmma consumers");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -589,6 +596,11 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
+  // OVERLAP (a block's P·V during the next block's softmax, an experiment): the single-span layouts,
+  // whose rings hold at least 3 blocks — a block's stage is held until its P·V is done, about a
+  // softmax longer than without, and the next block's S waits for its V; with the general kernel's 2
+  // stages the producer would then have no load ahead (not a deadlock, a stall).
+  static_assert(!OVERLAP || (SINGLE && STAGES >= 3), "overlap: a single-span ring of at least three blocks");
   int n = 0;  // blocks consumed (the ring's count runs on across items)
   for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
     const Item it = item_at(idx);
@@ -619,13 +631,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       l0 = l1 = 0.0f;
   #pragma unroll
       for (int i = 0; i < ON / 2; ++i) o[i] = 0.0f;
-      for (int j = span; j < span_end; ++j, ++n) {
-        const int st = n % STAGES;
-        const uint32_t phase = (n / STAGES) & 1;
-        // S = Q·Kᵀ
-        float s[BN / 2];
-        mbar_wait(&full_k[st], phase);
-        if (pingpong) named_barrier_sync(1 + c, 256);
+      // A block's steps. S = Q·Kᵀ of the block in ring slot st:
+      float s[BN / 2];
+      auto issue_s = [&](int st) {
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
   #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -634,53 +642,52 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           Wgmma<T, false, false, BN>::mma(s, dq, dk, kk > 0);
         }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        if (pingpong && (c == 0 || j + 1 < it.block_end)) named_barrier_arrive(2 - c, 256);  // the other's turn
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        // The previous block's P·V is done too: its stage can be refilled.
-        if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
-        // PAIRED: the item's last S is done, its Q buffer may take the next item's Q.
-        if (PAIRED && j + 1 == it.block_end && t == 0) mbar_arrive(&q_empty[qb]);
-
-        // Causal mask where the block reaches past the warp's first row (whole blocks below the
-      // diagonal skip it: the warp's rows all see every key), then the block's row maxima of the raw
-      // scores (a quad holds a row).
-      if (j * BN + BN - 1 > warp_first_pos) {
-        const int key_base = j * BN + quad_col;
+      };
+      // The softmax of block j's scores: the causal mask where the block reaches past the warp's first
+      // row (whole blocks below the diagonal skip it: the warp's rows all see every key), the block's
+      // row maxima of the raw scores (a quad holds a row), the new maxima in exp2 units and the rescale
+      // of the span so far (exactly 1 where a block fully masked for the row moved no max: it changes no
+      // bit), p = 2^(s·c − m·c) in place, and the row sums.
+      float alpha0, alpha1;
+      auto softmax = [&](int j) {
+        if (j * BN + BN - 1 > warp_first_pos) {
+          const int key_base = j * BN + quad_col;
   #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
+          for (int nt = 0; nt < BN / 8; ++nt)
   #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (key_base + nt * 8 + (e & 1) > (e < 2 ? pos0 : pos1)) s[nt * 4 + e] = -INFINITY;
-      }
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+            for (int e = 0; e < 4; ++e)
+              if (key_base + nt * 8 + (e & 1) > (e < 2 ? pos0 : pos1)) s[nt * 4 + e] = -INFINITY;
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
   #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
-      }
-      quad_max(mx0, mx1);
-      // The new maxima in exp2 units and the rescale of the span so far (exactly 1 where a block fully
-      // masked for the row moved no max: it changes no bit).
-      float mn0, mn1, mc0, mc1;
-      const float alpha0 = online_step(m0, mx0, c2, mn0, mc0), alpha1 = online_step(m1, mx1, c2, mn1, mc1);
-      float sum0 = 0.0f, sum1 = 0.0f;
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          mx0 = fmaxf(mx0, fmaxf(s[nt * 4], s[nt * 4 + 1]));
+          mx1 = fmaxf(mx1, fmaxf(s[nt * 4 + 2], s[nt * 4 + 3]));
+        }
+        quad_max(mx0, mx1);
+        float mn0, mn1, mc0, mc1;
+        alpha0 = online_step(m0, mx0, c2, mn0, mc0), alpha1 = online_step(m1, mx1, c2, mn1, mc1);
+        float sum0 = 0.0f, sum1 = 0.0f;
   #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < BN / 8; ++nt) {
   #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt * 4 + e] = exp2_ftz(__fmaf_rn(s[nt * 4 + e], c2, e < 2 ? -mc0 : -mc1));
-        sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
-        sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
-      }
-      l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
-      l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
-      m0 = mn0, m1 = mn1;
+          for (int e = 0; e < 4; ++e) s[nt * 4 + e] = exp2_ftz(__fmaf_rn(s[nt * 4 + e], c2, e < 2 ? -mc0 : -mc1));
+          sum0 = __fadd_rn(sum0, __fadd_rn(s[nt * 4], s[nt * 4 + 1]));
+          sum1 = __fadd_rn(sum1, __fadd_rn(s[nt * 4 + 2], s[nt * 4 + 3]));
+        }
+        l0 = __fadd_rn(__fmul_rn(l0, alpha0), sum0);
+        l1 = __fadd_rn(__fmul_rn(l1, alpha1), sum1);
+        m0 = mn0, m1 = mn1;
+      };
+      // o rescaled, then P (pa: p rounded to the input dtype; the accumulator layout of S is P's A
+      // fragment).
+      uint32_t pa[BN / 16][4];
+      auto rescale_and_pack = [&] {
   #pragma unroll
-      for (int i = 0; i < ON / 2; i += 4) {
-        o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
-        o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
-      }
-      // O += P·V, P rounded to the input dtype; the accumulator layout of S is P's A fragment.
-        uint32_t pa[BN / 16][4];
+        for (int i = 0; i < ON / 2; i += 4) {
+          o[i] = __fmul_rn(o[i], alpha0), o[i + 1] = __fmul_rn(o[i + 1], alpha0);
+          o[i + 2] = __fmul_rn(o[i + 2], alpha1), o[i + 3] = __fmul_rn(o[i + 3], alpha1);
+        }
   #pragma unroll
         for (int kt = 0; kt < BN / 16; ++kt) {
           pa[kt][0] = pack2<T>(s[kt * 8 + 0], s[kt * 8 + 1]);
@@ -688,12 +695,88 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           pa[kt][2] = pack2<T>(s[kt * 8 + 4], s[kt * 8 + 5]);
           pa[kt][3] = pack2<T>(s[kt * 8 + 6], s[kt * 8 + 7]);
         }
-        mbar_wait(&full_v[st], phase);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        if constexpr (OVERLAP) {  // o and P defined here, before the next S's wgmma fence (their P·V comes after
+                                  // that S): an empty asm the compiler may not move them past
+  #pragma unroll
+          for (int i = 0; i < ON / 2; ++i) asm volatile("" : "+f"(o[i])::"memory");
+  #pragma unroll
+          for (int kt = 0; kt < BN / 16; ++kt)
+            asm volatile("" : "+r"(pa[kt][0]), "+r"(pa[kt][1]), "+r"(pa[kt][2]), "+r"(pa[kt][3])::"memory");
+        }
+      };
+      // O += P·V of the block in ring slot st.
+      auto issue_pv = [&](int st) {
   #pragma unroll
         for (int kt = 0; kt < BN / 16; ++kt)
           WgmmaRS<T, true, ON>::mma(o, pa[kt], smem_desc_mn_lbo(sv + st * S::V_BYTES + (d0 % 64) * 2 + kt * 16 * 128, BN * 128));
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      };
+      // The ping-pong's turns around a block's S issue (the other consumer's turn after it; consumer 1
+      // takes no turn after its item's last block).
+      auto my_turn = [&] { if (pingpong) named_barrier_sync(1 + c, 256); };
+      auto their_turn = [&](int j) {
+        if (pingpong && (c == 0 || j + 1 < it.block_end)) named_barrier_arrive(2 - c, 256);
+      };
+      // PAIRED: the item's last S is done, its Q buffer may take the next item's Q.
+      auto q_done = [&](int j) {
+        if (PAIRED && j + 1 == it.block_end && t == 0) mbar_arrive(&q_empty[qb]);
+      };
+      if constexpr (!OVERLAP) {
+        for (int j = span; j < span_end; ++j, ++n) {
+          const int st = n % STAGES;
+          const uint32_t phase = (n / STAGES) & 1;
+          mbar_wait(&full_k[st], phase);
+          my_turn();
+          issue_s(st);
+          their_turn(j);
+          asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+          // The previous block's P·V is done too: its stage can be refilled.
+          if (n > 0 && t == 0) mbar_arrive(&empty[(n - 1) % STAGES]);
+          q_done(j);
+          softmax(j);
+          rescale_and_pack();
+          mbar_wait(&full_v[st], phase);
+          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+          issue_pv(st);
+        }
+      } else {
+        // OVERLAP: block j's S is issued, then block j − 1's P·V, which runs during block j's softmax; o
+        // is rescaled once it is done. Every element of o sees the same operations in the same order
+        // (· alpha_j after + P_{j−1}·V_{j−1}, then + P_j·V_j): the same bits. A block's stage is released
+        // once its P·V is done (the span's last at the span's end).
+        int st = n % STAGES;
+        uint32_t phase = (n / STAGES) & 1;
+        mbar_wait(&full_k[st], phase);
+        my_turn();
+        issue_s(st);
+        their_turn(span);
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        q_done(span);
+        softmax(span);
+        rescale_and_pack();
+        ++n;
+        for (int j = span + 1; j < span_end; ++j, ++n) {
+          const int pst = st;
+          const uint32_t pphase = phase;
+          st = n % STAGES, phase = (n / STAGES) & 1;
+          mbar_wait(&full_k[st], phase);
+          mbar_wait(&full_v[pst], pphase);  // (before the S: no branch between the two products' wgmma)
+          my_turn();
+          issue_s(st);
+          issue_pv(pst);
+          their_turn(j);
+          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // S done; the P·V runs on
+          q_done(j);
+          softmax(j);
+          asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+          if (t == 0) mbar_arrive(&empty[pst]);
+          rescale_and_pack();
+        }
+        mbar_wait(&full_v[st], phase);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        issue_pv(st);
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        if (t == 0) mbar_arrive(&empty[st]);
       }
       // The span ends: fold it into the running state (or keep it, for a split-KV item).
       span = span_end;
@@ -801,6 +884,7 @@ struct Plan {
   bool narrow = false;    // single, and every item at most 16 rows: its narrow consumer (mma.sync)
   bool paired = false;    // items of more than 64 rows, whole O columns: the paired persistent kernel (an
                           // experiment), over the single-span layout where `single` (then: every item one span)
+  bool overlap = false;   // single, not narrow: a block's P·V during the next block's softmax (an experiment)
   int32_t most_rows = 0;  // the most rows of a combine
 };
 
@@ -882,6 +966,12 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
       return x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
     });
   }
+  // A block's P·V during the next block's softmax, in the single-span layouts (an experiment): off
+  // unless SAMEBITS_ATTENTION_OVERLAP=1 or the test hook says so, until a GPU run has timed it. The
+  // same bits either way (tests/cuda/test_attention.cpp).
+  static const bool overlap_env = env_opt_in("SAMEBITS_ATTENTION_OVERLAP");
+  const int overlap_forced = detail::attention_overlap_override();
+  w.overlap = w.single && !w.narrow && (overlap_forced != 0 ? overlap_forced > 0 : overlap_env);
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;
@@ -921,41 +1011,47 @@ struct ForwardKernel {
   void* fn = nullptr;
   unsigned smem = 0;
 };
-// [kernel][parts index]: the kernels of kernel_kind (index 0 … 4) of each O-column split (index 0, 1, 2:
+// [kernel][parts index]: the kernels of kernel_kind (index 0 … 6) of each O-column split (index 0, 1, 2:
 // parts 1, 2, 4; null where D / 4 is too narrow, and for the paired kernels' parts), each opted into
 // its shared memory once per device.
-using ForwardKernels = std::array<std::array<ForwardKernel, 3>, 5>;
+constexpr int FORWARD_KINDS = 7;
+using ForwardKernels = std::array<std::array<ForwardKernel, 3>, FORWARD_KINDS>;
 
-template <class T, int D, int PARTS, bool SINGLE, bool NARROW = false, bool PAIRED = false>
-void add_forward_kernel(ForwardKernels& k, std::atomic<int> (&allowed)[64], const char* op) {
-  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE, NARROW, PAIRED>;
+template <class T, int D, int PARTS, bool SINGLE, bool NARROW = false, bool PAIRED = false, bool OVERLAP = false>
+void add_forward_kernel(ForwardKernels& k, std::atomic<int> (&allowed)[FORWARD_KINDS][3][64], const char* op) {
+  const auto fn = attention_forward_sm90_kernel<T, D, PARTS, SINGLE, NARROW, PAIRED, OVERLAP>;
   using S = Smem<D, PARTS, SINGLE, NARROW>;
-  allow_dynamic_smem(fn, S::BYTES, allowed, op);
-  k[kernel_kind(SINGLE, NARROW, PAIRED)][size_t(kernel_index(PARTS))] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
+  const int kind = kernel_kind(SINGLE, NARROW, PAIRED, OVERLAP), part = kernel_index(PARTS);
+  allow_dynamic_smem(fn, S::BYTES, allowed[kind][part], op);
+  k[size_t(kind)][size_t(part)] = {reinterpret_cast<void*>(fn), unsigned(S::BYTES)};
 }
 
 template <class T, int D>
 ForwardKernels forward_kernels(const char* op) {
-  static std::atomic<int> allowed[5][3][64] = {};
+  static std::atomic<int> allowed[FORWARD_KINDS][3][64] = {};
   ForwardKernels k{};
-  add_forward_kernel<T, D, 1, false>(k, allowed[0][0], op);
-  add_forward_kernel<T, D, 2, false>(k, allowed[0][1], op);
-  add_forward_kernel<T, D, 1, true>(k, allowed[1][0], op);
-  add_forward_kernel<T, D, 2, true>(k, allowed[1][1], op);
-  add_forward_kernel<T, D, 1, true, true>(k, allowed[2][0], op);
-  add_forward_kernel<T, D, 2, true, true>(k, allowed[2][1], op);
-  add_forward_kernel<T, D, 1, false, false, true>(k, allowed[3][0], op);
-  add_forward_kernel<T, D, 1, true, false, true>(k, allowed[4][0], op);
+  add_forward_kernel<T, D, 1, false>(k, allowed, op);
+  add_forward_kernel<T, D, 2, false>(k, allowed, op);
+  add_forward_kernel<T, D, 1, true>(k, allowed, op);
+  add_forward_kernel<T, D, 2, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, true, true>(k, allowed, op);
+  add_forward_kernel<T, D, 2, true, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, false, false, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, true, false, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, true, false, false, true>(k, allowed, op);
+  add_forward_kernel<T, D, 2, true, false, false, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, true, false, true, true>(k, allowed, op);
   if constexpr (D / 4 >= 32) {
-    add_forward_kernel<T, D, 4, false>(k, allowed[0][2], op);
-    add_forward_kernel<T, D, 4, true>(k, allowed[1][2], op);
-    add_forward_kernel<T, D, 4, true, true>(k, allowed[2][2], op);
+    add_forward_kernel<T, D, 4, false>(k, allowed, op);
+    add_forward_kernel<T, D, 4, true>(k, allowed, op);
+    add_forward_kernel<T, D, 4, true, true>(k, allowed, op);
+    add_forward_kernel<T, D, 4, true, false, false, true>(k, allowed, op);
   }
   return k;
 }
 
 const ForwardKernel& kernel_of(const ForwardKernels& k, const Plan& w) {
-  return k[kernel_kind(w.single, w.narrow, w.paired)][size_t(kernel_index(w.parts))];
+  return k[kernel_kind(w.single, w.narrow, w.paired, w.overlap)][size_t(kernel_index(w.parts))];
 }
 
 }  // namespace
@@ -1080,6 +1176,7 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   launch_after_previous(fk.fn, dim3(grid_of(w, sms)), dim3(THREADS), fk.smem, stream, op, args, after_previous);
   if (w.narrow) ++detail::narrow_decode_launches();
   if (w.paired) ++detail::persistent_prefill_launches();
+  if (w.overlap) ++detail::attention_overlap_launches();
   RecordedCall call;
   if (rec) call.forward = last_captured_node(stream, op);
   // A graph always holds the combine: a step without split spans runs it as one CTA with nothing to
@@ -1150,7 +1247,7 @@ void replan_graph(GraphRecording& r, cudaGraphExec_t exec, const int32_t* seqs, 
           op, "combine table");
   check(cudaEventRecord(r.uploaded, stream), op, "event");
   const std::array<int64_t, 5> shape{int64_t(w.items.size()), w.parts, int64_t(w.combines.size()), w.most_rows,
-                                     int64_t(kernel_kind(w.single, w.narrow, w.paired))};
+                                     int64_t(kernel_kind(w.single, w.narrow, w.paired, w.overlap))};
   if (shape == r.applied) return;
   r.applied = {-1, -1, -1, -1, -1};  // until every node is set
   for (RecordedCall& c : r.calls) {
