@@ -90,7 +90,7 @@ lane_model() {  # the torch suite, then verify and the bits
 families='CudaLinear.HundredRepeatsAreIdentical:CudaLinear.SwiGluOutputGivesTheElementwiseOpsBitsFusedOrNot:CudaLinear.WeightGradientChainsAcrossAnySplitOfTheRowsOnTheSequentialPath'
 families+=':CudaLinear.BadInputIsAClearErrorOrACorrectSlowerPath:CudaAttention.PagedCacheGivesTheSameBits'
 families+=':CudaAttention.BackwardAccurateAgainstFp64:CudaAttention.SplitKvDecodeEqualsPrefillAcrossSpans'
-families+=':CudaAttention.NarrowDecodeGivesThePrefillsBits:CudaAttention.PersistentPrefillGivesACtaAnItemsBits'
+families+=':CudaAttention.NarrowDecodeGivesThePrefillsBits:CudaAttention.PrefillVariantsGiveTheGeneralKernelsBits'
 families+=':CudaAttention.OverlappedDecodeGivesThePrefillsBits'
 families+=':CudaLogprob.NonFiniteLogitsPoisonOnlyTheirRow:CudaLmHead.RecomputedStatisticsGiveTheSavedOnesBits'
 families+=':CudaEmbedding.GatherCopiesTheRowsBitForBit:CudaNormRope.RmsNormRowBitsIgnoreBatchOffsetAndAlignment'

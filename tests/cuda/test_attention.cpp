@@ -303,23 +303,23 @@ TEST_F(CudaAttention, OverlappedDecodeGivesThePrefillsBits) {
                                             {{DType::f16, 4, 4, 64, 1100}, 64}});
 }
 
-// The paired persistent kernel (two consumers a CTA for every item, the CTAs walking the items; forced
-// on by the test hook, off by default until timed) gives a CTA an item's bits: packed prefill of
-// sequences whose items are all one span (1 … 1024 tokens: the single-span layout, items of 1 to 128
-// rows, GQA-packed short ones among them) and past a span (1500, 2600: the general layout's running
-// O), a chunk against a cache, and a cache whose rows between two sequences' keys hold NaN (the tail
-// zeroing, in both layouts; calls of enough items that no O-column split takes them);
-// over the SMs, 5 CTAs and 1 (the ring, the Q buffers and the ping-pong running on across items);
-// GQA 4, 1 and 3 (not packable), bf16 and f16, D 128 and 64; with and without the overlap (a block's
-// P·V during the next softmax) where the layout is single-span. The launch counters prove both ran.
-TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
+// The prefill experiments (forced on by their test hooks, off by default until timed) give the
+// general kernel's bits (a CTA an item, no overlap): the paired persistent kernel (two consumers a CTA
+// for every item, the CTAs walking the items), the overlap (a block's P·V during the next block's
+// softmax, K and V released apart), and both. Packed prefill of sequences whose items are all one
+// span (1 … 1024 tokens: the single-span layout, items of 1 to 128 rows, GQA-packed short ones among
+// them) and past a span (1500, 2600: the general layout's running O), a chunk against a cache, and
+// a cache whose rows between two sequences' keys hold NaN (the tail zeroing, in both layouts; calls
+// of enough items that no O-column split takes them); over the SMs, 5 CTAs and 1 (the ring, the Q
+// buffers and the ping-pong running on across items); GQA 4, 1 and 3 (not packable), bf16 and f16,
+// D 128 and 64. The launch counters prove each variant ran.
+TEST_F(CudaAttention, PrefillVariantsGiveTheGeneralKernelsBits) {
   for (const Shape& s : {Shape{DType::bf16, 8, 2, 128, 0}, Shape{DType::f16, 4, 4, 64, 0}, Shape{DType::bf16, 6, 2, 128, 0}}) {
     const std::string what = describe(s);
     Rng r(131 + s.d + s.hq);
     struct Call {
       std::string name;
       std::vector<SeqRow> rows;
-      bool one_span;  // every item one span (≤ 1024 keys): the single-span layout, which the overlap takes
       int64_t q_rows = 0, k_rows = 0, nan_from = 0, nan_to = 0;  // k / v rows [nan_from, nan_to) hold NaN
     };
     auto packed = [](const std::vector<int32_t>& lens) {
@@ -329,11 +329,11 @@ TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
       return rows;
     };
     std::vector<Call> calls;
-    calls.push_back({"one-span sequences", packed({1, 50, 64, 65, 127, 128, 129, 300, 1000, 1024, 3}), true});
-    calls.push_back({"past a span", packed({1500, 7, 2600, 300}), false});
-    calls.push_back({"a chunk of 100 against a cache of 1600", {{0, 100, 0, 1600}}, false, 100, 1600});
-    calls.push_back({"NaN between the keys", {{0, 300, 0, 300}, {300, 1000, 400, 1000}}, true, 1300, 1400, 300, 400});
-    calls.push_back({"NaN between the keys, past a span", {{0, 300, 0, 300}, {300, 1500, 400, 1500}}, false, 1800, 1900, 300, 400});
+    calls.push_back({"one-span sequences", packed({1, 50, 64, 65, 127, 128, 129, 300, 1000, 1024, 3})});
+    calls.push_back({"past a span", packed({1500, 7, 2600, 300})});
+    calls.push_back({"a chunk of 100 against a cache of 1600", {{0, 100, 0, 1600}}, 100, 1600});
+    calls.push_back({"NaN between the keys", {{0, 300, 0, 300}, {300, 1000, 400, 1000}}, 1300, 1400, 300, 400});
+    calls.push_back({"NaN between the keys, past a span", {{0, 300, 0, 300}, {300, 1500, 400, 1500}}, 1800, 1900, 300, 400});
     for (Call& c : calls) {
       if (c.q_rows == 0) c.q_rows = c.k_rows = c.rows.back().q_row + c.rows.back().q_len;
       const HostTensor q = r.tensor(s.dt, {c.q_rows, s.hq, s.d}, -2, 2);
@@ -341,20 +341,21 @@ TEST_F(CudaAttention, PersistentPrefillGivesACtaAnItemsBits) {
       for (int64_t i = c.nan_from * s.hkv * s.d; i < c.nan_to * s.hkv * s.d; ++i) k.set(i, NAN), v.set(i, NAN);
       Fwd want;
       {
-        const detail::ScopedOverride<int> off(detail::persistent_prefill_override(), -1);
+        const detail::ScopedOverride<int> no_pair(detail::persistent_prefill_override(), -1);
+        const detail::ScopedOverride<int> no_overlap(detail::attention_overlap_override(), -1);
         want = run_gpu(q, k, v, c.rows);
       }
-      const detail::ScopedOverride<int> on(detail::persistent_prefill_override(), 1);
-      for (int overlap : {-1, 1})  // and the single-span layout with a block's P·V during the next softmax
+      for (const auto& [paired, overlap] : {std::pair{1, -1}, std::pair{1, 1}, std::pair{-1, 1}})
         for (int ctas : {0, 5, 1}) {
+          const detail::ScopedOverride<int> pair(detail::persistent_prefill_override(), paired);
           const detail::ScopedOverride<int> ov(detail::attention_overlap_override(), overlap);
           const detail::ScopedOverride<int> forced(detail::attention_persistent_ctas_override(), ctas);
           const long long launches = detail::persistent_prefill_launches(), overlapped = detail::attention_overlap_launches();
           const Fwd got = run_gpu(q, k, v, c.rows);
-          const std::string at = what + ", " + c.name + ", CTAs " + std::to_string(ctas) + (overlap > 0 ? ", overlap" : "");
-          EXPECT_EQ(detail::persistent_prefill_launches() - launches, 1) << at << ": the paired kernel did not run";
-          EXPECT_EQ(detail::attention_overlap_launches() - overlapped, overlap > 0 && c.one_span ? 1 : 0)
-              << at << ": the overlap ran where it should not, or not where it should";
+          const std::string at = what + ", " + c.name + ", CTAs " + std::to_string(ctas) + (paired > 0 ? ", paired" : "") +
+                                 (overlap > 0 ? ", overlap" : "");
+          EXPECT_EQ(detail::persistent_prefill_launches() - launches, paired > 0 ? 1 : 0) << at << ": paired kernel launches";
+          EXPECT_EQ(detail::attention_overlap_launches() - overlapped, overlap > 0 ? 1 : 0) << at << ": overlap launches";
           expect_same_bits(got.out, want.out, at);
           expect_same_bits(got.lse, want.lse, at + " (lse)");
         }

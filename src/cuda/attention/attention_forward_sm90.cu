@@ -47,12 +47,13 @@
 //    registers, else the general kernel's ring and running O. A CTA an item pays the CTA's start, its
 //    first loads and its drained ring at every item, which at S = 1k (items of 1–8 blocks) is a
 //    large share of its ~5 µs.
-//  * OVERLAP (an experiment, off unless SAMEBITS_ATTENTION_OVERLAP=1; the single-span layouts, whose
-//    rings hold ≥ 3 blocks): block j's S is issued, then block j − 1's P·V, which runs on the tensor
-//    cores during block j's softmax instead of before it (FlashAttention-3's intra-warpgroup
-//    overlap); o is rescaled once it is done, so every element sees the same operations in the same
-//    order. The loop is peeled (the span's first S alone, its last P·V after the loop): a wgmma
-//    issued under a branch, or a wait between two products' wgmma, made ptxas serialise them.
+//  * OVERLAP (an experiment, off unless SAMEBITS_ATTENTION_OVERLAP=1; every wgmma kernel): block j's
+//    S is issued, then block j − 1's P·V, which runs on the tensor cores during block j's softmax
+//    instead of before it (FlashAttention-3's intra-warpgroup overlap); o is rescaled once it is
+//    done, so every element sees the same operations in the same order. A stage's K and V are then
+//    released apart (V is held about a softmax longer). The loop is peeled (the span's first S
+//    alone, its last P·V after the loop): a wgmma issued under a branch, or a wait between two
+//    products' wgmma, made ptxas serialise them.
 // No atomics: every output element is written by one thread; spans are combined in a fixed order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -162,7 +163,7 @@ struct Smem {
   static constexpr int LIMIT = 227 * 1024, SLACK = 1024 + 64 * 8;  // alignment, barriers
   static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - X_BYTES - SLACK) / (K_BYTES + V_BYTES);
   static constexpr int STAGES = SINGLE ? (FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS) : 2;
-  static constexpr int BARRIERS = 2 * Q_BUFFERS + 4 * STAGES;
+  static constexpr int BARRIERS = 2 * Q_BUFFERS + 5 * STAGES;
   static constexpr size_t BYTES =
       size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + X_BYTES + BARRIERS * 8 + 1024;
   static_assert(STAGES >= 2 && BYTES <= size_t(LIMIT), "shared memory of one Hopper CTA");
@@ -175,12 +176,15 @@ struct Smem {
 // O-column parts is at most half the SMs, the general kernel's grid is its items). The kernel's loop
 // and the launch's grid (grid_of) both follow it.
 constexpr bool persistent_kernel(bool single, int parts, bool paired) { return paired || (single && parts == 1); }
-// Which forward kernel runs a call: the general kernel (0), the single-span kernel (1), the
-// single-span kernel with the narrow consumer (2), the paired persistent kernel over the general (3)
-// or the single-span layout (4), and the single-span kernel (5) and the paired one over its layout
-// (6) with a block's P·V during the next block's softmax (overlap) — ForwardKernels' first index.
+// Which forward kernel runs a call — ForwardKernels' first index: the general kernel (0), the
+// single-span kernel (1), the single-span kernel with the narrow consumer (2), the paired persistent
+// kernel over the general (3) or the single-span layout (4); and with a block's P·V during the next
+// block's softmax (overlap): the single-span kernel (5), the paired one over its layout (6), the
+// general kernel (7) and the paired one over its layout (8).
 constexpr int kernel_kind(bool single, bool narrow, bool paired = false, bool overlap = false) {
-  return narrow ? 2 : paired ? (single ? (overlap ? 6 : 4) : 3) : single ? (overlap ? 5 : 1) : 0;
+  if (narrow) return 2;
+  if (paired) return single ? (overlap ? 6 : 4) : (overlap ? 8 : 3);
+  return single ? (overlap ? 5 : 1) : (overlap ? 7 : 0);
 }
 
 // The narrow consumer (NARROW: every item of the call one span of at most 16 rows — a decode step's
@@ -442,6 +446,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   uint64_t* full_v = full_k + STAGES;
   uint64_t* empty = full_v + STAGES;
   uint64_t* tail_v = empty + STAGES;  // a tail block's V landed (zero_tail waits on it)
+  // OVERLAP: `empty` frees a stage's K (its S is done), empty_v its V (its P·V is done); elsewhere
+  // `empty` frees both and empty_v is unused.
+  uint64_t* empty_v = tail_v + STAGES;
   auto item_at = [&](int i) { return p.items ? p.items[i] : p.inline_items[i]; };
   // The general kernel's grid is its items (one a CTA), so its consumers are its one item's; the
   // single-span kernel's items have at most 64 rows: one consumer; the paired kernel: two for every
@@ -471,6 +478,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       mbar_init(&full_v[s], 1);
       mbar_init(&empty[s], releasers);
       mbar_init(&tail_v[s], 1);
+      mbar_init(&empty_v[s], releasers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -571,6 +579,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         // A tail block's V lands on tail_v[st]: zero_tail fills full_v[st] once its rows past the end are
         // zeroed (the narrow consumer's warps zero their own columns: straight to full_v).
         uint64_t* v_bar = is_tail(it, j) && !NARROW ? &tail_v[st] : &full_v[st];
+        if (OVERLAP && n >= STAGES) mbar_wait(&empty_v[st], reuse);
         if (lane == 0) mbar_expect_tx(v_bar, uint32_t(vb_hi - vb_lo) * BN * 128);
         __syncwarp();
         for (int r0 = lane * p.kv_box; r0 < BN; r0 += 32 * p.kv_box)
@@ -596,11 +605,9 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
-  // OVERLAP (a block's P·V during the next block's softmax, an experiment): the single-span layouts,
-  // whose rings hold at least 3 blocks — a block's stage is held until its P·V is done, about a
-  // softmax longer than without, and the next block's S waits for its V; with the general kernel's 2
-  // stages the producer would then have no load ahead (not a deadlock, a stall).
-  static_assert(!OVERLAP || (SINGLE && STAGES >= 3), "overlap: a single-span ring of at least three blocks");
+  // OVERLAP (a block's P·V during the next block's softmax, an experiment): a block's V is held until
+  // its P·V is done, about a softmax longer than without, so K and V are released apart (empty,
+  // empty_v): the next K loads once this block's S is done, as without the overlap.
   int n = 0;  // blocks consumed (the ring's count runs on across items)
   for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
     const Item it = item_at(idx);
@@ -742,8 +749,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       } else {
         // OVERLAP: block j's S is issued, then block j − 1's P·V, which runs during block j's softmax; o
         // is rescaled once it is done. Every element of o sees the same operations in the same order
-        // (· alpha_j after + P_{j−1}·V_{j−1}, then + P_j·V_j): the same bits. A block's stage is released
-        // once its P·V is done (the span's last at the span's end).
+        // (· alpha_j after + P_{j−1}·V_{j−1}, then + P_j·V_j): the same bits. A block's K is released once
+        // its S is done, its V once its P·V is done (the span's last at the span's end).
         int st = n % STAGES;
         uint32_t phase = (n / STAGES) & 1;
         mbar_wait(&full_k[st], phase);
@@ -751,6 +758,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         issue_s(st);
         their_turn(span);
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        if (t == 0) mbar_arrive(&empty[st]);
         q_done(span);
         softmax(span);
         rescale_and_pack();
@@ -766,17 +774,18 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           issue_pv(pst);
           their_turn(j);
           asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // S done; the P·V runs on
+          if (t == 0) mbar_arrive(&empty[st]);
           q_done(j);
           softmax(j);
           asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-          if (t == 0) mbar_arrive(&empty[pst]);
+          if (t == 0) mbar_arrive(&empty_v[pst]);
           rescale_and_pack();
         }
         mbar_wait(&full_v[st], phase);
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
         issue_pv(st);
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        if (t == 0) mbar_arrive(&empty[st]);
+        if (t == 0) mbar_arrive(&empty_v[st]);
       }
       // The span ends: fold it into the running state (or keep it, for a split-KV item).
       span = span_end;
@@ -884,7 +893,7 @@ struct Plan {
   bool narrow = false;    // single, and every item at most 16 rows: its narrow consumer (mma.sync)
   bool paired = false;    // items of more than 64 rows, whole O columns: the paired persistent kernel (an
                           // experiment), over the single-span layout where `single` (then: every item one span)
-  bool overlap = false;   // single, not narrow: a block's P·V during the next block's softmax (an experiment)
+  bool overlap = false;   // not narrow: a block's P·V during the next block's softmax (an experiment)
   int32_t most_rows = 0;  // the most rows of a combine
 };
 
@@ -966,12 +975,12 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
       return x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
     });
   }
-  // A block's P·V during the next block's softmax, in the single-span layouts (an experiment): off
+  // A block's P·V during the next block's softmax, in the wgmma kernels (an experiment): off
   // unless SAMEBITS_ATTENTION_OVERLAP=1 or the test hook says so, until a GPU run has timed it. The
   // same bits either way (tests/cuda/test_attention.cpp).
   static const bool overlap_env = env_opt_in("SAMEBITS_ATTENTION_OVERLAP");
   const int overlap_forced = detail::attention_overlap_override();
-  w.overlap = w.single && !w.narrow && (overlap_forced != 0 ? overlap_forced > 0 : overlap_env);
+  w.overlap = !w.narrow && (overlap_forced != 0 ? overlap_forced > 0 : overlap_env);
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;
@@ -1011,10 +1020,10 @@ struct ForwardKernel {
   void* fn = nullptr;
   unsigned smem = 0;
 };
-// [kernel][parts index]: the kernels of kernel_kind (index 0 … 6) of each O-column split (index 0, 1, 2:
+// [kernel][parts index]: the kernels of kernel_kind (index 0 … 8) of each O-column split (index 0, 1, 2:
 // parts 1, 2, 4; null where D / 4 is too narrow, and for the paired kernels' parts), each opted into
 // its shared memory once per device.
-constexpr int FORWARD_KINDS = 7;
+constexpr int FORWARD_KINDS = 9;
 using ForwardKernels = std::array<std::array<ForwardKernel, 3>, FORWARD_KINDS>;
 
 template <class T, int D, int PARTS, bool SINGLE, bool NARROW = false, bool PAIRED = false, bool OVERLAP = false>
@@ -1041,11 +1050,15 @@ ForwardKernels forward_kernels(const char* op) {
   add_forward_kernel<T, D, 1, true, false, false, true>(k, allowed, op);
   add_forward_kernel<T, D, 2, true, false, false, true>(k, allowed, op);
   add_forward_kernel<T, D, 1, true, false, true, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, false, false, false, true>(k, allowed, op);
+  add_forward_kernel<T, D, 2, false, false, false, true>(k, allowed, op);
+  add_forward_kernel<T, D, 1, false, false, true, true>(k, allowed, op);
   if constexpr (D / 4 >= 32) {
     add_forward_kernel<T, D, 4, false>(k, allowed, op);
     add_forward_kernel<T, D, 4, true>(k, allowed, op);
     add_forward_kernel<T, D, 4, true, true>(k, allowed, op);
     add_forward_kernel<T, D, 4, true, false, false, true>(k, allowed, op);
+    add_forward_kernel<T, D, 4, false, false, false, true>(k, allowed, op);
   }
   return k;
 }
