@@ -426,6 +426,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
 template <class T, int D, int PARTS, bool SINGLE, bool NARROW, bool PAIRED, bool OVERLAP>
 __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(const __grid_constant__ Params p) {
   static_assert(!PAIRED || (PARTS == 1 && !NARROW), "the paired kernel: whole O columns, wgmma consumers");
+  static_assert(!(NARROW && OVERLAP), "the narrow consumer releases K and V together (it never arrives on empty_v)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // Launched after the previous kernel (cuda/common/pdl.cuh): the next one (the combine, or the O
   // GEMM, which loads its first weight stages before its own wait) may start at once, on the SMs a
@@ -569,7 +570,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         // Small pages: the lanes issue the pieces in parallel (lane i piece i), after lane 0 has set
         // the bytes the stage expects. K before V: the consumers need K first (S = Q·Kᵀ), and a
         // small decode waits on it. (K and V of a stage released apart, K once its S is done, made
-        // no difference on the H100: a decode step 6.77 / 7.10 / 10.76 ms against 6.75 / 7.10 / 10.75.)
+        // no difference to the kernel without the overlap on the H100: a decode step 6.77 / 7.10 /
+        // 10.76 ms against 6.75 / 7.10 / 10.75; the overlap releases them apart, empty_v.)
         if (n >= STAGES) mbar_wait(&empty[st], reuse);
         if (lane == 0) mbar_expect_tx(&full_k[st], uint32_t(S::K_BYTES));
         __syncwarp();
@@ -607,7 +609,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
   // OVERLAP (a block's P·V during the next block's softmax, an experiment): a block's V is held until
   // its P·V is done, about a softmax longer than without, so K and V are released apart (empty,
-  // empty_v): the next K loads once this block's S is done, as without the overlap.
+  // empty_v): a stage's next K loads once this block's S is done (a block earlier than without).
   int n = 0;  // blocks consumed (the ring's count runs on across items)
   for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
     const Item it = item_at(idx);
