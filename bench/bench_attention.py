@@ -52,7 +52,6 @@ def main():
     samebits = samebits_from(args.build)
     raw = samebits._core.raw
     hooks = [(h.split("=", 1)[0], int(h.split("=", 1)[1])) for h in args.ab.split(",")] if args.ab else []
-    hook = bool(hooks)
 
     def with_hook(fn):
         """fn with the --ab hooks set for the call's life (read when the call plans its work)."""
@@ -129,8 +128,8 @@ def main():
            "Causal prefill: B sequences of S tokens (TFLOP/s count the causal half of the score and value products, "
            "4·S²·D·Hq/2 a sequence).", "",
            "| Hq / Hkv, D | S × B | samebits | torch default (best) | samebits / default throughput | torch, each | "
-           "max abs diff of out |" + (f" samebits, `{args.ab}` |" if hook else ""),
-           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if hook else "")]
+           "max abs diff of out |" + (f" samebits, `{args.ab}` |" if hooks else ""),
+           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if hooks else "")]
     def host_ints(values, cols):  # made once, outside the timed calls (large block tables take milliseconds)
         return torch.tensor(values, dtype=torch.int32).view(-1, cols)
 
@@ -149,7 +148,7 @@ def main():
         contenders: every time, samebits', torch's by label, and the --ab call's output (None without --ab)."""
         mine = [lambda i: run(q, k, v, table, o, lse)]
         o_ab = None
-        if hook:
+        if hooks:
             o_ab = torch.empty_like(o)
             mine.append(with_hook(lambda i: run(q, k, v, table, o_ab, lse)))
         times = alternate(mine + list(theirs.values()), args.reps)
@@ -226,8 +225,8 @@ def main():
             "heads where that copy stays under 4 GiB), is_causal=False. KV GB/s: key and value bytes read once over "
             "the time.", "",
             "| B | C | samebits | torch default (best) | samebits / default time | torch, each | max abs diff of out |"
-            + (f" samebits, `{args.ab}` |" if hook else ""),
-            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if hook else "")]
+            + (f" samebits, `{args.ab}` |" if hooks else ""),
+            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if hooks else "")]
     for B in (1, 8, 64, 256) if wanted("decode") else ():
         for C in (1024, 4000, 4096, 16384, 32768) if not args.quick else (4096,):  # 4000: a partly filled key block
             if B * C > 64 * 32768:

@@ -187,6 +187,14 @@ constexpr int kernel_kind(bool single, bool narrow, bool paired = false, bool ov
   return single ? (overlap ? 5 : 1) : (overlap ? 7 : 0);
 }
 
+// The Q buffer consumer c reads for its CTA's k-th item, and which use of it that is (round: its
+// barriers' phase): a buffer a consumer (the general kernel, one item; the paired kernel, item after
+// item), or the persistent single-span kernel's `buffers` in turn (one, the narrow consumer's).
+__host__ __device__ constexpr int q_slot(bool paired, bool persistent, int buffers, int k, int c, int& round) {
+  round = paired ? k : persistent ? k / buffers : 0;
+  return persistent && !paired ? k % buffers : c;
+}
+
 // The narrow consumer (NARROW: every item of the call one span of at most 16 rows — a decode step's
 // items are one token's GQA group, 4 rows for Qwen3-8B or Llama-3-8B).
 // Why: the wgmma kernel gives such an item 64-row tiles of which 60 rows are idle, and its
@@ -225,9 +233,11 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
   float* maxes = xs + X::X_FLOATS;                                      // [warp][row]
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
   const float c2 = p.scale_log2;
-  // ldmatrix's row address of matrix lane / 8, row lane % 8, in a 128B-swizzled box of 128-byte rows.
-  auto swz = [](const uint8_t* box, int row, int chunk) {
-    return reinterpret_cast<const uint16_t*>(box + row * 128 + ((chunk ^ (row % 8)) * 16));
+  // The byte offset of a row's 16-byte chunk in a 128B-swizzled box of 128-byte rows, and ldmatrix's
+  // row address there (of matrix lane / 8, row lane % 8).
+  auto swizzled = [](int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); };
+  auto swz = [&](const uint8_t* box, int row, int chunk) {
+    return reinterpret_cast<const uint16_t*>(box + swizzled(row, chunk));
   };
   const int mi = lane / 8, mr = lane % 8;
   int n = 0;  // blocks consumed (the ring's count runs on across items)
@@ -236,8 +246,9 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
     const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
     const bool writes_stats = (PARTS == 1 || it.d_split == 1) && warp == 0;
     const int pos0 = it.first_pos + r / it.group, pos1 = it.first_pos + (r + 8) / it.group;
-    const int qb = PERSISTENT ? k % S::Q_BUFFERS : 0;
-    mbar_wait(&full_q[qb], PERSISTENT ? (k / S::Q_BUFFERS) & 1 : 0);
+    int q_round;
+    const int qb = q_slot(false, PERSISTENT, S::Q_BUFFERS, k, 0, q_round);
+    mbar_wait(&full_q[qb], q_round & 1);
     // Q's A fragments (rows 0–15) of every k16 step, in registers for the item; its buffer is free then.
     uint32_t qa[D / 16][4];
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
@@ -340,8 +351,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
         const int valid = it.k_len - j * BN;
         for (int piece = lane; piece < (BN - valid) * (WN / 8); piece += 32) {
           const int row = valid + piece / (WN / 8), lc = lc0 + (piece % (WN / 8)) * 8;
-          *reinterpret_cast<uint4*>(vbase + (lc / 64) * BN * 128 + row * 128 + (((lc % 64) / 8) ^ (row % 8)) * 16) =
-              make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(vbase + (lc / 64) * BN * 128 + swizzled(row, (lc % 64) / 8)) = make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
       }
@@ -462,13 +472,6 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int items_end = PERSISTENT ? p.n_items : int(blockIdx.x) + 1, items_step = PERSISTENT ? int(gridDim.x) : 1;
   // Who releases a Q buffer and a stage: a consumer's thread 0, or each of the narrow consumer's warps.
   const uint32_t releasers = NARROW ? 4u : uint32_t(consumers);
-  // The Q buffer consumer c reads for the CTA's k-th item, and which use of it that is (round: its
-  // barriers' phase): a buffer a consumer (the general kernel, one item; PAIRED, item after item),
-  // or the persistent single-span kernel's two buffers in turn (one, the narrow consumer's).
-  auto q_slot = [](int k, int c, int& round) {
-    round = PAIRED ? k : PERSISTENT ? k / S::Q_BUFFERS : 0;
-    return PERSISTENT && !PAIRED ? k % S::Q_BUFFERS : c;
-  };
   if (threadIdx.x == 0) {
     for (int b = 0; b < S::Q_BUFFERS; ++b) {
       mbar_init(&full_q[b], 1);
@@ -545,7 +548,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         if (lane != 0) return;
         for (int c = 0; c < consumers; ++c) {
           int round;
-          const int qb = q_slot(k, c, round);
+          const int qb = q_slot(PAIRED, PERSISTENT, S::Q_BUFFERS, k, c, round);
           if (round > 0) mbar_wait(&q_empty[qb], (round - 1) & 1);
           mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
           for (int b = 0; b < S::BOXES; ++b) {
@@ -626,7 +629,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // the span's (l: this thread's columns)
     float o[ON / 2];
     int q_round;
-    const int qb = q_slot(k, c, q_round);
+    const int qb = q_slot(PAIRED, PERSISTENT, S::Q_BUFFERS, k, c, q_round);
     mbar_wait(&full_q[qb], q_round & 1);
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
 
@@ -955,34 +958,28 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
   // Which kernel runs an item never changes its arithmetic: the single-span kernel folds its one
   // span into the empty state as the general kernel does (tested: decode == prefill bits).
   static const bool single_span = env_switch("SAMEBITS_SINGLE_SPAN");  // "0": the general kernel (A/B runs)
-  w.single = single_span && std::all_of(items.begin(), items.end(), [](const Item& x) {
-    return x.rows <= 64 && x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
-  });
+  auto one_span = [](const Item& x) { return x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS; };
+  w.single = single_span && std::all_of(items.begin(), items.end(), [&](const Item& x) { return x.rows <= 64 && one_span(x); });
   // The 16-row consumer (narrow_consumer): off unless SAMEBITS_NARROW_DECODE=1 or the test hook says
   // so, until a GPU run has timed it.
   static const bool narrow_env = env_opt_in("SAMEBITS_NARROW_DECODE");
-  const int narrow_forced = detail::narrow_decode_override();
-  w.narrow = w.single && (narrow_forced != 0 ? narrow_forced > 0 : narrow_env) &&
+  w.narrow = w.single && hook_or_env(detail::narrow_decode_override(), narrow_env) &&
              std::all_of(items.begin(), items.end(), [](const Item& x) { return x.rows <= NARROW_ROWS; });
   // The paired persistent kernel (two consumers a CTA, the CTAs walking the items): off unless
   // SAMEBITS_PERSISTENT_PREFILL=1 or the test hook says so, until a GPU run has timed it. Over the
   // single-span layout where every item is one span (w.single then only says: not at most 64 rows).
   static const bool paired_env = env_opt_in("SAMEBITS_PERSISTENT_PREFILL");
-  const int paired_forced = detail::persistent_prefill_override();
   // (Every item has a key block — its consumers' Q release and ping-pong count on one; q_len ≥ 1.)
-  if (!w.single && w.parts == 1 && (paired_forced != 0 ? paired_forced > 0 : paired_env) &&
+  if (!w.single && w.parts == 1 && hook_or_env(detail::persistent_prefill_override(), paired_env) &&
       std::all_of(items.begin(), items.end(), [](const Item& x) { return x.block_end > x.block_begin; })) {
     w.paired = true;
-    w.single = single_span && std::all_of(items.begin(), items.end(), [](const Item& x) {
-      return x.block_begin / SPLIT_BLOCKS == (x.block_end - 1) / SPLIT_BLOCKS;
-    });
+    w.single = single_span && std::all_of(items.begin(), items.end(), one_span);
   }
   // A block's P·V during the next block's softmax, in the wgmma kernels (an experiment): off
   // unless SAMEBITS_ATTENTION_OVERLAP=1 or the test hook says so, until a GPU run has timed it. The
   // same bits either way (tests/cuda/test_attention.cpp).
   static const bool overlap_env = env_opt_in("SAMEBITS_ATTENTION_OVERLAP");
-  const int overlap_forced = detail::attention_overlap_override();
-  w.overlap = !w.narrow && (overlap_forced != 0 ? overlap_forced > 0 : overlap_env);
+  w.overlap = !w.narrow && hook_or_env(detail::attention_overlap_override(), overlap_env);
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;

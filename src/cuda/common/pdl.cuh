@@ -48,16 +48,16 @@ inline bool env_opt_in(const char* name) {
   const char* v = std::getenv(name);
   return v && std::strcmp(v, "1") == 0;
 }
+// A switch with a test hook: the hook where set (1: on, -1: off), else the environment's word
+// (env_switch's or env_opt_in's value).
+inline bool hook_or_env(int hook, bool env) { return hook != 0 ? hook > 0 : env; }
 
 // Whether launch_after_previous sets the attribute: a compute capability 9.0 device (the waits are
 // compiled for sm_90a only; on another device the kernels come from the sm_80 PTX, which has
 // none, so the attribute would let them read too early), and SAMEBITS_PDL not "0" (the test hook
 // detail::programmatic_launch_override decides where set).
 inline bool programmatic_launch_enabled(const char* op) {
-  static const bool env_on = [] {
-    const char* v = std::getenv("SAMEBITS_PDL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool env_on = env_switch("SAMEBITS_PDL");
   static std::atomic<int> hopper[64] = {};  // 2: compute capability 9.0; 1: another
   const bool sm90 = once_per_device(hopper, op, [&] {
     int dev = 0, major = 0, minor = 0;
@@ -66,8 +66,7 @@ inline bool programmatic_launch_enabled(const char* op) {
     check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), op, "compute capability");
     return major == 9 && minor == 0 ? 2 : 1;
   }) == 2;
-  const int forced = detail::programmatic_launch_override();
-  return sm90 && (forced != 0 ? forced > 0 : env_on);
+  return sm90 && hook_or_env(detail::programmatic_launch_override(), env_on);
 }
 
 // The launch configuration of a kernel allowed to start before the previous kernel in the stream

@@ -73,8 +73,7 @@ void linear_swiglu_forward(const Context& ctx, const LinearGroupForwardArgs& a, 
     require_tma_alignment(v, "parts[1].weight", a.parts[1].weight);
   }
   static const bool env_on = env_opt_in("SAMEBITS_FUSED_SWIGLU");
-  const int forced = detail::fused_swiglu_override();
-  const bool fused = hopper && (forced != 0 ? forced > 0 : env_on);
+  const bool fused = hopper && hook_or_env(detail::fused_swiglu_override(), env_on);
   const cudaStream_t stream = stream_of(ctx.stream);
   if (fused) {
     bool ran = false;
