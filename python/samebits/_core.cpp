@@ -897,7 +897,8 @@ PYBIND11_MODULE(_core, m) {
       detail::lm_head_vocab_chunk_override() = int(value);
       return before;
     }
-    // The experiments' switches: -1 never, 0 as their SAMEBITS_* variable says, 1 wherever they take a call.
+    // The kernel variants' switches: -1 never, 0 as their SAMEBITS_* variable says (the library's
+    // default), 1 wherever they take a call.
     struct OptIn {
       const char* name;
       int& (*hook)();

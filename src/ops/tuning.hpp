@@ -48,15 +48,15 @@ long long& narrow_decode_launches();
 
 // The paired persistent attention kernel (cuda/attention/attention_forward_sm90.cu: two consumers a
 // CTA, the CTAs walking the items) for calls with items of more than 64 rows (prefill): 0, as
-// SAMEBITS_PERSISTENT_PREFILL says (off unless "1": not yet measured on a GPU); 1, wherever it takes
+// SAMEBITS_PERSISTENT_PREFILL says (on unless "0"); 1, wherever it takes
 // the call; -1, never (a CTA an item). The same bits either way (tests/cuda/test_attention.cpp).
 int& persistent_prefill_override();
 // Launches of the paired kernel so far (tests: proof that it ran).
 long long& persistent_prefill_launches();
 
-// The Hopper attention's single-span layouts issuing a block's P·V during the next block's softmax:
-// 0, as SAMEBITS_ATTENTION_OVERLAP says (off unless "1": not yet measured on a GPU); 1, wherever a
-// single-span layout runs; -1, never. The same bits either way (tests/cuda/test_attention.cpp).
+// The Hopper attention's wgmma kernels issuing a block's P·V during the next block's softmax: 0, as
+// SAMEBITS_ATTENTION_OVERLAP says (the prefill kernels unless "0"; never the decode kernel); 1, in
+// every wgmma kernel, the decode kernel's too; -1, never. The same bits either way (tests/cuda/test_attention.cpp).
 int& attention_overlap_override();
 // Launches with the overlap so far (tests: proof that it ran).
 long long& attention_overlap_launches();

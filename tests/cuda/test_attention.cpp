@@ -308,7 +308,7 @@ TEST_F(CudaAttention, OverlappedDecodeGivesThePrefillsBits) {
 // for every item, the CTAs walking the items), the overlap (a block's P·V during the next block's
 // softmax, K and V released apart), and both. Packed prefill of sequences whose items are all one
 // span (1 … 1024 tokens: the single-span layout, items of 1 to 128 rows, GQA-packed short ones among
-// them) and past a span (1500, 2600: the general layout's running O), a chunk against a cache, and
+// them) and past a span (1500, 2600: the general layout's running O), chunks against caches, and
 // a cache whose rows between two sequences' keys hold NaN (the tail zeroing, in both layouts; calls
 // of enough items that no O-column split takes them); over the SMs, 5 CTAs and 1 (the ring, the Q
 // buffers and the ping-pong running on across items); GQA 4, 1 and 3 (not packable), bf16 and f16,
@@ -331,7 +331,10 @@ TEST_F(CudaAttention, PrefillVariantsGiveTheGeneralKernelsBits) {
     std::vector<Call> calls;
     calls.push_back({"one-span sequences", packed({1, 50, 64, 65, 127, 128, 129, 300, 1000, 1024, 3})});
     calls.push_back({"past a span", packed({1500, 7, 2600, 300})});
-    calls.push_back({"a chunk of 100 against a cache of 1600", {{0, 100, 0, 1600}}, 100, 1600});
+    // (five: with one, GQA 1's 8 split-KV items would take an O-column split, never the paired kernel)
+    std::vector<SeqRow> chunks;
+    for (int32_t i = 0; i < 5; ++i) chunks.push_back({100 * i, 100, 1600 * i, 1600});
+    calls.push_back({"five chunks of 100, each against its cache of 1600", chunks, 500, 8000});
     calls.push_back({"NaN between the keys", {{0, 300, 0, 300}, {300, 1000, 400, 1000}}, 1300, 1400, 300, 400});
     calls.push_back({"NaN between the keys, past a span", {{0, 300, 0, 300}, {300, 1500, 400, 1500}}, 1800, 1900, 300, 400});
     for (Call& c : calls) {

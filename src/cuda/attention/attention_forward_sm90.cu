@@ -35,19 +35,20 @@
 //    no running O in shared memory (the span folds into the empty state in registers, the same
 //    arithmetic), and that room as a deeper ring, so a CTA walking a span's 8 blocks has several
 //    loads ahead instead of one. Over whole O columns it is persistent: at most one CTA an SM, each
-//    walking items blockIdx.x, + gridDim.x, … with its ring and its two Q buffers running on from
-//    one item into the next: a CTA an item left each SM's memory stream idle at every item's end
+//    walking its items (ItemWalk) with its ring and its two Q buffers running on from one item into
+//    the next: a CTA an item left each SM's memory stream idle at every item's end
 //    (the last blocks' compute, the write, the next CTA's start and first loads). Measured on the
 //    H100 (Qwen3-8B shape, whole decode step): B = 64, C = 1k 1.5% faster, C = 4k 0.7% slower; the
 //    kernel still reads the KV at ~77% of the copy bandwidth there (docs/attention.md).
-//  * Prefill (PAIRED; an experiment, off unless SAMEBITS_PERSISTENT_PREFILL=1): the same persistence
+//  * Prefill (PAIRED; SAMEBITS_PERSISTENT_PREFILL=0 turns it off, for A/B runs): the same persistence
 //    for items of up to 128 rows — two consumers a CTA for every item, each with its own Q buffer,
 //    which it frees at the item's last S = Q·Kᵀ so the next item's Q loads during the last block's
 //    P·V and the write; over single-span items the single-span kernel's deeper ring and O in
 //    registers, else the general kernel's ring and running O. A CTA an item pays the CTA's start, its
 //    first loads and its drained ring at every item, which at S = 1k (items of 1–8 blocks) is a
-//    large share of its ~5 µs.
-//  * OVERLAP (an experiment, off unless SAMEBITS_ATTENTION_OVERLAP=1; every wgmma kernel): block j's
+//    large share of its ~5 µs (H200: 0.79× the time at S = 1k, 0.94× at 2k).
+//  * OVERLAP (the prefill kernels, general and paired; SAMEBITS_ATTENTION_OVERLAP=0 turns it off;
+//    the decode kernel can take it, and measured 1.00–1.05× the time there, so does not): block j's
 //    S is issued, then block j − 1's P·V, which runs on the tensor cores during block j's softmax
 //    instead of before it (FlashAttention-3's intra-warpgroup overlap); o is rescaled once it is
 //    done, so every element sees the same operations in the same order. A stage's K and V are then
@@ -121,12 +122,31 @@ struct Params {
   float* part_o;   // [partial rows, D]
   float* part_ml;  // [partial rows, 2]: m, l
   int Hq, Hkv, G;
-  int n_items;  // the CTAs walk items blockIdx.x, + gridDim.x, … below it (one each but in SINGLE)
+  int n_items;  // the persistent kernels' CTAs walk the items below it (ItemWalk)
+  int snake;    // 1: the persistent walk turns at every round's end (ItemWalk); 0: it does not (A/B runs)
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
 
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
+
+// Which item a CTA takes k-th (k = 0, 1, …; −1 past its last): its own alone where the grid is a CTA
+// an item; in a persistent kernel round k's items k·G … k·G + G − 1 (G CTAs), CTA c taking the c-th
+// from the round's start in even rounds and from its end in odd ones. The items are longest first,
+// so the CTA given a round's longest item gets the next round's shortest: a static walk (no counter,
+// no atomics) whose CTAs end close together, where a plain walk's first CTAs took the longest item
+// of every round (causal prefill: up to one long item more than the last CTAs). Which CTA takes an
+// item never changes its arithmetic.
+struct ItemWalk {
+  int n_items;
+  bool persistent, snake;
+  __device__ int operator()(int k) const {
+    if (!persistent) return k == 0 ? int(blockIdx.x) : -1;
+    const int g = int(gridDim.x), c = int(blockIdx.x);
+    const int idx = k * g + (snake && (k & 1) ? g - 1 - c : c);
+    return idx < n_items ? idx : -1;
+  }
+};
 
 // A CTA's shared memory. The general kernel: Q of two consumers, a 2-stage ring of K / V blocks and
 // the running O of the spans folded so far. The single-span kernel (SINGLE: every item one span of
@@ -219,7 +239,7 @@ __host__ __device__ constexpr int q_slot(bool paired, bool persistent, int buffe
 // previous block's two barriers, so its MMAs run while the warps meet (the chain a CTA walks is the
 // time of a small decode); which instruction waits where changes no value.
 template <class T, int D, int PARTS, int STAGES, bool PERSISTENT>
-__device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, int items_step, const uint8_t* sq,
+__device__ __forceinline__ void narrow_consumer(const Params& p, ItemWalk walk, const uint8_t* sq,
                                                 const uint8_t* sk, uint8_t* sv, uint8_t* exchange,
                                                 uint64_t* full_q, uint64_t* q_empty, uint64_t* full_k,
                                                 uint64_t* full_v, uint64_t* empty) {
@@ -241,7 +261,7 @@ __device__ __forceinline__ void narrow_consumer(const Params& p, int items_end, 
   };
   const int mi = lane / 8, mr = lane % 8;
   int n = 0;  // blocks consumed (the ring's count runs on across items)
-  for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
+  for (int k = 0, idx; (idx = walk(k)) >= 0; ++k) {
     const Item it = p.items ? p.items[idx] : p.inline_items[idx];
     const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
     const bool writes_stats = (PARTS == 1 || it.d_split == 1) && warp == 0;
@@ -466,10 +486,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // item (an item of at most 64 rows leaves the second's rows unwritten).
   const int consumers = PAIRED || (!SINGLE && item_at(blockIdx.x).rows > 64) ? 2 : 1;
   constexpr int ON = D / PARTS;  // O's columns this CTA computes
-  // Which items this CTA walks: blockIdx.x, + gridDim.x, … in the persistent kernel; its own alone
-  // elsewhere — a loop the compiler sees run once.
+  // Which items this CTA walks: ItemWalk's in the persistent kernel; its own alone elsewhere — a loop
+  // the compiler sees run once.
   constexpr bool PERSISTENT = persistent_kernel(SINGLE, PARTS, PAIRED);
-  const int items_end = PERSISTENT ? p.n_items : int(blockIdx.x) + 1, items_step = PERSISTENT ? int(gridDim.x) : 1;
+  const ItemWalk walk{p.n_items, PERSISTENT, p.snake != 0};
   // Who releases a Q buffer and a stage: a consumer's thread 0, or each of the narrow consumer's warps.
   const uint32_t releasers = NARROW ? 4u : uint32_t(consumers);
   if (threadIdx.x == 0) {
@@ -525,7 +545,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         // on into the next items (it used to wait for each tail itself, its loads stalled once an
         // item). Only an item's last block can be a tail; the blocks before it just count.
         int n = 0;
-        for (int idx = blockIdx.x; idx < items_end; idx += items_step) {
+        for (int k = 0, idx; (idx = walk(k)) >= 0; ++k) {
           const Item it = item_at(idx);
           if (it.block_end <= it.block_begin) continue;
           n += it.block_end - it.block_begin;
@@ -535,7 +555,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       }
     }
     int n = 0;  // blocks loaded: the ring runs on across items
-    for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
+    for (int k = 0, idx; (idx = walk(k)) >= 0; ++k) {
       const Item it = item_at(idx);
       const int group = it.group, hk = group == 1 ? it.head / p.G : it.head;
       int vb_lo, vb_hi;
@@ -602,7 +622,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int c = wg - 1;
   if (c >= consumers) return;
   if constexpr (NARROW) {
-    narrow_consumer<T, D, PARTS, STAGES, PERSISTENT>(p, items_end, items_step, sq, sk, sv, exchange, full_q, q_empty,
+    narrow_consumer<T, D, PARTS, STAGES, PERSISTENT>(p, walk, sq, sk, sv, exchange, full_q, q_empty,
                                                      full_k, full_v, empty);
     return;
   }
@@ -614,7 +634,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   // its P·V is done, about a softmax longer than without, so K and V are released apart (empty,
   // empty_v): a stage's next K loads once this block's S is done (a block earlier than without).
   int n = 0;  // blocks consumed (the ring's count runs on across items)
-  for (int idx = blockIdx.x, k = 0; idx < items_end; idx += items_step, ++k) {
+  for (int k = 0, idx; (idx = walk(k)) >= 0; ++k) {
     const Item it = item_at(idx);
     const int d0 = PARTS > 1 ? (it.d_split - 1) * ON : 0;  // the first of the CTA's O columns
     const bool writes_stats = PARTS == 1 || it.d_split == 1;
@@ -965,21 +985,27 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
   static const bool narrow_env = env_opt_in("SAMEBITS_NARROW_DECODE");
   w.narrow = w.single && hook_or_env(detail::narrow_decode_override(), narrow_env) &&
              std::all_of(items.begin(), items.end(), [](const Item& x) { return x.rows <= NARROW_ROWS; });
-  // The paired persistent kernel (two consumers a CTA, the CTAs walking the items): off unless
-  // SAMEBITS_PERSISTENT_PREFILL=1 or the test hook says so, until a GPU run has timed it. Over the
-  // single-span layout where every item is one span (w.single then only says: not at most 64 rows).
-  static const bool paired_env = env_opt_in("SAMEBITS_PERSISTENT_PREFILL");
+  // The paired persistent kernel (two consumers a CTA, the CTAs walking the items) for every prefill
+  // of whole O columns (SAMEBITS_PERSISTENT_PREFILL=0 or the test hook turns it off: A/B runs). Over
+  // the single-span layout where every item is one span (w.single then only says: not at most 64
+  // rows). Measured on the H200 (docs/attention.md): 0.79× the time at S = 1k, 0.94× at 2k,
+  // 0.97–1.00× at 4k, 1.00–1.04× at 8k–32k; with the overlap below 0.74–0.78× at 1k and 0.92–0.99×
+  // at 8k–32k.
+  static const bool paired_env = env_switch("SAMEBITS_PERSISTENT_PREFILL");
   // (Every item has a key block — its consumers' Q release and ping-pong count on one; q_len ≥ 1.)
   if (!w.single && w.parts == 1 && hook_or_env(detail::persistent_prefill_override(), paired_env) &&
       std::all_of(items.begin(), items.end(), [](const Item& x) { return x.block_end > x.block_begin; })) {
     w.paired = true;
     w.single = single_span && std::all_of(items.begin(), items.end(), one_span);
   }
-  // A block's P·V during the next block's softmax, in the wgmma kernels (an experiment): off
-  // unless SAMEBITS_ATTENTION_OVERLAP=1 or the test hook says so, until a GPU run has timed it. The
-  // same bits either way (tests/cuda/test_attention.cpp).
-  static const bool overlap_env = env_opt_in("SAMEBITS_ATTENTION_OVERLAP");
-  w.overlap = !w.narrow && hook_or_env(detail::attention_overlap_override(), overlap_env);
+  // A block's P·V during the next block's softmax, in the prefill kernels (the general and the
+  // paired; SAMEBITS_ATTENTION_OVERLAP=0 or the test hook turns it off): measured on the H200
+  // 0.93–0.98× the time over the prefill table. Not in the decode (single-span, not paired) kernel,
+  // where it measured 1.00–1.05× (the hook can force it there, for the tests), nor in the narrow
+  // consumer. The same bits either way (tests/cuda/test_attention.cpp).
+  static const bool overlap_env = env_switch("SAMEBITS_ATTENTION_OVERLAP");
+  const int overlap_hook = detail::attention_overlap_override();
+  w.overlap = !w.narrow && (overlap_hook > 0 || (overlap_hook == 0 && overlap_env && (w.paired || !w.single)));
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;
@@ -1175,6 +1201,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.part_ml = part + part_rows * D;
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   p.n_items = int(w.items.size());
+  static const bool snake = env_switch("SAMEBITS_SNAKE_WALK");  // "0": a plain walk (A/B runs)
+  p.snake = snake ? 1 : 0;
   p.n_combines = int(w.combines.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
