@@ -3,7 +3,8 @@
 //
 // Why this shape.
 //  * A CTA is three warpgroups: a producer (one warp issues the TMA loads of Q once and of K / V
-//    key blocks into a ring: 2 stages, or 3–6 in the single-span kernel below; in the persistent
+//    key blocks into a ring: as many stages as fit — 2 at D = 128, 5 at D = 64, or 3–6 in the
+//    single-span kernel below; in the persistent
 //    decode kernel a second warp zeroes tail blocks' V rows, below) and two consumers of
 //    64 query rows each. S = Q·Kᵀ is one
 //    wgmma m64n128k16 chain over head_dim in ascending 16-wide steps (A and B from shared memory);
@@ -124,6 +125,7 @@ struct Params {
   int Hq, Hkv, G;
   int n_items;  // the persistent kernels' CTAs walk the items below it (ItemWalk)
   int snake;    // 1: the persistent walk turns at every round's end (ItemWalk); 0: it does not (A/B runs)
+  int turns_across;  // 1: the paired kernel's ping-pong turns run on across items; 0: they restart at each (A/B runs)
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
@@ -148,8 +150,9 @@ struct ItemWalk {
   }
 };
 
-// A CTA's shared memory. The general kernel: Q of two consumers, a 2-stage ring of K / V blocks and
-// the running O of the spans folded so far. The single-span kernel (SINGLE: every item one span of
+// A CTA's shared memory. The general kernel: Q of two consumers, a ring of K / V blocks (as many
+// stages as fit: 2 at D = 128, 5 at D = 64, where it had 2 until session 28) and the running O of
+// the spans folded so far. The single-span kernel (SINGLE: every item one span of
 // at most 64 rows — decode steps, whose items are one span each): Q of this item and the next, no running O
 // (its one span is folded into the empty state in registers, the same arithmetic), and the room
 // that frees as a deeper ring (3 stages of K / V at D = 128, 4 where a CTA reads one V box), so a CTA
@@ -182,7 +185,7 @@ struct Smem {
   static constexpr int X_BYTES = NARROW ? NarrowSmem::BYTES : 0;  // the narrow consumer's exchange area
   static constexpr int LIMIT = 227 * 1024, SLACK = 1024 + 64 * 8;  // alignment, barriers
   static constexpr int FIT = (LIMIT - Q_BYTES - O_BYTES - X_BYTES - SLACK) / (K_BYTES + V_BYTES);
-  static constexpr int STAGES = SINGLE ? (FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS) : 2;
+  static constexpr int STAGES = FIT < SPLIT_BLOCKS ? FIT : SPLIT_BLOCKS;
   static constexpr int BARRIERS = 2 * Q_BUFFERS + 5 * STAGES;
   static constexpr size_t BYTES =
       size_t(Q_BYTES) + size_t(STAGES) * (K_BYTES + V_BYTES) + O_BYTES + X_BYTES + BARRIERS * 8 + 1024;
@@ -654,9 +657,17 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
     const uint8_t* qbase = sq + qb * S::BOXES * 64 * 128;
 
     // Ping-pong: the two consumers take turns issuing their S = Q·Kᵀ (named barriers 1 and 2), so one
-    // runs its softmax while the other's MMAs hold the tensor cores. Consumer 0 goes first.
+    // runs its softmax while the other's MMAs hold the tensor cores. Consumer 0 goes first. In the
+    // paired kernel the turns run on from one item into the next: consumer 1 hands the first turn over
+    // once (its first item) and hands it back after every block but its last item's last, so consumer
+    // 0 issues the next item's first S while consumer 1 ends the item. Restarted at every item (consumer
+    // 1 handing the first turn over again once its epilogue was done, and no turn after an item's last
+    // block), consumer 0's next S waited for consumer 1's epilogue. Every arrive meets one wait: consumer
+    // 1 arrives on 1 as often as consumer 0 issues an S, consumer 0 on 2 as often as consumer 1 does.
     const bool pingpong = consumers == 2;
-    if (pingpong && c == 1) named_barrier_arrive(1, 256);
+    const bool turns_across = PAIRED && p.turns_across != 0;
+    const bool first_turn = !turns_across || k == 0, last_turns = !turns_across || walk(k + 1) < 0;
+    if (pingpong && c == 1 && first_turn) named_barrier_arrive(1, 256);
     for (int span = it.block_begin; span < it.block_end;) {
       const int span_end = std::min(it.block_end, (span / SPLIT_BLOCKS + 1) * SPLIT_BLOCKS);
       m0 = m1 = -INFINITY;
@@ -744,10 +755,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       };
       // The ping-pong's turns around a block's S issue (the other consumer's turn after it; consumer 1
-      // takes no turn after its item's last block).
+      // gives none after the last block of its last item — of its item, where the turns restart).
       auto my_turn = [&] { if (pingpong) named_barrier_sync(1 + c, 256); };
       auto their_turn = [&](int j) {
-        if (pingpong && (c == 0 || j + 1 < it.block_end)) named_barrier_arrive(2 - c, 256);
+        if (pingpong && (c == 0 || !last_turns || j + 1 < it.block_end)) named_barrier_arrive(2 - c, 256);
       };
       // PAIRED: the item's last S is done, its Q buffer may take the next item's Q.
       auto q_done = [&](int j) {
@@ -1202,7 +1213,9 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   p.n_items = int(w.items.size());
   static const bool snake = env_switch("SAMEBITS_SNAKE_WALK");  // "0": a plain walk (A/B runs)
+  static const bool turns_across = env_switch("SAMEBITS_TURNS_ACROSS_ITEMS");  // "0": turns restart an item
   p.snake = snake ? 1 : 0;
+  p.turns_across = turns_across ? 1 : 0;
   p.n_combines = int(w.combines.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
