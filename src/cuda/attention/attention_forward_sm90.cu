@@ -126,6 +126,7 @@ struct Params {
   int n_items;  // the persistent kernels' CTAs walk the items below it (ItemWalk)
   int snake;    // 1: the persistent walk turns at every round's end (ItemWalk); 0: it does not (A/B runs)
   int turns_across;  // 1: the paired kernel's ping-pong turns run on across items; 0: they restart at each (A/B runs)
+  int prefetch_q;    // 1: the paired kernel's producer brings the next item's Q into L2 as it loads this one's
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
@@ -567,6 +568,13 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       // the item that last used it has done its last S. The paired kernel's buffer is the previous
       // item's, free only at its last S: its Q goes after the item's first K / V block, which then
       // loads as soon as a stage frees instead of waiting behind that S.
+      // Consumer c's Q boxes of item x: fn(box, tensor map, column, head, row) for each.
+      auto for_q_boxes = [&](const Item& x, int c, auto&& fn) {
+        for (int b = 0; b < S::BOXES; ++b) {
+          if (x.group == 1) fn(b, &p.q_heads, b * 64, x.head, x.q_row + c * 64);
+          else fn(b, &p.q_groups, b * 64, x.head * x.group, x.q_row + c * (64 / x.group));
+        }
+      };
       auto load_q = [&] {
         if (lane != 0) return;
         for (int c = 0; c < consumers; ++c) {
@@ -574,12 +582,19 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
           const int qb = q_slot(PAIRED, PERSISTENT, S::Q_BUFFERS, k, c, round);
           if (round > 0) mbar_wait(&q_empty[qb], (round - 1) & 1);
           mbar_expect_tx(&full_q[qb], uint32_t(64 * D * 2));
-          for (int b = 0; b < S::BOXES; ++b) {
-            uint8_t* dst = sq + (qb * S::BOXES + b) * 64 * 128;
-            if (group == 1) tma_load_3d(dst, &p.q_heads, b * 64, it.head, it.q_row + c * 64, &full_q[qb]);
-            else tma_load_3d(dst, &p.q_groups, b * 64, it.head * group, it.q_row + c * (64 / group), &full_q[qb]);
-          }
+          for_q_boxes(it, c, [&](int b, const CUtensorMap* map, int x, int y, int z) {
+            tma_load_3d(sq + (qb * S::BOXES + b) * 64 * 128, map, x, y, z, &full_q[qb]);
+          });
         }
+        // The paired kernel's next Q loads only once this item's last S is done, from memory, with
+        // the item's last P·V and write left to cover it: with p.prefetch_q it is brought into L2 now
+        // (an experiment, off unless SAMEBITS_PREFETCH_Q=1).
+        const int next = PAIRED && p.prefetch_q ? walk(k + 1) : -1;
+        if (next >= 0)
+          for (int c = 0; c < consumers; ++c)
+            for_q_boxes(item_at(next), c, [&](int, const CUtensorMap* map, int x, int y, int z) {
+              tma_prefetch_3d(map, x, y, z);
+            });
       };
       if (!PAIRED) load_q();
       for (int j = it.block_begin; j < it.block_end; ++j, ++n) {
@@ -1216,6 +1231,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   static const bool turns_across = env_switch("SAMEBITS_TURNS_ACROSS_ITEMS");  // "0": turns restart an item
   p.snake = snake ? 1 : 0;
   p.turns_across = turns_across ? 1 : 0;
+  static const bool prefetch_q = env_opt_in("SAMEBITS_PREFETCH_Q");  // an experiment: "1" turns it on
+  p.prefetch_q = prefetch_q ? 1 : 0;
   p.n_combines = int(w.combines.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
