@@ -90,6 +90,26 @@ __device__ __forceinline__ void quad_sum(float& a, float& b) {
   }
 }
 
+// A 4 × 4 transpose across a quad's lanes: lane q's w[m] ends in lane m's w[q] (q, m = 0 … 3), in two
+// exchanges (with lane q ^ 1, then q ^ 2), each lane sending the two words whose index differs from
+// its own lane in that bit. `mask`: the lanes taking part (whole quads). An accumulator row's
+// packed outputs, two columns a lane in each 8-column tile, become four consecutive tiles' 16 bytes
+// a lane: one 16-byte store instead of four 4-byte ones.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], unsigned mask) {
+  const int q = int(threadIdx.x % 4);
+#pragma unroll
+  for (int bit = 1; bit <= 2; bit *= 2) {
+    const bool upper = (q & bit) != 0;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      if (m & bit) continue;  // the pair of words m and m | bit: the lower lane keeps m, the upper m | bit
+      const uint32_t got = __shfl_xor_sync(mask, upper ? w[m] : w[m | bit], bit);
+      if (upper) w[m] = got;
+      else w[m | bit] = got;
+    }
+  }
+}
+
 // 2^x by the hardware's ex2 (flush-to-zero; ex2(−inf) = 0): the exponentials of the softmax are
 // 2^(s·c − m·c) with c = scale·log2(e), one FFMA and one ex2 a score.
 __device__ __forceinline__ float exp2_ftz(float x) {

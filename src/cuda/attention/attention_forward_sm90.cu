@@ -127,6 +127,7 @@ struct Params {
   int snake;    // 1: the persistent walk turns at every round's end (ItemWalk); 0: it does not (A/B runs)
   int turns_across;  // 1: the paired kernel's ping-pong turns run on across items; 0: they restart at each (A/B runs)
   int prefetch_q;    // 1: the paired kernel's producer brings the next item's Q into L2 as it loads this one's
+  int vector_out;    // 1: the wgmma consumers store out in 16-byte pieces (a quad transpose); 0: 4-byte ones (A/B runs)
   int n_combines;  // combine CTAs at or past it have nothing to do (a graph's combine node of a step without split spans)
   float scale, scale_log2;  // scale·log2(e): the exponentials are base 2
 };
@@ -875,12 +876,25 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
       const float L = second ? L1 : L0, M = second ? M1 : M0;
       const int64_t token = int64_t(it.q_row) + row / group;
       const int head = it.head * (group == 1 ? 1 : group) + row % group;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D);
-  #pragma unroll
-      for (int nt = 0; nt < ON / 8; ++nt) {
+      uint16_t* out_row = static_cast<uint16_t*>(p.out) + (token * p.Hq + head) * D;  // 16-byte aligned
+      // Column tile nt's two columns of this lane, divided by the row's sum and packed.
+      auto packed = [&](int nt) {
         const int i = nt * 4 + (second ? 2 : 0);
         const float o0 = SINGLE ? o[i] : my_o[i * 256], o1 = SINGLE ? o[i + 1] : my_o[(i + 1) * 256];
-        dst[(d0 + nt * 8 + quad_col) / 2] = pack2<T>(__fdiv_rn(o0, L), __fdiv_rn(o1, L));
+        return pack2<T>(__fdiv_rn(o0, L), __fdiv_rn(o1, L));
+      };
+      if (p.vector_out) {  // four tiles' words transposed over the quad: lane q stores tile 4g + q's 16 bytes
+        const unsigned quad_mask = 0xfu << (lane & ~3);  // the quad shares the row: all four are here
+  #pragma unroll
+        for (int g = 0; g < ON / 32; ++g) {
+          uint32_t w[4] = {packed(4 * g), packed(4 * g + 1), packed(4 * g + 2), packed(4 * g + 3)};
+          quad_transpose(w, quad_mask);
+          *reinterpret_cast<uint4*>(out_row + d0 + (4 * g + lane % 4) * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      } else {
+  #pragma unroll
+        for (int nt = 0; nt < ON / 8; ++nt)
+          reinterpret_cast<uint32_t*>(out_row)[(d0 + nt * 8 + quad_col) / 2] = packed(nt);
       }
       if (p.lse && writes_stats && lane % 4 == 0) p.lse[token * p.Hq + head] = final_lse(M, L, p.scale);
     };
@@ -1233,6 +1247,8 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.turns_across = turns_across ? 1 : 0;
   static const bool prefetch_q = env_opt_in("SAMEBITS_PREFETCH_Q");  // an experiment: "1" turns it on
   p.prefetch_q = prefetch_q ? 1 : 0;
+  static const bool vector_out = env_switch("SAMEBITS_VECTOR_OUT");  // "0": 4-byte stores (A/B runs)
+  p.vector_out = vector_out ? 1 : 0;
   p.n_combines = int(w.combines.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);
