@@ -73,6 +73,7 @@
 #include "cuda/attention/attention_common.cuh"
 #include "cuda/attention/attention_host.hpp"
 #include "cuda/attention/attention_sm90.hpp"
+#include "cuda/attention/item_walk.hpp"
 #include "cuda/common/host_upload.cuh"
 #include "cuda/common/runtime.cuh"
 #include "cuda/common/scratch.cuh"
@@ -135,20 +136,16 @@ struct Params {
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 
 // Which item a CTA takes k-th (k = 0, 1, …; −1 past its last): its own alone where the grid is a CTA
-// an item; in a persistent kernel round k's items k·G … k·G + G − 1 (G CTAs), CTA c taking the c-th
-// from the round's start in even rounds and from its end in odd ones. The items are longest first,
-// so the CTA given a round's longest item gets the next round's shortest: a static walk (no counter,
-// no atomics) whose CTAs end close together, where a plain walk's first CTAs took the longest item
-// of every round (causal prefill: up to one long item more than the last CTAs). Which CTA takes an
-// item never changes its arithmetic.
+// an item; in a persistent kernel walk_item's snake over rounds of G items (item_walk.hpp): a static
+// walk (no counter, no atomics) whose CTAs end close together, where a plain walk's first CTAs took
+// the longest item of every round (causal prefill: up to one long item more than the last CTAs).
+// Which CTA takes an item never changes its arithmetic.
 struct ItemWalk {
   int n_items;
   bool persistent, snake;
   __device__ int operator()(int k) const {
     if (!persistent) return k == 0 ? int(blockIdx.x) : -1;
-    const int g = int(gridDim.x), c = int(blockIdx.x);
-    const int idx = k * g + (snake && (k & 1) ? g - 1 - c : c);
-    return idx < n_items ? idx : -1;
+    return walk_item(k, int(blockIdx.x), int(gridDim.x), n_items, snake);
   }
 };
 

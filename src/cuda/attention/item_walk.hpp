@@ -1,0 +1,24 @@
+// Which item a persistent attention CTA takes k-th (cuda/attention/attention_forward_sm90.cu, ItemWalk):
+// round k's items k·G … k·G + G − 1 over the G CTAs, CTA c taking the c-th from the round's start in
+// even rounds and from its end in odd ones (a snake; plainly from the start with snake off); −1 past
+// its last. The items are longest first, so the CTA given a round's longest item gets the next
+// round's shortest. Host and device: tests/cpu/test_item_walk.cpp checks that the CTAs together take
+// every item once, whatever the counts.
+#pragma once
+
+#ifndef SAMEBITS_HD
+#if defined(__CUDACC__)
+#define SAMEBITS_HD __host__ __device__ __forceinline__
+#else
+#define SAMEBITS_HD inline
+#endif
+#endif
+
+namespace samebits::cuda::attention {
+
+SAMEBITS_HD int walk_item(int k, int cta, int ctas, int n_items, bool snake) {
+  const int idx = k * ctas + (snake && (k & 1) ? ctas - 1 - cta : cta);
+  return idx < n_items ? idx : -1;
+}
+
+}  // namespace samebits::cuda::attention
