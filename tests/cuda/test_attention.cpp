@@ -303,8 +303,8 @@ TEST_F(CudaAttention, OverlappedDecodeGivesThePrefillsBits) {
                                             {{DType::f16, 4, 4, 64, 1100}, 64}});
 }
 
-// The prefill experiments (forced on by their test hooks, off by default until timed) give the
-// general kernel's bits (a CTA an item, no overlap): the paired persistent kernel (two consumers a CTA
+// The prefill variants (on by default since session 28; forced on and off here by their test hooks)
+// give the general kernel's bits (a CTA an item, no overlap): the paired persistent kernel (two consumers a CTA
 // for every item, the CTAs walking the items), the overlap (a block's P·V during the next block's
 // softmax, K and V released apart), and both. Packed prefill of sequences whose items are all one
 // span (1 … 1024 tokens: the single-span layout, items of 1 to 128 rows, GQA-packed short ones among

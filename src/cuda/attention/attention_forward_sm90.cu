@@ -646,7 +646,7 @@ __global__ void __launch_bounds__(THREADS, 1) attention_forward_sm90_kernel(cons
   const int row0 = c * 64 + warp * 16 + lane / 4, row1 = row0 + 8;  // this thread's two rows of the item
   const float c2 = p.scale_log2;
   float* my_o = so + c * 128 + t;  // this thread's running O: element i at my_o[i * 256] (not in SINGLE)
-  // OVERLAP (a block's P·V during the next block's softmax, an experiment): a block's V is held until
+  // OVERLAP (a block's P·V during the next block's softmax; the prefill kernels): a block's V is held until
   // its P·V is done, about a softmax longer than without, so K and V are released apart (empty,
   // empty_v): a stage's next K loads once this block's S is done (a block earlier than without).
   int n = 0;  // blocks consumed (the ring's count runs on across items)
@@ -953,9 +953,9 @@ struct Plan {
   int parts = 1;
   bool single = false;    // every item one span of at most 64 rows: the single-span kernel (a deeper ring)
   bool narrow = false;    // single, and every item at most 16 rows: its narrow consumer (mma.sync)
-  bool paired = false;    // items of more than 64 rows, whole O columns: the paired persistent kernel (an
-                          // experiment), over the single-span layout where `single` (then: every item one span)
-  bool overlap = false;   // not narrow: a block's P·V during the next block's softmax (an experiment)
+  bool paired = false;    // prefill (not `single`'s ≤ 64-row items), whole O columns: the paired persistent
+                          // kernel, over the single-span layout where `single` (then: every item one span)
+  bool overlap = false;   // a block's P·V during the next block's softmax (prefill; the tests' hook: decode too)
   int32_t most_rows = 0;  // the most rows of a combine
 };
 
