@@ -135,20 +135,6 @@ struct Params {
 
 static_assert(sizeof(Params) <= 4096, "the classic kernel-parameter limit");
 
-// Which item a CTA takes k-th (k = 0, 1, …; −1 past its last): its own alone where the grid is a CTA
-// an item; in a persistent kernel walk_item's snake over rounds of G items (item_walk.hpp): a static
-// walk (no counter, no atomics) whose CTAs end close together, where a plain walk's first CTAs took
-// the longest item of every round (causal prefill: up to one long item more than the last CTAs).
-// Which CTA takes an item never changes its arithmetic.
-struct ItemWalk {
-  int n_items;
-  bool persistent, snake;
-  __device__ int operator()(int k) const {
-    if (!persistent) return k == 0 ? int(blockIdx.x) : -1;
-    return walk_item(k, int(blockIdx.x), int(gridDim.x), n_items, snake);
-  }
-};
-
 // A CTA's shared memory. The general kernel: Q of two consumers, a ring of K / V blocks (as many
 // stages as fit: 2 at D = 128, 5 at D = 64, where it had 2 until session 28) and the running O of
 // the spans folded so far. The single-span kernel (SINGLE: every item one span of
@@ -212,7 +198,9 @@ constexpr int kernel_kind(bool single, bool narrow, bool paired = false, bool ov
 // The Q buffer consumer c reads for its CTA's k-th item, and which use of it that is (round: its
 // barriers' phase): a buffer a consumer (the general kernel, one item; the paired kernel, item after
 // item), or the persistent single-span kernel's `buffers` in turn (one, the narrow consumer's).
-__host__ __device__ constexpr int q_slot(bool paired, bool persistent, int buffers, int k, int c, int& round) {
+// (maybe_unused: the sm_80 pass compiles the kernel bodies out.)
+[[maybe_unused]] __host__ __device__ constexpr int q_slot(bool paired, bool persistent, int buffers, int k, int c,
+                                                          int& round) {
   round = paired ? k : persistent ? k / buffers : 0;
   return persistent && !paired ? k % buffers : c;
 }
