@@ -13,11 +13,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__CUDACC__)
-#define SAMEBITS_HD __host__ __device__ __forceinline__
-#else
-#define SAMEBITS_HD inline
-#endif
+#include "core/host_device.hpp"
 
 namespace samebits::sampling_rule {
 

@@ -1029,8 +1029,7 @@ const Plan& plan_work(const int32_t* s, int64_t n_seqs, int64_t Hq, int64_t Hkv,
   // where it measured 1.00–1.05× (the hook can force it there, for the tests), nor in the narrow
   // consumer. The same bits either way (tests/cuda/test_attention.cpp).
   static const bool overlap_env = env_switch("SAMEBITS_ATTENTION_OVERLAP");
-  const int overlap_hook = detail::attention_overlap_override();
-  w.overlap = !w.narrow && (overlap_hook > 0 || (overlap_hook == 0 && overlap_env && (w.paired || !w.single)));
+  w.overlap = !w.narrow && hook_or_env(detail::attention_overlap_override(), overlap_env && (w.paired || !w.single));
   // The longest items first, so the tail of the grid is short ones; equals in planned order (a
   // stable counting sort on the block count; which CTA runs an item never changes its arithmetic).
   int32_t most = 0;
@@ -1226,14 +1225,12 @@ void launch(const AttentionForwardArgs& a, const KeyPages& pages, cudaStream_t s
   p.part_ml = part + part_rows * D;
   p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = G;
   p.n_items = int(w.items.size());
-  static const bool snake = env_switch("SAMEBITS_SNAKE_WALK");  // "0": a plain walk (A/B runs)
-  static const bool turns_across = env_switch("SAMEBITS_TURNS_ACROSS_ITEMS");  // "0": turns restart an item
-  p.snake = snake ? 1 : 0;
-  p.turns_across = turns_across ? 1 : 0;
-  static const bool prefetch_q = env_opt_in("SAMEBITS_PREFETCH_Q");  // an experiment: "1" turns it on
-  p.prefetch_q = prefetch_q ? 1 : 0;
-  static const bool vector_out = env_switch("SAMEBITS_VECTOR_OUT");  // "0": 4-byte stores (A/B runs)
-  p.vector_out = vector_out ? 1 : 0;
+  // The kernels' A/B switches, read once a process: "0" turns off the snake walk, the turns across
+  // items and the 16-byte stores; "1" turns on the Q prefetch (an experiment).
+  static const int snake = env_switch("SAMEBITS_SNAKE_WALK"), turns_across = env_switch("SAMEBITS_TURNS_ACROSS_ITEMS"),
+                   prefetch_q = env_opt_in("SAMEBITS_PREFETCH_Q"),
+                   vector_out = env_switch("SAMEBITS_VECTOR_OUT");
+  p.snake = snake, p.turns_across = turns_across, p.prefetch_q = prefetch_q, p.vector_out = vector_out;
   p.n_combines = int(w.combines.size());
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(D));
   p.scale = float(scale);

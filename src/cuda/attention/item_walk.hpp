@@ -6,13 +6,7 @@
 // every item once, whatever the counts.
 #pragma once
 
-#ifndef SAMEBITS_HD
-#if defined(__CUDACC__)
-#define SAMEBITS_HD __host__ __device__ __forceinline__
-#else
-#define SAMEBITS_HD inline
-#endif
-#endif
+#include "core/host_device.hpp"
 
 namespace samebits::cuda::attention {
 
